@@ -1,0 +1,63 @@
+# memstrata — the two commands are `make demo` and `make test`; both install
+# what they need first (apt packages, a cached virtualenv with torch and a
+# DeepSpeed whose ops are pre-built) and are safe to run again.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+CACHE ?= $(HOME)/.cache/memstrata
+TORCH_VERSION := 2.13.0
+DS_VERSION := 0.19.8
+PYTHON_VERSION := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# Keyed by version: a new torch or DeepSpeed gets a new venv and new op builds.
+VENV ?= $(CACHE)/venv-py$(PYTHON_VERSION)-torch$(TORCH_VERSION)-ds$(DS_VERSION)
+PY := $(VENV)/bin/python
+MEMSTRATA := $(VENV)/bin/memstrata
+TIMED := scripts/timed
+export CACHE VENV TORCH_VERSION DS_VERSION
+
+# Debian packages: build deps of the native engine and DeepSpeed's async_io,
+# fio as the storage ceiling, and the tools the loop-device tests use.
+APT_PACKAGES := build-essential libaio-dev liburing-dev libnuma-dev fio numactl util-linux e2fsprogs gdisk
+APT_STAMP := $(CACHE)/stamps/apt-$(shell echo $(APT_PACKAGES) | sha256sum | cut -c1-12)
+# The editable install points at this checkout, so its stamp includes the path.
+SRC_HASH = $(shell cat pyproject.toml setup.py $(sort $(wildcard native/*.c native/*.h)) | sha256sum | cut -c1-12)
+INSTALL_STAMP = $(VENV)/.installed-$(shell echo $(CURDIR) | sha256sum | cut -c1-8)-$(SRC_HASH)
+
+# Issue-owned fragments (real control plane, QEMU guest, ...) add their own
+# targets and append prerequisites to TEST_PREREQS.
+TEST_PREREQS :=
+include $(sort $(wildcard mk/*.mk))
+
+.PHONY: help demo test test-fast install deps crd lint clean-venv
+help:
+	@echo "make demo   — install, then fine-tune examples/finetune-tiny.yaml locally with NVMe offload"
+	@echo "make test   — install, then run every test (unit, loop-device, real control plane, QEMU guest)"
+
+$(APT_STAMP):
+	@$(TIMED) apt scripts/apt-install $(APT_PACKAGES)
+	@mkdir -p $(dir $@) && touch $@
+
+deps: $(APT_STAMP)
+	@$(TIMED) venv scripts/bootstrap-venv
+
+$(INSTALL_STAMP): $(APT_STAMP)
+	@$(TIMED) venv scripts/bootstrap-venv
+	@$(TIMED) install $(VENV)/bin/pip install -q --no-build-isolation --no-deps -e .
+	@rm -f $(VENV)/.installed-* && touch $@
+
+install: $(INSTALL_STAMP)
+
+demo: install
+	@$(TIMED) demo $(MEMSTRATA) run examples/finetune-tiny.yaml
+
+test: install $(TEST_PREREQS)
+	@$(TIMED) tests $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	@$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+crd: install
+	$(MEMSTRATA) crd > crds/finetunejob.yaml
+
+clean-venv:
+	rm -rf $(VENV)

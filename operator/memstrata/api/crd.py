@@ -1,0 +1,143 @@
+"""The FineTuneJob CustomResourceDefinition, generated from the pydantic models.
+
+Pure: models in, a dict out. `memstrata crd` prints it; crds/finetunejob.yaml is
+its committed output and a test fails when the two differ, so the API server and
+the CLI validate against one source.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from memstrata.api.architecture import PRESETS
+from memstrata.api.finetunejob import (
+    GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, FineTuneJobSpec, FineTuneJobStatus, cel,
+)
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Node", "type": "string", "jsonPath": ".status.node"},
+    {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
+    {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+# Fields a running job may not change: a new model or dataset is a new job.
+IMMUTABLE = ("model", "dataset", "training", "resources", "memory")
+
+
+def spec_rules() -> list[dict[str, str]]:
+    """Cross-field rules on the whole spec, mirrored by FineTuneJobSpec's validators."""
+    rules = [
+        cel(" && ".join(f"self.{f} == oldSelf.{f}" for f in IMMUTABLE),
+            "only spec.runPolicy, spec.image and spec.command may change after creation; "
+            "spec." + ", spec.".join(IMMUTABLE) + " are immutable"),
+        cel("!has(self.model.architecture) || self.model.architecture.family != 'gpt' || "
+            "self.training.sequenceLength <= self.model.architecture.maxPositions",
+            "training.sequenceLength must not exceed model.architecture.maxPositions for a gpt model",
+            ".training.sequenceLength"),
+    ]
+    for name, arch in PRESETS.items():
+        if arch.family == "gpt":
+            rules.append(cel(
+                f"!has(self.model.preset) || self.model.preset != '{name}' || "
+                f"self.training.sequenceLength <= {arch.max_positions}",
+                f"training.sequenceLength must be at most {arch.max_positions} for preset {name}",
+                ".training.sequenceLength"))
+    return rules
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    """Inline $refs and rewrite JSON Schema 2020-12 into the OpenAPI v3 subset the API server takes."""
+    if isinstance(node, list):
+        return [_resolve(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]])
+        extra = {k: v for k, v in node.items() if k != "$ref"}
+        return _resolve({**target, **extra}, defs)
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o != {"type": "null"}]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(options) == 1:
+            return _resolve({**options[0], **rest}, defs)
+        node = {**rest, "anyOf": options}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("title", "$defs"):
+            continue
+        if key == "default":
+            if value is None or isinstance(value, (dict, list)):
+                continue  # object defaults are the models' business, not the API server's
+        if key == "const":
+            out["enum"] = [value]
+            continue
+        if key in ("exclusiveMinimum", "exclusiveMaximum"):
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+            continue
+        if key == "properties":
+            out[key] = {k: _resolve(v, defs) for k, v in value.items()}
+            continue
+        out[key] = _resolve(value, defs)
+    if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    if out.get("additionalProperties") is False:
+        del out["additionalProperties"]  # structural schemas prune unknown fields anyway
+    if out.get("additionalProperties") is True:
+        del out["additionalProperties"]
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def openapi_schema(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True)
+    return _resolve(raw, raw.get("$defs", {}))
+
+
+def generate_crd() -> dict[str, Any]:
+    spec = openapi_schema(FineTuneJobSpec)
+    spec["x-kubernetes-validations"] = spec_rules()
+    status = openapi_schema(FineTuneJobStatus)
+    # Keep whatever a handler or the runtime writes: an unknown status field
+    # pruned on the way in is progress silently lost.
+    status["x-kubernetes-preserve-unknown-fields"] = True
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": SINGULAR, "shortNames": SHORT_NAMES,
+                      "categories": ["all", "memstrata"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A fine-tuning job whose memory is spread over HBM, DRAM, CXL and NVMe.",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec,
+                        "status": status,
+                    },
+                }},
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `memstrata crd` from memstrata.api — do not edit by hand.\n"
+    return header + yaml.safe_dump(generate_crd(), sort_keys=False, width=120)

@@ -1,0 +1,171 @@
+"""The node inventory and the one place that names its Kubernetes form.
+
+The node agent publishes `render_node(inventory)` and the operator reads it
+back with `read_node(node)`; both sides use these constants, so they cannot
+disagree on a label, annotation or resource name.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, ValidationError
+
+from memstrata.api.base import ApiModel
+from memstrata.api.units import GiB, Bytes
+
+PREFIX = "memstrata.dev"
+LABEL_MANAGED = f"{PREFIX}/managed"
+LABEL_CXL = f"{PREFIX}/cxl"
+LABEL_CXL_GIB = f"{PREFIX}/cxl-capacity-gib"
+LABEL_CXL_NODES = f"{PREFIX}/cxl-node-count"
+LABEL_NVME_FREE = f"{PREFIX}/nvme-free-count"
+LABEL_NVME_FREE_GIB = f"{PREFIX}/nvme-free-gib"
+LABEL_DRAM_GIB = f"{PREFIX}/dram-gib"
+ANNOTATION_INVENTORY = f"{PREFIX}/inventory"
+RESOURCE_NVME = f"{PREFIX}/nvme-ns"
+RESOURCE_CXL_GIB = f"{PREFIX}/cxl-gib"
+RESOURCE_GPU = "nvidia.com/gpu"
+# Env the device plugin sets in a container (see the node agent).
+ENV_NVME_DEVICES = "MEMSTRATA_NVME_DEVICES"
+ENV_CXL_NODES = "MEMSTRATA_CXL_NODES"
+
+
+class Bandwidth(ApiModel):
+    """Sustained bytes/s of one stratum. Defaults are public datasheet figures (REFERENCE.md)."""
+
+    read: float = Field(gt=0)
+    write: float = Field(gt=0)
+
+
+DEFAULT_BANDWIDTH: dict[str, Bandwidth] = {
+    # HBM3 on an H100 SXM: ~3.3 TB/s; only the working set lives there.
+    "hbm": Bandwidth(read=3.0e12, write=3.0e12),
+    # One socket of DDR5, what a single rank's CPU optimizer sees.
+    "dram": Bandwidth(read=100e9, write=100e9),
+    # A CXL x8 expander: ~31.5 GB/s per direction before protocol overhead.
+    "cxl": Bandwidth(read=25e9, write=25e9),
+    # One PCIe Gen4 NVMe namespace: ~6.5 / 3.5 GB/s sequential.
+    "nvme": Bandwidth(read=6.5e9, write=3.5e9),
+}
+
+NumaKind = Literal["dram", "cxl", "memory-only"]
+
+
+class NumaNode(ApiModel):
+    id: int = Field(ge=0)
+    kind: NumaKind = "dram"
+    cpus: list[int] = []
+    memory_bytes: Bytes
+    distances: list[int] = []
+    tier: int | None = Field(None, description="Kernel memory tier (lower is faster), if known.")
+
+
+class CxlMemdev(ApiModel):
+    name: str
+    serial: str | None = None
+    ram_bytes: Bytes = 0
+
+
+class CxlNode(ApiModel):
+    """A CPU-less NUMA node backed by a CXL region."""
+
+    numa_node: int = Field(ge=0)
+    memory_bytes: Bytes
+    region: str | None = None
+    dax_device: str | None = None
+    memdevs: list[CxlMemdev] = []
+
+
+class NvmeController(ApiModel):
+    name: str
+    model: str = ""
+    serial: str = ""
+    firmware: str = ""
+    transport: str = ""
+    numa_node: int | None = None
+
+
+class NvmeNamespace(ApiModel):
+    name: str = Field(description="Block device name, e.g. nvme0n1.")
+    controller: str = ""
+    nsid: int = Field(1, ge=1)
+    size_bytes: Bytes
+    logical_block_size: int = Field(512, gt=0)
+    wwid: str | None = None
+    numa_node: int | None = None
+    free: bool = Field(description="No partitions, mounts, holders or foreign signature: safe to hand to a job.")
+    reason: str | None = Field(None, description="Why the namespace is not free.")
+
+    @property
+    def dev_path(self) -> str:
+        return f"/dev/{self.name}"
+
+
+class Gpu(ApiModel):
+    index: int = Field(0, ge=0)
+    name: str = ""
+    hbm_bytes: Bytes
+
+
+class NodeInventory(ApiModel):
+    hostname: str = ""
+    numa_nodes: list[NumaNode] = []
+    cxl_nodes: list[CxlNode] = []
+    nvme_controllers: list[NvmeController] = []
+    nvme_namespaces: list[NvmeNamespace] = []
+    gpus: list[Gpu] = []
+    bandwidth: dict[str, Bandwidth] = Field(default_factory=lambda: dict(DEFAULT_BANDWIDTH))
+
+    @property
+    def dram_bytes(self) -> int:
+        return sum(n.memory_bytes for n in self.numa_nodes if n.kind == "dram")
+
+    @property
+    def cxl_bytes(self) -> int:
+        return sum(c.memory_bytes for c in self.cxl_nodes)
+
+    @property
+    def free_namespaces(self) -> list[NvmeNamespace]:
+        return [ns for ns in self.nvme_namespaces if ns.free]
+
+    def bw(self, stratum: str) -> Bandwidth:
+        return self.bandwidth.get(stratum, DEFAULT_BANDWIDTH[stratum])
+
+
+class NodeNotManagedError(ValueError):
+    """The Node carries no (or an unreadable) memstrata inventory annotation."""
+
+
+def render_node(inventory: NodeInventory) -> dict[str, dict[str, str]]:
+    """The labels, annotations and extended-resource capacity the node agent publishes."""
+    free = inventory.free_namespaces
+    cxl_gib = inventory.cxl_bytes // GiB
+    labels = {
+        LABEL_MANAGED: "true",
+        LABEL_CXL: "true" if inventory.cxl_nodes else "false",
+        LABEL_CXL_GIB: str(cxl_gib),
+        LABEL_CXL_NODES: str(len(inventory.cxl_nodes)),
+        LABEL_NVME_FREE: str(len(free)),
+        LABEL_NVME_FREE_GIB: str(sum(ns.size_bytes for ns in free) // GiB),
+        LABEL_DRAM_GIB: str(inventory.dram_bytes // GiB),
+    }
+    annotations = {ANNOTATION_INVENTORY: inventory.model_dump_json(by_alias=True, exclude_none=True)}
+    capacity = {RESOURCE_NVME: str(len(free)), RESOURCE_CXL_GIB: str(cxl_gib)}
+    if inventory.gpus:
+        capacity[RESOURCE_GPU] = str(len(inventory.gpus))
+    return {"labels": labels, "annotations": annotations, "capacity": capacity}
+
+
+def read_node(node: Mapping[str, Any]) -> NodeInventory:
+    """The inventory a Node object (as a dict from the API) carries; the inverse of render_node."""
+    meta = node.get("metadata") or {}
+    name = meta.get("name", "<unnamed>")
+    raw = (meta.get("annotations") or {}).get(ANNOTATION_INVENTORY)
+    if raw is None:
+        raise NodeNotManagedError(f"node {name}: no {ANNOTATION_INVENTORY} annotation (is the node agent running?)")
+    try:
+        return NodeInventory.model_validate(json.loads(raw))
+    except (json.JSONDecodeError, ValidationError) as exc:
+        first = str(exc).splitlines()[0]
+        raise NodeNotManagedError(f"node {name}: unreadable {ANNOTATION_INVENTORY} annotation: {first}") from exc

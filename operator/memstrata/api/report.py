@@ -1,0 +1,72 @@
+"""RuntimeReport: what the runtime in the pod reports back about its progress.
+
+The runtime patches it into the FineTuneJob's `status.progress` and
+`status.peakMemory` through a ServiceAccount that may patch only its own job's
+status; locally the same payload feeds the progress bar and the final report.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from memstrata.api.base import ApiModel
+from memstrata.api.finetunejob import Progress
+
+RuntimeStage = Literal["initializing", "training", "finished", "failed"]
+
+
+class StratumCounters(ApiModel):
+    peak_bytes: int = Field(0, ge=0)
+    bytes_written: int = Field(0, ge=0)
+    bytes_read: int = Field(0, ge=0)
+
+
+class RuntimeReport(ApiModel):
+    stage: RuntimeStage
+    step: int = Field(0, ge=0)
+    total_steps: int = Field(0, ge=0)
+    loss: float | None = None
+    tokens_per_second: float | None = None
+    elapsed_seconds: float = Field(0, ge=0)
+    strata: dict[str, StratumCounters] = Field(default_factory=dict, description="Keyed by hbm/dram/cxl/nvme.")
+    message: str | None = None
+
+    @property
+    def eta_seconds(self) -> float | None:
+        if self.step <= 0 or self.total_steps <= self.step:
+            return 0.0 if self.total_steps and self.step >= self.total_steps else None
+        return self.elapsed_seconds / self.step * (self.total_steps - self.step)
+
+    def progress(self) -> Progress:
+        """The FineTuneJob status.progress this report implies."""
+        percent = int(100 * self.step / self.total_steps) if self.total_steps else 0
+        eta = self.eta_seconds
+        return Progress(
+            step=self.step,
+            total=self.total_steps,
+            loss=self.loss,
+            tokens_per_second=self.tokens_per_second,
+            percent=min(percent, 100),
+            eta_seconds=eta,
+            eta=format_duration(eta) if eta is not None else None,
+            summary=f"{self.step}/{self.total_steps} ({min(percent, 100)}%)",
+        )
+
+    def status_patch(self) -> dict[str, object]:
+        """The merge patch of the job's status subresource."""
+        peak = {name: c.peak_bytes for name, c in self.strata.items() if c.peak_bytes}
+        patch: dict[str, object] = {"progress": self.progress().wire()}
+        if peak:
+            patch["peakMemory"] = peak
+        return {"status": patch}
+
+
+def format_duration(seconds: float) -> str:
+    """12s, 4m05s, 2h03m — compact, for a kubectl column."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"

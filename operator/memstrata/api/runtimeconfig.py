@@ -1,0 +1,40 @@
+"""RuntimeConfig: the only thing that crosses from the operator to the job's pod.
+
+The operator renders it into a ConfigMap (key `runtime-config.json`); the runtime
+reads it at start. `version` is checked so an older runtime image refuses a newer
+config with a clear message instead of misreading it.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from memstrata.api.base import ApiModel
+from memstrata.api.finetunejob import Dataset, MemoryPolicy, ModelSource, Resources, Training
+
+RUNTIME_CONFIG_VERSION = "memstrata.dev/runtime-config/v1"
+CONFIGMAP_KEY = "runtime-config.json"
+ENV_RUNTIME_CONFIG = "MEMSTRATA_RUNTIME_CONFIG"
+
+
+class JobRef(ApiModel):
+    """Which FineTuneJob the runtime reports progress into."""
+
+    name: str
+    namespace: str = "default"
+    uid: str = ""
+
+
+class RuntimeConfig(ApiModel):
+    version: Literal["memstrata.dev/runtime-config/v1"] = RUNTIME_CONFIG_VERSION
+    job: JobRef
+    model: ModelSource
+    dataset: Dataset
+    training: Training
+    resources: Resources = Resources()
+    memory: MemoryPolicy = MemoryPolicy()
+    plan: dict[str, Any] = Field(description="memstrata.plan.Plan for the chosen node, as JSON.")
+    node: str = ""
+    attempt: int = Field(0, ge=0, description="Which pod attempt this is (0-based).")
+    report_interval_seconds: float = Field(10.0, gt=0, description="How often the runtime patches job status.")

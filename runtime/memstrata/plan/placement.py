@@ -1,0 +1,247 @@
+"""Where every byte of a job lives on one node. Pure: same inputs, same plan.
+
+The rule comes from the CXL study (arXiv 2507.03305): the operands of the CPU
+optimizer (gradients, fp32 master weights, Adam moments) stay in local DRAM,
+because the optimizer step is latency-bound and ~4x slower on CXL; data that is
+only ever moved by DMA (16-bit weights being staged, activation checkpoints) may
+live on CXL, interleaved over its nodes; whatever DRAM cannot hold spills to NVMe,
+streamed by sub-group. Categories are placed in that order, each into the first
+stratum of its preference list that has room, splitting across strata if needed.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from memstrata.api.finetunejob import MemoryPolicy
+from memstrata.api.node import NodeInventory
+from memstrata.api.units import GiB, format_bytes
+from memstrata.plan.accounting import DESCRIPTIONS, JobShape, category_bytes, pinned_buffers, working_set
+
+STRATA = ("hbm", "dram", "cxl", "nvme")
+STRATUM_NAMES = {"hbm": "HBM", "dram": "DRAM", "cxl": "CXL", "nvme": "NVMe"}
+
+# Placement order and each category's allowed strata, fastest first.
+PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
+    ("gradients", ("dram",)),
+    ("master", ("dram", "nvme")),
+    ("optimizer", ("dram", "nvme")),
+    ("checkpoints", ("cxl", "dram")),
+    ("weights", ("cxl", "dram", "nvme")),
+]
+
+
+class Allocation(BaseModel):
+    stratum: str
+    bytes: int = Field(ge=0)
+
+
+class CategoryPlan(BaseModel):
+    category: str
+    description: str
+    bytes: int = Field(ge=0)
+    placement: list[Allocation] = []
+
+    def on(self, stratum: str) -> int:
+        return sum(a.bytes for a in self.placement if a.stratum == stratum)
+
+
+class Shortfall(BaseModel):
+    stratum: str
+    category: str
+    missing_bytes: int = Field(ge=0)
+    message: str
+
+
+class StratumUse(BaseModel):
+    stratum: str
+    capacity: int = Field(ge=0)
+    used: int = Field(ge=0)
+    detail: str = ""
+
+
+class Plan(BaseModel):
+    parameters: int
+    engine: str
+    feasible: bool
+    categories: list[CategoryPlan]
+    strata: list[StratumUse]
+    shortfalls: list[Shortfall] = []
+    nvme_namespaces: list[str] = []
+    cxl_nodes: list[int] = []
+    requests: dict[str, int] = Field(default_factory=dict, description="Extended resources the pod must request.")
+    update_io_seconds: float = Field(0.0, description="Estimated NVMe time per optimizer step.")
+
+    def category(self, name: str) -> CategoryPlan:
+        return next(c for c in self.categories if c.category == name)
+
+    def bytes_on(self, stratum: str) -> int:
+        return sum(c.on(stratum) for c in self.categories)
+
+    def slow_bytes(self) -> tuple[int, int]:
+        """(bytes on NVMe, bytes on CXL): the operator prefers nodes where these are smallest."""
+        return self.bytes_on("nvme"), self.bytes_on("cxl")
+
+    def offload_device(self, *categories: str) -> str:
+        """How stock DeepSpeed must be configured for these categories: nvme if any byte is there."""
+        return "nvme" if any(self.category(c).on("nvme") for c in categories) else "cpu"
+
+    def verdict(self) -> str:
+        if self.feasible:
+            return "fits"
+        return "; ".join(s.message for s in self.shortfalls)
+
+
+def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
+    """Assign each category of `job` to the strata of `node`, or say precisely what is missing."""
+    spills = (False, False)
+    for _ in range(3):  # pinned buffers grow once state spills to NVMe; settle in ≤ 3 passes
+        plan = _place(job, node, policy, *spills)
+        now = (plan.category("weights").on("nvme") > 0,
+               plan.category("optimizer").on("nvme") + plan.category("master").on("nvme") > 0)
+        if now == spills:
+            return plan
+        spills = (spills[0] or now[0], spills[1] or now[1])
+    return plan
+
+
+def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme: bool, optim_nvme: bool) -> Plan:
+    shortfalls: list[Shortfall] = []
+    ranks = job.ranks
+
+    def short(stratum: str, category: str, missing: int, message: str) -> None:
+        shortfalls.append(Shortfall(stratum=stratum, category=category, missing_bytes=missing, message=message))
+
+    # --- capacities -------------------------------------------------------------------------------
+    free: dict[str, int] = {s: 0 for s in STRATA}
+    detail: dict[str, str] = {}
+    hbm_per_gpu = 0
+    if job.gpus:
+        if len(node.gpus) < job.gpus:
+            short("hbm", "working", 0, f"GPUs: needs {job.gpus}, node has {len(node.gpus)}")
+        usable = node.gpus[: job.gpus]
+        hbm_per_gpu = min((g.hbm_bytes for g in usable), default=0)
+        free["hbm"] = hbm_per_gpu * job.gpus
+        detail["hbm"] = f"{job.gpus} x {format_bytes(hbm_per_gpu)}"
+    free["dram"] = int(node.dram_bytes * (1 - policy.dram_reserve_fraction))
+    if policy.dram_budget is not None:
+        free["dram"] = min(free["dram"], policy.dram_budget)
+    detail["dram"] = f"{format_bytes(node.dram_bytes)} less {policy.dram_reserve_fraction:.0%} reserve"
+
+    cxl_nodes: list[int] = []
+    if policy.require_cxl and not node.cxl_nodes:
+        short("cxl", "checkpoints", 0, "CXL: memory.requireCxl is set and the node has no CXL memory")
+    if node.cxl_nodes and job.engine == "memstrata":  # stock DeepSpeed cannot place per tensor
+        cxl_nodes = [c.numa_node for c in node.cxl_nodes]
+        free["cxl"] = node.cxl_bytes
+        detail["cxl"] = f"interleaved over NUMA nodes {','.join(map(str, cxl_nodes))}"
+
+    namespaces: list[str] = []
+    if policy.nvme_namespaces:
+        candidates = sorted(node.free_namespaces, key=lambda ns: (-ns.size_bytes, ns.name))
+        if len(candidates) < policy.nvme_namespaces:
+            short("nvme", "optimizer", 0,
+                  f"NVMe: memory.nvmeNamespaces wants {policy.nvme_namespaces} free namespaces, "
+                  f"node has {len(candidates)}")
+        chosen = candidates[: policy.nvme_namespaces]
+        namespaces = [ns.name for ns in chosen]
+        # Striping spreads bytes evenly, so the smallest namespace bounds each share.
+        free["nvme"] = len(chosen) * min((ns.size_bytes for ns in chosen), default=0)
+        detail["nvme"] = f"striped over {', '.join(namespaces)}" if namespaces else ""
+    capacity = dict(free)
+
+    # --- the working set sits next to the compute -------------------------------------------------
+    work = working_set(job)
+    categories: dict[str, CategoryPlan] = {}
+    compute = "hbm" if job.gpus else "dram"
+    if job.gpus and work > hbm_per_gpu and node.gpus:
+        short("hbm", "working", work - hbm_per_gpu,
+              f"HBM: each GPU needs {format_bytes(work)} for its working set and has {format_bytes(hbm_per_gpu)} "
+              f"(short by {format_bytes(work - hbm_per_gpu)}); lower training.sequenceLength or microBatch")
+    total_work = work * ranks
+    categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)])
+    free[compute] -= total_work
+    if compute == "hbm":
+        free["hbm"] = max(free["hbm"], 0)  # already reported per GPU above
+
+    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme)
+    if policy.pinned_memory_cap is not None and pinned > policy.pinned_memory_cap:
+        short("dram", "pinned", pinned - policy.pinned_memory_cap,
+              f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "
+              f"{format_bytes(policy.pinned_memory_cap)}")
+    categories["pinned"] = _cat("pinned", pinned, [Allocation(stratum="dram", bytes=pinned)] if pinned else [])
+    free["dram"] -= pinned
+    if free["dram"] < 0:
+        short("dram", "pinned", -free["dram"],
+              f"DRAM: short by {format_bytes(-free['dram'])} before any model state is placed "
+              f"(working set and pinned buffers alone exceed it)")
+        free["dram"] = 0
+
+    # --- model state, in preference order ---------------------------------------------------------
+    sizes = category_bytes(job)
+    for name, allowed in PREFERENCES:
+        need, placed = sizes[name], []
+        for stratum in allowed:
+            take = min(need, max(free[stratum], 0))
+            if take:
+                placed.append(Allocation(stratum=stratum, bytes=take))
+                free[stratum] -= take
+                need -= take
+        if need:
+            where = " or ".join(STRATUM_NAMES[s] for s in allowed)
+            short(allowed[-1], name, need,
+                  f"{where}: short by {format_bytes(need)} for {DESCRIPTIONS[name]} "
+                  f"(needs {format_bytes(sizes[name])})")
+        categories[name] = _cat(name, sizes[name], placed)
+
+    if job.engine == "deepspeed":
+        _all_or_nothing(categories, free, ("master", "optimizer"))
+        _all_or_nothing(categories, free, ("weights",))
+
+    strata = [
+        StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s], detail=detail.get(s, ""))
+        for s in STRATA
+    ]
+    nvme_bytes = sum(c.on("nvme") for c in categories.values())
+    requests = {"nvidia.com/gpu": job.gpus, "memstrata.dev/nvme-ns": len(namespaces) if nvme_bytes else 0,
+                "memstrata.dev/cxl-gib": -(-sum(c.on("cxl") for c in categories.values()) // GiB)}
+    return Plan(
+        parameters=job.model.parameters(),
+        engine=job.engine,
+        feasible=not any(s.missing_bytes or s.message for s in shortfalls),
+        categories=list(categories.values()),
+        strata=strata,
+        shortfalls=shortfalls,
+        nvme_namespaces=namespaces if nvme_bytes else [],
+        cxl_nodes=cxl_nodes if requests["memstrata.dev/cxl-gib"] else [],
+        requests={k: v for k, v in requests.items() if v},
+        update_io_seconds=_update_io_seconds(categories, node, max(len(namespaces), 1)),
+    )
+
+
+def _cat(name: str, size: int, placement: list[Allocation]) -> CategoryPlan:
+    return CategoryPlan(category=name, description=DESCRIPTIONS[name], bytes=size, placement=placement)
+
+
+def _all_or_nothing(categories: dict[str, CategoryPlan], free: dict[str, int], names: tuple[str, ...]) -> None:
+    """Stock DeepSpeed offloads a whole group to nvme or to cpu; mirror that so the plan is honest."""
+    if not any(categories[n].on("nvme") for n in names):
+        return
+    for n in names:
+        c = categories[n]
+        for a in c.placement:
+            if a.stratum != "nvme":
+                free[a.stratum] += a.bytes
+        moved = sum(a.bytes for a in c.placement if a.stratum != "nvme")
+        free["nvme"] -= moved
+        c.placement = [Allocation(stratum="nvme", bytes=c.bytes)]
+
+
+def _update_io_seconds(categories: dict[str, CategoryPlan], node: NodeInventory, paths: int) -> float:
+    """NVMe seconds per optimizer step: state on NVMe is read and written once per update,
+    16-bit weights on NVMe are read in forward and again in backward, then written."""
+    bw = node.bw("nvme")
+    state = categories["master"].on("nvme") + categories["optimizer"].on("nvme")
+    weights = categories["weights"].on("nvme")
+    read = state + 2 * weights
+    write = state + weights
+    return (read / bw.read + write / bw.write) / paths

@@ -1,0 +1,24 @@
+"""Native extension build. Everything else is declared in pyproject.toml.
+
+The extension is compiled by the package build (pip install), never on import,
+so a runtime image starts without a compiler.
+"""
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+SOURCES = sorted(str(p) for p in Path("native").glob("*.c"))
+
+ext_modules = []
+if SOURCES:
+    ext_modules.append(
+        Extension(
+            "memstrata.runtime._native",
+            sources=SOURCES,
+            include_dirs=["native"],
+            libraries=["uring", "numa"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-std=gnu11"],
+        )
+    )
+
+setup(ext_modules=ext_modules)
