@@ -115,7 +115,8 @@ class MemoryPolicy(ApiModel):
 
     mode: Literal["auto"] = "auto"
     engine: Engine = Field(
-        "memstrata", description="memstrata's swap layer, or stock DeepSpeed ZeRO-Infinity (the baseline)."
+        "deepspeed",
+        description="Stock DeepSpeed ZeRO-Infinity (the baseline) or memstrata's swap layer (per-tensor placement).",
     )
     require_cxl: bool = Field(False, description="Only place the job on nodes with CXL memory.")
     nvme_namespaces: int = Field(1, ge=0, le=64, description="Raw NVMe namespaces to stripe over; 0 disables NVMe.")

@@ -44,7 +44,7 @@ class JobShape(BaseModel):
     micro_batch: int = Field(gt=0)
     precision: Precision = "bf16"
     gpus: int = Field(1, ge=0)
-    engine: Engine = "memstrata"
+    engine: Engine = "deepspeed"
 
     @property
     def ranks(self) -> int:
