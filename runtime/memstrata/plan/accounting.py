@@ -31,7 +31,12 @@ GPU_RUNTIME_OVERHEAD = 1 << 30
 ACTIVATION_FACTOR = 34
 # DeepSpeed ZeRO-Infinity's defaults (REFERENCE.md) that size its pinned pools.
 DS_PARAM_BUFFER_COUNT = 5
+DS_PARAM_BUFFER_SIZE = 100_000_000
 DS_OPTIMIZER_BUFFER_COUNT = 4
+DS_SUB_GROUP_SIZE = 1_000_000_000
+# memstrata streams optimizer state in sub-groups of one layer's slice of the flat
+# fp32 partition, capped so one huge layer cannot pin tens of GiB.
+SUB_GROUP_CAP = 1 << 27
 PAGE = 4096
 
 
@@ -84,14 +89,13 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool)
 
     memstrata sizes its buffers from the model's shapes (exact size, 4 KiB aligned):
     per rank, parameters need two layers plus the largest tensor in flight, and
-    streamed optimizer state two sub-groups (one layer of fp32 master + moments,
-    12 B per parameter) — one being updated while the next is read.
+    streamed optimizer state two sub-groups of min(layer, 2^27) elements at 12 B
+    each (fp32 master + 2 moments) — one being updated while the next is read.
 
-    Stock DeepSpeed locks `buffer_count x buffer_size` parameter elements, with
-    buffer_size raised to the largest tensor (it refuses smaller), and
-    `buffer_count x sub_group_size` fp32 elements for the optimizer, where the
-    sub-group is at least the largest tensor — and torch rounds pinned requests
-    up to a power of two.
+    Stock DeepSpeed locks `buffer_count (5) x buffer_size` parameter elements, with
+    buffer_size max(1e8, largest tensor) (it refuses smaller), and `buffer_count (4)`
+    fp32 buffers of its largest sub-group, min(parameters, sub_group_size 1e9) —
+    and torch rounds every pinned request up to a power of two.
     """
     m, w = job.model, job.weight_bytes
     per_rank = 0
@@ -99,12 +103,12 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool)
         if params_on_nvme:
             per_rank += _pages(2 * m.layer_params() * w) + _pages(m.largest_tensor() * w)
         if optimizer_on_nvme:
-            per_rank += 2 * _pages(max(m.layer_params(), m.largest_tensor()) * 12)
+            per_rank += 2 * _pages(min(m.layer_params(), SUB_GROUP_CAP) * 12)
     else:
         if params_on_nvme:
-            per_rank += DS_PARAM_BUFFER_COUNT * _pow2(m.largest_tensor() * w)
+            per_rank += DS_PARAM_BUFFER_COUNT * _pow2(max(DS_PARAM_BUFFER_SIZE, m.largest_tensor()) * w)
         if optimizer_on_nvme:
-            per_rank += DS_OPTIMIZER_BUFFER_COUNT * _pow2(max(m.layer_params(), m.largest_tensor()) * 4)
+            per_rank += DS_OPTIMIZER_BUFFER_COUNT * _pow2(min(m.parameters(), DS_SUB_GROUP_SIZE) * 4)
     return per_rank * job.ranks
 
 

@@ -23,11 +23,17 @@ STRATUM_NAMES = {"hbm": "HBM", "dram": "DRAM", "cxl": "CXL", "nvme": "NVMe"}
 # Placement order and each category's allowed strata, fastest first.
 PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
     ("gradients", ("dram",)),
+    # Checkpoints cannot go to NVMe and the optimizer state can, so they claim DRAM first.
+    ("checkpoints", ("cxl", "dram")),
     ("master", ("dram", "nvme")),
     ("optimizer", ("dram", "nvme")),
-    ("checkpoints", ("cxl", "dram")),
     ("weights", ("cxl", "dram", "nvme")),
 ]
+
+
+# Categories stock DeepSpeed places together: offload_optimizer moves master and
+# moments as one; offload_param moves all weights.
+STOCK_GROUPS = {"master": ("master", "optimizer"), "optimizer": ("master", "optimizer"), "weights": ("weights",)}
 
 
 class Allocation(BaseModel):
@@ -123,8 +129,6 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         free["hbm"] = hbm_per_gpu * job.gpus
         detail["hbm"] = f"{job.gpus} x {format_bytes(hbm_per_gpu)}"
     free["dram"] = int(node.dram_bytes * (1 - policy.dram_reserve_fraction))
-    if policy.dram_budget is not None:
-        free["dram"] = min(free["dram"], policy.dram_budget)
     detail["dram"] = f"{format_bytes(node.dram_bytes)} less {policy.dram_reserve_fraction:.0%} reserve"
 
     cxl_nodes: list[int] = []
@@ -162,6 +166,11 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
     free[compute] -= total_work
     if compute == "hbm":
         free["hbm"] = max(free["hbm"], 0)  # already reported per GPU above
+    if policy.dram_budget is not None and free["dram"] > policy.dram_budget:
+        # The budget bounds the offloaded state, not the compute itself.
+        capacity["dram"] -= free["dram"] - policy.dram_budget
+        free["dram"] = policy.dram_budget
+        detail["dram"] += f", memory.dramBudget {format_bytes(policy.dram_budget)}"
 
     pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme)
     if policy.pinned_memory_cap is not None and pinned > policy.pinned_memory_cap:
@@ -169,16 +178,20 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
               f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "
               f"{format_bytes(policy.pinned_memory_cap)}")
     categories["pinned"] = _cat("pinned", pinned, [Allocation(stratum="dram", bytes=pinned)] if pinned else [])
+    offload_dram = free["dram"]
     free["dram"] -= pinned
     if free["dram"] < 0:
         short("dram", "pinned", -free["dram"],
               f"DRAM: short by {format_bytes(-free['dram'])} before any model state is placed "
-              f"(working set and pinned buffers alone exceed it)")
+              f"(page-locked buffers of {format_bytes(pinned)} exceed the {format_bytes(offload_dram)} "
+              f"of DRAM left for offloaded state)")
         free["dram"] = 0
 
     # --- model state, in preference order ---------------------------------------------------------
     sizes = category_bytes(job)
     for name, allowed in PREFERENCES:
+        if job.engine == "deepspeed" and name in STOCK_GROUPS:
+            allowed = _stock_stratum(name, allowed, sizes, categories, free)
         need, placed = sizes[name], []
         for stratum in allowed:
             take = min(need, max(free[stratum], 0))
@@ -193,9 +206,6 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
                   f"(needs {format_bytes(sizes[name])})")
         categories[name] = _cat(name, sizes[name], placed)
 
-    if job.engine == "deepspeed":
-        _all_or_nothing(categories, free, ("master", "optimizer"))
-        _all_or_nothing(categories, free, ("weights",))
 
     strata = [
         StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s], detail=detail.get(s, ""))
@@ -222,18 +232,16 @@ def _cat(name: str, size: int, placement: list[Allocation]) -> CategoryPlan:
     return CategoryPlan(category=name, description=DESCRIPTIONS[name], bytes=size, placement=placement)
 
 
-def _all_or_nothing(categories: dict[str, CategoryPlan], free: dict[str, int], names: tuple[str, ...]) -> None:
-    """Stock DeepSpeed offloads a whole group to nvme or to cpu; mirror that so the plan is honest."""
-    if not any(categories[n].on("nvme") for n in names):
-        return
-    for n in names:
-        c = categories[n]
-        for a in c.placement:
-            if a.stratum != "nvme":
-                free[a.stratum] += a.bytes
-        moved = sum(a.bytes for a in c.placement if a.stratum != "nvme")
-        free["nvme"] -= moved
-        c.placement = [Allocation(stratum="nvme", bytes=c.bytes)]
+def _stock_stratum(name: str, allowed: tuple[str, ...], sizes: dict[str, int],
+                   placed: dict[str, CategoryPlan], free: dict[str, int]) -> tuple[str, ...]:
+    """Stock DeepSpeed offloads a whole group to one device (cpu or nvme): keep a group's
+    categories together, in the first stratum that holds all of it, so the plan is honest."""
+    group = STOCK_GROUPS[name]
+    for sibling in group:
+        if sibling in placed and placed[sibling].placement:
+            return (placed[sibling].placement[0].stratum,)
+    whole = sum(sizes[g] for g in group)
+    return (next((s for s in allowed if free[s] >= whole), allowed[-1]),)
 
 
 def _update_io_seconds(categories: dict[str, CategoryPlan], node: NodeInventory, paths: int) -> float:

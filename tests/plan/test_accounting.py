@@ -1,0 +1,71 @@
+"""Byte counts checked against numbers computed by hand (never by the code under test).
+
+Llama-3-8B: vocab 128256, hidden 4096, 32 layers, MLP 14336, 32 heads / 8 KV heads, untied.
+  embedding = LM head = 128256*4096 = 525,336,576
+  per layer: q,o 4096*4096 = 16,777,216 each; k,v 4096*1024 = 4,194,304 each;
+             MLP 3*4096*14336 = 176,160,768; 2 RMSNorms 8,192  -> 218,112,000
+  total = 32*218,112,000 + 2*525,336,576 + 4,096 (final norm) = 8,030,261,248
+"""
+from __future__ import annotations
+
+import pytest
+
+from memstrata.api.architecture import PRESETS, ModelArchitecture
+from memstrata.plan.accounting import JobShape, category_bytes, pinned_buffers
+
+
+@pytest.mark.parametrize("preset,params", [
+    ("llama3-8b", 8_030_261_248),
+    ("llama3-70b", 70_553_706_496),
+    ("mistral-7b", 7_241_732_096),
+    ("qwen2.5-14b", 14_770_033_664),   # Q/K/V biases: 7,168 per layer
+    ("gpt-125m", 125_262_336),         # 50304 vocab, 2048 learned positions, tied head
+])
+def test_parameter_counts(preset: str, params: int) -> None:
+    assert PRESETS[preset].parameters() == params
+
+
+def test_llama3_8b_bf16_categories() -> None:
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=32768, micro_batch=1, precision="bf16", gpus=1)
+    b = category_bytes(job)
+    assert b["optimizer"] == 64_242_089_984      # 2 moments x 4 B x 8,030,261,248
+    assert b["master"] == 32_121_044_992         # 4 B
+    assert b["weights"] == 16_060_522_496        # 2 B
+    assert b["gradients"] == 16_060_522_496
+    assert b["checkpoints"] == 8_589_934_592     # 32 layers x 32768 tokens x 4096 x 2 B
+
+
+def test_fp32_has_no_separate_master_copy() -> None:
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=1024, micro_batch=1, precision="fp32", gpus=1)
+    b = category_bytes(job)
+    assert b["master"] == 0
+    assert b["weights"] == 32_121_044_992
+    assert b["gradients"] == 32_121_044_992
+
+
+def test_checkpoints_scale_with_ranks_and_state_does_not() -> None:
+    one = category_bytes(JobShape(model=PRESETS["mistral-7b"], sequence_length=4096, micro_batch=2, gpus=1))
+    eight = category_bytes(JobShape(model=PRESETS["mistral-7b"], sequence_length=4096, micro_batch=2, gpus=8))
+    assert eight["checkpoints"] == 8 * one["checkpoints"] == 8 * 2_147_483_648   # 32*4096*2*4096*2 B
+    assert eight["optimizer"] == one["optimizer"]
+
+
+def test_memstrata_pins_exact_sizes_stock_pins_powers_of_two() -> None:
+    """gpt-125m (layer 7,087,872 params; largest tensor 50304*768 = 38,633,472; 125,262,336 total), bf16.
+    Stock: 5 param buffers of pow2(1e8 * 2 B) = 268,435,456 -> 1,342,177,280, plus 4 optimizer buffers of
+    pow2(125,262,336 * 4 B = 501,049,344) = 536,870,912 -> 2,147,483,648.
+    memstrata: 2 layers (2*7,087,872*2 = 28,351,488 -> 28,352,512 page-rounded) + the largest tensor
+    (77,266,944), plus 2 sub-groups of one layer at 12 B (85,054,464 -> 85,057,536 page-rounded)."""
+    shape = dict(model=PRESETS["gpt-125m"], sequence_length=1024, micro_batch=1, gpus=1)
+    stock = pinned_buffers(JobShape(**shape, engine="deepspeed"), optimizer_on_nvme=True, params_on_nvme=True)
+    ours = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True)
+    assert stock == 1_342_177_280 + 2_147_483_648
+    assert ours == 28_352_512 + 77_266_944 + 2 * 85_057_536
+    assert pinned_buffers(JobShape(**shape), optimizer_on_nvme=False, params_on_nvme=False) == 0
+
+
+def test_architecture_rejects_heads_that_do_not_divide() -> None:
+    with pytest.raises(ValueError, match="divisible by heads"):
+        ModelArchitecture(layers=2, hidden=100, intermediate=400, heads=3, kv_heads=1, vocab=10)
+    with pytest.raises(ValueError, match="divisible by kvHeads"):
+        ModelArchitecture(layers=2, hidden=96, intermediate=400, heads=6, kv_heads=4, vocab=10)
