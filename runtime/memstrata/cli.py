@@ -60,9 +60,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UserError(f"spec.dataset.path: {spec.dataset.path}: no such file")
     if args.steps is not None:
         spec.training.steps = args.steps
+    created = not args.nvme_path.exists()
     node = local_inventory(args.nvme_path)
     plan = plan_job(spec, node)
     if not plan.feasible:
+        if created:
+            args.nvme_path.rmdir()  # a refused job leaves nothing behind
         raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
     from memstrata.runtime.local import run_local
 

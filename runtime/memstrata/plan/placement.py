@@ -189,9 +189,10 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
 
     # --- model state, in preference order ---------------------------------------------------------
     sizes = category_bytes(job)
-    for name, allowed in PREFERENCES:
+    for name, preferred in PREFERENCES:
+        allowed = preferred
         if job.engine == "deepspeed" and name in STOCK_GROUPS:
-            allowed = _stock_stratum(name, allowed, sizes, categories, free)
+            allowed = _stock_stratum(name, preferred, sizes, categories, free)
         need, placed = sizes[name], []
         for stratum in allowed:
             take = min(need, max(free[stratum], 0))
@@ -200,7 +201,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
                 free[stratum] -= take
                 need -= take
         if need:
-            where = " or ".join(STRATUM_NAMES[s] for s in allowed)
+            where = " or ".join(STRATUM_NAMES[s] for s in preferred)
             short(allowed[-1], name, need,
                   f"{where}: short by {format_bytes(need)} for {DESCRIPTIONS[name]} "
                   f"(needs {format_bytes(sizes[name])})")

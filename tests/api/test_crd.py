@@ -1,0 +1,65 @@
+"""The committed CRD is exactly what the models generate, and carries what kubectl users rely on."""
+from __future__ import annotations
+
+import yaml
+
+from memstrata.api.crd import crd_yaml, generate_crd
+
+
+def test_committed_crd_matches_models(repo) -> None:
+    committed = (repo / "crds/finetunejob.yaml").read_text()
+    assert committed == crd_yaml(), "crds/finetunejob.yaml is stale: run `memstrata crd > crds/finetunejob.yaml`"
+
+
+def test_cli_prints_the_same_crd(cli, repo) -> None:
+    out = cli("crd")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (repo / "crds/finetunejob.yaml").read_text()
+
+
+def test_crd_names_status_and_columns() -> None:
+    crd = generate_crd()
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == "finetunejobs.memstrata.dev"
+    assert spec["names"]["shortNames"] == ["ftj"] and spec["names"]["kind"] == "FineTuneJob"
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")] == [
+        "Phase", "Node", "Progress", "ETA", "Age"]
+    schema = version["schema"]["openAPIV3Schema"]["properties"]
+    assert schema["status"]["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def _walk(node, path=()):
+    if isinstance(node, dict):
+        yield path, node
+        for k, v in node.items():
+            yield from _walk(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, path + (i,))
+
+
+def test_schema_is_structural_openapi() -> None:
+    """No JSON-Schema-only keywords the API server rejects ($ref, const, title, numeric exclusive bounds)."""
+    crd = generate_crd()
+    for path, node in _walk(crd):
+        assert "$ref" not in node and "const" not in node and "$defs" not in node, path
+        for key in ("exclusiveMinimum", "exclusiveMaximum"):
+            assert node.get(key, True) is True, (path, key)
+
+
+def test_cel_rules_cover_cross_field_constraints() -> None:
+    spec = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    model_rules = [r["rule"] for r in spec["properties"]["model"]["x-kubernetes-validations"]]
+    assert "has(self.preset) != has(self.path)" in model_rules
+    spec_rules = [r["message"] for r in spec["x-kubernetes-validations"]]
+    assert any("immutable" in m for m in spec_rules)
+    assert any("at most 512 for preset gpt-tiny" in m for m in spec_rules)
+    training = spec["properties"]["training"]["properties"]
+    assert training["steps"]["minimum"] == 0 and training["steps"]["exclusiveMinimum"] is True
+    assert training["precision"]["enum"] == ["bf16", "fp16", "fp32"]
+
+
+def test_crd_yaml_round_trips() -> None:
+    assert yaml.safe_load(crd_yaml()) == generate_crd()

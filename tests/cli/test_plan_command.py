@@ -1,0 +1,46 @@
+"""`memstrata plan` as a user reads it: a table for people, JSON for machines."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_plan_table_for_the_cxl_node(cli, repo) -> None:
+    out = cli("plan", "examples/finetune.yaml", "--node", "examples/node-cxl.yaml")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "llama3-8b-32k on gpu-node-01"
+    assert "parameters: 8,030,261,248" in lines[1]
+    moments = next(line for line in lines if line.startswith("Adam moments"))
+    assert moments.split()[-5:] == ["-", "59.8", "GiB", "-", "-"]   # DRAM column only
+    assert "verdict: fits" in out.stdout
+    assert "requests: memstrata.dev/cxl-gib=23, nvidia.com/gpu=1" in out.stdout
+
+
+def test_plan_json(cli) -> None:
+    out = cli("plan", "examples/finetune.yaml", "--node", "examples/node-cxl.yaml", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["feasible"] is True and plan["parameters"] == 8_030_261_248
+    optimizer = next(c for c in plan["categories"] if c["category"] == "optimizer")
+    assert optimizer["placement"] == [{"stratum": "dram", "bytes": 64_242_089_984}]
+
+
+def test_plan_for_this_machine(cli, tmp_path) -> None:
+    out = cli("plan", "examples/finetune-tiny.yaml", "--nvme-path", str(tmp_path / "nvme"), "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    dram = next(s for s in plan["strata"] if s["stratum"] == "dram")
+    meminfo = int(open("/proc/meminfo").readline().split()[1]) * 1024
+    assert 0 < dram["capacity"] <= meminfo
+
+
+def test_stdlib_operator_is_not_shadowed(repo) -> None:
+    """`operator/` is a namespace-package portion: from the repo root, `import operator` is still the stdlib."""
+    out = subprocess.run([sys.executable, "-c", "import operator, sys; print(operator.__file__); "
+                          "print(callable(operator.itemgetter))"], cwd=repo, capture_output=True, text=True, check=True)
+    path, ok = out.stdout.split()
+    assert "site-packages" not in path and path.endswith("operator.py") and ok == "True"
+    assert not (repo / "operator/memstrata/__init__.py").exists()
+    assert not (repo / "runtime/memstrata/__init__.py").exists()
