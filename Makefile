@@ -17,7 +17,7 @@ export CACHE VENV TORCH_VERSION DS_VERSION
 
 # Debian packages: build deps of the native engine and DeepSpeed's async_io,
 # fio as the storage ceiling, and the tools the loop-device tests use.
-APT_PACKAGES := build-essential libaio-dev liburing-dev libnuma-dev fio numactl util-linux e2fsprogs gdisk
+APT_PACKAGES := build-essential libaio-dev liburing-dev libnuma-dev fio numactl util-linux e2fsprogs gdisk xfsprogs btrfs-progs fdisk bc
 APT_STAMP := $(CACHE)/stamps/apt-$(shell echo $(APT_PACKAGES) | sha256sum | cut -c1-12)
 # The editable install points at this checkout, so its stamp includes the path.
 SRC_HASH = $(shell cat pyproject.toml setup.py $(sort $(wildcard native/*.c native/*.h)) | sha256sum | cut -c1-12)

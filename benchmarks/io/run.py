@@ -1,0 +1,173 @@
+"""I/O benchmark: memstrata's raw-NVMe engine vs DeepSpeed's aio handle vs fio.
+
+Run (root: it creates and detaches its own loop device):
+    python benchmarks/io/run.py [--gib 1] [--runs 5] [--dir /var/tmp/memstrata-bench]
+
+One backing file on the machine's disk, written once in full, under a loop
+device with direct I/O on: memstrata and fio use that loop device. DeepSpeed's
+handle cannot read raw block devices (it aborts the process), so it gets a
+second fully written file on the same disk. Same block size, queue depth and
+offsets (sequential from 1 MiB, where memstrata's data area starts) for all;
+write and read; 1 and 4 MiB blocks; queue depth 8 and 32; the median of
+--runs runs with the contenders' order rotated every run. Writes
+benchmarks/results/io.json and io.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator")]
+
+from memstrata.runtime import _native  # noqa: E402
+from memstrata.runtime.header import DATA_OFFSET  # noqa: E402
+from memstrata.runtime.nvme import NvmeEngine  # noqa: E402
+
+MiB = 1 << 20
+CASES = [(op, bs, qd) for op in ("write", "read") for bs in (1 * MiB, 4 * MiB) for qd in (8, 32)]
+
+
+def sh(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def fio_command(dev: str, op: str, bs: int, qd: int, total: int) -> list[str]:
+    return ["fio", "--name=ceiling", f"--filename={dev}", "--ioengine=io_uring", "--direct=1", "--fixedbufs",
+            f"--rw={op}", f"--bs={bs}", f"--iodepth={qd}", f"--offset={DATA_OFFSET}", f"--size={total}",
+            "--numjobs=1", "--output-format=json"]
+
+
+def run_fio(dev: str, op: str, bs: int, qd: int, total: int) -> float:
+    out = json.loads(sh(*fio_command(dev, op, bs, qd, total)))
+    return out["jobs"][0][op]["bw_bytes"] / 2**30
+
+
+class Memstrata:
+    def __init__(self, dev: str, total: int) -> None:
+        self.dev, self.total = dev, total
+        self.buf = _native.Region(total)
+        memoryview(self.buf)[:] = os.urandom(MiB) * (total // MiB)
+
+    def run(self, op: str, bs: int, qd: int) -> float:
+        with NvmeEngine.open([self.dev], job="bench/io", queue_depth=qd, max_io_bytes=bs, stripe_bytes=bs) as eng:
+            eng.register_buffers([self.buf])  # like fio --fixedbufs
+            ext = eng.allocate(self.total)
+            assert ext.bases == (DATA_OFFSET,)
+            t0 = time.perf_counter()
+            eng.wait(eng.write(ext, self.buf) if op == "write" else eng.read(ext, self.buf))
+            dt = time.perf_counter() - t0
+            st = eng.stats()[0]
+            assert st.fixed_buffer_ios == self.total // bs and st.errors == 0
+        return self.total / dt / 2**30
+
+
+class DeepSpeedAio:
+    def __init__(self, path: str, total: int) -> None:
+        import torch
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        self.module = AsyncIOBuilder().load(verbose=False)
+        self.path, self.total, self.torch = path, total, torch
+        probe = self.module.aio_handle(MiB, 8, False, True, 1)
+        self.buf = probe.new_cpu_locked_tensor(total, torch.empty(0, dtype=torch.uint8))
+        self.buf.copy_(torch.randint(0, 255, (total,), dtype=torch.uint8))
+
+    def run(self, op: str, bs: int, qd: int) -> float:
+        h = self.module.aio_handle(bs, qd, False, True, 1)
+        call = h.async_pwrite if op == "write" else h.async_pread
+        t0 = time.perf_counter()
+        call(self.buf, self.path, DATA_OFFSET)
+        if h.wait() != 1:
+            raise RuntimeError(f"DeepSpeed aio {op} did not complete")
+        dt = time.perf_counter() - t0
+        return self.total / dt / 2**30
+
+
+def machine(backing: Path) -> dict[str, Any]:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    src = sh("findmnt", "-n", "-o", "SOURCE,FSTYPE", "--target", str(backing)).split()
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "backing_filesystem": {"source": src[0], "fstype": src[1] if len(src) > 1 else "?"},
+            "liburing": "2.3 (Debian)", "fio": sh("fio", "--version").strip(), "python": platform.python_version()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0, help="bytes moved per run")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--dir", default="/var/tmp/memstrata-bench")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    args = ap.parse_args()
+    total = int(args.gib * 2**30) // (4 * MiB) * (4 * MiB)
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    size = total + 4 * MiB  # header + data area, a whole number of dd blocks
+    images = [work / "loop-backing.img", work / "deepspeed.img"]
+    for img in images:  # written once in full so no run pays for block allocation
+        if not img.exists() or img.stat().st_size != size:
+            sh("dd", "if=/dev/zero", f"of={img}", "bs=4M", f"count={size // (4 * MiB)}", "oflag=direct")
+    dev = sh("losetup", "-f", "--show", "--direct-io=on", str(images[0])).strip()
+    try:
+        contenders: dict[str, Callable[[str, int, int], float]] = {
+            "memstrata": Memstrata(dev, total).run, "fio": lambda op, bs, qd: run_fio(dev, op, bs, qd, total)}
+        ds_note = None
+        if not args.no_deepspeed:
+            try:
+                contenders["deepspeed"] = DeepSpeedAio(str(images[1]), total).run
+            except Exception as exc:  # reported in the results, never silently dropped
+                ds_note = f"DeepSpeed aio unavailable: {type(exc).__name__}: {exc}"
+                print(ds_note, file=sys.stderr)
+        samples: dict[tuple[str, int, int], dict[str, list[float]]] = {c: {k: [] for k in contenders} for c in CASES}
+        names = list(contenders)
+        for r in range(args.runs):
+            for case in CASES:
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    samples[case][name].append(contenders[name](*case))
+            print(f"run {r + 1}/{args.runs} done", file=sys.stderr)
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+    results = []
+    for (op, bs, qd), by in samples.items():
+        med = {k: statistics.median(v) for k, v in by.items()}
+        row = {"op": op, "block_bytes": bs, "queue_depth": qd, "gib_per_s": med,
+               "samples_gib_per_s": by, "ratio_vs_fio": med["memstrata"] / med["fio"],
+               "ratio_vs_deepspeed": med["memstrata"] / med["deepspeed"] if "deepspeed" in med else None,
+               "fio_command": " ".join(fio_command("<loopdev>", op, bs, qd, total))}
+        results.append(row)
+    out = {"benchmark": "io", "bytes_per_run": total, "runs": args.runs, "machine": machine(images[0]),
+           "deepspeed_note": ds_note, "target": "ratio_vs_fio >= 0.95 in every case", "cases": results}
+    res_dir = REPO / "benchmarks" / "results"
+    res_dir.mkdir(parents=True, exist_ok=True)
+    (res_dir / "io.json").write_text(json.dumps(out, indent=2) + "\n")
+    lines = ["| op | block | QD | memstrata GiB/s | fio GiB/s | DeepSpeed GiB/s | vs fio | vs DeepSpeed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in results:
+        g = row["gib_per_s"]
+        ds = f"{g['deepspeed']:.2f}" if "deepspeed" in g else "n/a"
+        vds = f"{row['ratio_vs_deepspeed']:.2f}" if row["ratio_vs_deepspeed"] else "n/a"
+        lines.append(f"| {row['op']} | {row['block_bytes'] // MiB} MiB | {row['queue_depth']} | "
+                     f"{g['memstrata']:.2f} | {g['fio']:.2f} | {ds} | {row['ratio_vs_fio']:.2f} | {vds} |")
+    m = out["machine"]
+    lines += ["", f"{m['cpu']}, {m['cores']} cores, kernel {m['kernel']}; loop device over a file on "
+              f"{m['backing_filesystem']['source']} ({m['backing_filesystem']['fstype']}), direct I/O on; "
+              f"{total // MiB} MiB per run, median of {args.runs}." + (f" {ds_note}" if ds_note else "")]
+    (res_dir / "io.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if os.geteuid() != 0 or shutil.which("fio") is None:
+        sys.exit("benchmarks/io needs root (loop device) and fio")
+    main()

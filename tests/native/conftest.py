@@ -1,0 +1,91 @@
+"""Real loop devices, tmpfs mounts and child processes for the native engine tests.
+
+Every loop device is created here over a file in the test's own temp dir and
+detached in teardown, whatever the test did; nothing else is ever touched.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _loop_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "loop-device tests need root (losetup, mount)"
+    if shutil.which("losetup") is None:
+        return "losetup (util-linux) is not installed"
+    if not Path("/dev/loop-control").exists():
+        return "/dev/loop-control is missing: this kernel has no loop driver"
+    return None
+
+
+def need_tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not installed (Debian package {package}; `make deps` installs it)")
+    return path
+
+
+def run(*cmd: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+@pytest.fixture
+def loopdev(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """make(size_bytes, *, backing_dir=None, partscan=False) -> /dev/loopN with direct I/O on."""
+    why = _loop_unavailable()
+    if why:
+        pytest.skip(why)
+    made: list[str] = []
+
+    def make(size: int, *, backing_dir: Path | None = None, partscan: bool = False) -> str:
+        image = (backing_dir or tmp_path) / f"disk{len(made)}.img"
+        with open(image, "wb") as f:
+            f.truncate(size)
+        args = ["losetup", "-f", "--show", "--direct-io=on"] + (["-P"] if partscan else []) + [str(image)]
+        dev = run(*args).strip()
+        made.append(dev)
+        return dev
+
+    yield make
+    for dev in reversed(made):
+        subprocess.run(["losetup", "-d", dev], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """mount(size_bytes) -> a fresh tmpfs of that size, unmounted in teardown."""
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        target = tmp_path / f"tmpfs{len(mounted)}"
+        target.mkdir()
+        run("mount", "-t", "tmpfs", "-o", f"size={size}", "memstrata-test", str(target))
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in reversed(mounted):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=60)
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a child Python that imports this checkout's memstrata."""
+    paths = [str(REPO / "runtime"), str(REPO / "operator"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

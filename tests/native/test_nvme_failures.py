@@ -1,0 +1,169 @@
+"""Failures a user must see as one clean exception: kill -9, refusals, no space, real I/O errors."""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import child_env, need_tool, run
+
+from memstrata.runtime import _native
+from memstrata.runtime.errors import DeviceUnsafeError, NvmeError
+from memstrata.runtime.header import State, parse_header
+from memstrata.runtime.nvme import NvmeEngine
+from memstrata.runtime.safety import read_head
+
+MiB = 1 << 20
+
+KILLED_WRITER = textwrap.dedent("""
+    import os, sys
+    from memstrata.runtime.nvme import NvmeEngine
+    eng = NvmeEngine.open([sys.argv[1]], job="t/killed", queue_depth=8)
+    exts = [eng.allocate(4 << 20) for _ in range(12)]
+    buf = os.urandom(4 << 20)
+    print("writing", flush=True)
+    while True:
+        for h in [eng.write(e, buf) for e in exts]:
+            eng.wait(h)
+""")
+
+
+@pytest.mark.loopdev
+def test_kill_9_mid_write_leaks_no_space(loopdev) -> None:
+    dev = loopdev(64 * MiB)
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, dev], stdout=subprocess.PIPE, text=True,
+                             env=child_env())
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+        time.sleep(0.5)  # writes of 48 MiB are in flight
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    stale = parse_header(read_head(dev, 4096))
+    assert stale is not None and stale.state == State.OPEN and stale.owner_job == "t/killed"
+    with NvmeEngine.open([dev], job="t/next") as eng:
+        assert [(p, h.owner_job, h.owner_pid) for p, h in eng.recovered] == [(dev, "t/killed", child.pid)]
+        space = eng.stats()[0].space
+        assert space.free_bytes == space.capacity_bytes and space.free_extents == 1
+        eng.allocate(space.capacity_bytes)  # the whole device really is free
+    fresh = parse_header(read_head(dev, 4096))
+    assert fresh is not None and fresh.generation == stale.generation + 1 and fresh.state == State.CLOSED
+
+
+@pytest.mark.loopdev
+def test_refuses_loop_device_with_ext4_unless_forced_and_never_when_mounted(loopdev, tmp_path: Path) -> None:
+    need_tool("mkfs.ext4", "e2fsprogs")
+    dev = loopdev(64 * MiB)
+    run("mkfs.ext4", "-q", "-F", dev)
+    with pytest.raises(DeviceUnsafeError, match=rf"{dev}: refusing to use it: carries a ext4 signature"):
+        NvmeEngine.open([dev], job="t/ext4")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    run("mount", dev, str(mnt))
+    try:
+        with pytest.raises(DeviceUnsafeError, match=rf"mounted at {mnt}"):
+            NvmeEngine.open([dev], job="t/ext4", force=True)
+    finally:
+        run("umount", str(mnt))
+    with NvmeEngine.open([dev], job="t/ext4", force=True) as eng:  # force overrides only the signature
+        assert eng.stats()[0].space.free_bytes > 0
+
+
+@pytest.mark.loopdev
+def test_refuses_loop_device_with_gpt_and_with_partitions_even_when_forced(loopdev) -> None:
+    need_tool("sgdisk", "gdisk")
+    dev = loopdev(64 * MiB)
+    run("sgdisk", "-o", dev)
+    with pytest.raises(DeviceUnsafeError, match=r"carries a gpt \(GPT partition table\) signature"):
+        NvmeEngine.open([dev], job="t/gpt")
+    parted = loopdev(64 * MiB, partscan=True)
+    run("sgdisk", "-o", "-n", "1:2048:+8M", parted)
+    run("partx", "-u", parted)  # make sure the kernel has re-read the table
+    name = os.path.basename(parted)
+    with pytest.raises(DeviceUnsafeError, match=rf"has partitions \({name}p1\)"):
+        NvmeEngine.open([parted], job="t/gpt", force=True)
+
+
+def test_out_of_space_is_clean_and_leaves_nothing_allocated(tmp_path: Path) -> None:
+    paths = []
+    for i in range(2):
+        p = tmp_path / f"d{i}.img"
+        with open(p, "wb") as f:
+            f.truncate(17 * MiB)
+        paths.append(str(p))
+    with NvmeEngine.open(paths, job="t/enospc", stripe_bytes=MiB) as eng:
+        before = [s.space for s in eng.stats()]
+        with pytest.raises(NvmeError, match=r"out of space: need \d+ bytes, 16777216 free") as info:
+            eng.allocate(40 * MiB)
+        assert info.value.errno == errno.ENOSPC and info.value.device in paths
+        assert [s.space for s in eng.stats()] == before  # nothing half-allocated on the other device
+        eng.allocate(32 * MiB)  # exactly the capacity of both
+        with pytest.raises(NvmeError, match="out of space"):
+            eng.allocate(1)
+
+
+@pytest.mark.loopdev
+def test_real_io_error_from_a_full_tmpfs_surfaces_as_a_clean_exception(small_tmpfs, loopdev) -> None:
+    backing = small_tmpfs(4 * MiB)
+    dev = loopdev(64 * MiB, backing_dir=backing)
+    with NvmeEngine.open([dev], job="t/eio") as eng:
+        ext = eng.allocate(32 * MiB)
+        with pytest.raises(NvmeError) as info:
+            eng.wait(eng.write(ext, os.urandom(32 * MiB)))
+        err = info.value
+        assert err.errno in (errno.EIO, errno.ENOSPC), err
+        assert err.device == dev and err.offset is not None and err.length and str(err).startswith(dev)
+        assert eng.stats()[0].errors >= 1
+        small = eng.allocate(4096)  # the engine is still usable afterwards (reads of holes need no space)
+        out = bytearray(b"x" * 4096)
+        eng.wait(eng.read(small, out))
+        assert out == bytes(4096)
+
+
+def test_device_that_shrinks_under_the_engine_gives_a_short_read_error(tmp_path: Path) -> None:
+    p = tmp_path / "vanishing.img"
+    with open(p, "wb") as f:
+        f.truncate(16 * MiB)
+    with NvmeEngine.open([str(p)], job="t/gone") as eng:
+        eng.allocate(8 * MiB)
+        tail = eng.allocate(4 * MiB)
+        eng.wait(eng.write(tail, os.urandom(4 * MiB)))
+        os.truncate(p, 2 * MiB)
+        with pytest.raises(NvmeError, match=r"short read: 0 of \d+ bytes") as info:
+            eng.wait(eng.read(tail, bytearray(4 * MiB)))
+        assert info.value.errno == errno.EIO and info.value.offset == tail.bases[0]
+
+
+def test_misaligned_direct_io_reports_einval_never_silent_success(tmp_path: Path) -> None:
+    # DeepSpeed's aio handle returns success for an unaligned write that wrote
+    # nothing; the ring hands back -EINVAL and the engine never issues one.
+    p = tmp_path / "raw.img"
+    with open(p, "wb") as f:
+        f.truncate(MiB)
+    fd = os.open(p, os.O_RDWR | os.O_DIRECT)
+    try:
+        ring = _native.Ring(4, [fd])
+        buf = mmap.mmap(-1, 8192)
+        ring.submit(True, 0, memoryview(buf)[1:1001], 0, 1)
+        ring.submit(True, 0, memoryview(buf)[:4096], 100, 2)
+        assert sorted(ring.wait(-1)) == [(1, -errno.EINVAL), (2, -errno.EINVAL)]
+        ring.close()
+    finally:
+        os.close(fd)
+
+
+def test_second_engine_on_a_device_in_use_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "shared.img"
+    with open(p, "wb") as f:
+        f.truncate(8 * MiB)
+    with NvmeEngine.open([str(p)], job="t/a"):
+        with pytest.raises(NvmeError, match="in use by another memstrata engine"):
+            NvmeEngine.open([str(p)], job="t/b", busy_timeout_s=0.2)
