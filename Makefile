@@ -20,7 +20,7 @@ export CACHE VENV TORCH_VERSION DS_VERSION
 APT_PACKAGES := build-essential libaio-dev liburing-dev libnuma-dev fio numactl util-linux e2fsprogs gdisk xfsprogs btrfs-progs fdisk bc
 APT_STAMP := $(CACHE)/stamps/apt-$(shell echo $(APT_PACKAGES) | sha256sum | cut -c1-12)
 # The editable install points at this checkout, so its stamp includes the path.
-SRC_HASH = $(shell cat pyproject.toml setup.py $(sort $(wildcard native/*.c native/*.h)) | sha256sum | cut -c1-12)
+SRC_HASH = $(shell cat pyproject.toml setup.py build_proto.py $(sort $(wildcard native/*.c native/*.h operator/memstrata/*/proto/*.proto)) | sha256sum | cut -c1-12)
 INSTALL_STAMP = $(VENV)/.installed-$(shell echo $(CURDIR) | sha256sum | cut -c1-8)-$(SRC_HASH)
 
 # Issue-owned fragments (real control plane, QEMU guest, ...) add their own

@@ -3,9 +3,13 @@
 The extension is compiled by the package build (pip install), never on import,
 so a runtime image starts without a compiler.
 """
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_proto import BuildPyWithProto  # noqa: E402  (the kubelet device-plugin protos)
 
 SOURCES = sorted(str(p) for p in Path("native").glob("*.c"))
 
@@ -21,4 +25,4 @@ if SOURCES:
         )
     )
 
-setup(ext_modules=ext_modules)
+setup(ext_modules=ext_modules, cmdclass={"build_py": BuildPyWithProto})

@@ -72,16 +72,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json)
 
 
-def _cmd_operator(args: argparse.Namespace) -> int:
+def _operator(argv: list[str]) -> int:
     from memstrata.operator.main import main as operator_main
 
-    return operator_main(args.rest)
+    return operator_main(argv)
 
 
-def _cmd_nodeagent(args: argparse.Namespace) -> int:
+def _nodeagent(argv: list[str]) -> int:
     from memstrata.nodeagent.main import main as nodeagent_main
 
-    return nodeagent_main(args.rest)
+    return nodeagent_main(argv)
+
+
+LONG_RUNNING: dict[str, Callable[[list[str]], int]] = {"operator": _operator, "nodeagent": _nodeagent}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,11 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--report-json", type=Path, help="also write the final report as JSON here")
     s.set_defaults(func=_cmd_run)
 
-    for name, func, text in (("operator", _cmd_operator, "run the FineTuneJob operator"),
-                             ("nodeagent", _cmd_nodeagent, "run the node agent (discovery + device plugin)")):
-        s = sub.add_parser(name, help=text)
-        s.add_argument("rest", nargs=argparse.REMAINDER)
-        s.set_defaults(func=func)
+    # Listed for --help; main() hands their arguments over before argparse sees them.
+    sub.add_parser("operator", help="run the FineTuneJob operator (memstrata operator --help)", add_help=False)
+    sub.add_parser("nodeagent", help="run the node agent: discovery, labels, device plugin", add_help=False)
     return p
 
 
@@ -119,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from memstrata.api.manifest import ManifestError
     from memstrata.runtime.localnode import ScratchError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LONG_RUNNING:
+        # Services parse their own flags (and keep a leading `--` optional).
+        return LONG_RUNNING[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "steps", None) is not None and args.steps <= 0:
         print(f"memstrata: error: --steps must be a positive integer, got {args.steps}", file=sys.stderr)

@@ -140,7 +140,8 @@ class NodeNotManagedError(ValueError):
 def render_node(inventory: NodeInventory) -> dict[str, dict[str, str]]:
     """The labels, annotations and extended-resource capacity the node agent publishes."""
     free = inventory.free_namespaces
-    cxl_gib = inventory.cxl_bytes // GiB
+    # Whole GiB per CXL node, as the device plugin offers them: 2 x 1.5 GiB is 2, not 3.
+    cxl_gib = sum(c.memory_bytes // GiB for c in inventory.cxl_nodes)
     labels = {
         LABEL_MANAGED: "true",
         LABEL_CXL: "true" if inventory.cxl_nodes else "false",

@@ -1,0 +1,97 @@
+"""What the device plugin offers, and what a container gets: pure functions of the inventory.
+
+Two resources (names from memstrata.api.node):
+
+- `memstrata.dev/nvme-ns`: one device per free NVMe namespace, on its
+  controller's NUMA node. Its ID is the namespace's WWID when the kernel
+  reports one, so that a renamed namespace (nvme0n1 and nvme1n1 swap after a
+  reboot) keeps its identity in the kubelet's checkpoint; else its name.
+  A container gets the /dev node (DeviceSpec) and MEMSTRATA_NVME_DEVICES.
+- `memstrata.dev/cxl-gib`: one device per whole GiB of each CXL NUMA node,
+  on that node. A container gets MEMSTRATA_CXL_NODES, the nodes its units
+  lie on, to bind its CXL arenas to.
+
+A device once offered stays in the list for the agent's lifetime: when its
+namespace vanishes or stops being free it turns Unhealthy (so the kubelet
+stops counting it) instead of disappearing, which the kubelet would treat as
+a silent capacity drop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memstrata.api.node import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory
+from memstrata.api.units import GiB
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+
+@dataclass(frozen=True)
+class PluginDevice:
+    id: str
+    healthy: bool
+    numa_node: int | None
+    dev_path: str = ""  # nvme-ns: the namespace's /dev node
+    cxl_node: int | None = None  # cxl-gib: the NUMA node the GiB lies on
+
+    @property
+    def health(self) -> str:
+        return HEALTHY if self.healthy else UNHEALTHY
+
+
+@dataclass(frozen=True)
+class ContainerGrant:
+    """What one container is given: env, and device nodes (host path = container path)."""
+
+    envs: dict[str, str]
+    device_paths: tuple[str, ...] = ()
+
+
+class AllocationError(ValueError):
+    """An Allocate the plugin must refuse; the kubelet fails the pod with this message."""
+
+
+def nvme_devices(inventory: NodeInventory) -> list[PluginDevice]:
+    return [PluginDevice(id=ns.wwid or ns.name, healthy=True, numa_node=ns.numa_node, dev_path=ns.dev_path)
+            for ns in inventory.free_namespaces]
+
+
+def cxl_devices(inventory: NodeInventory) -> list[PluginDevice]:
+    # Whole GiB per node: a unit cannot straddle two nodes, so a node's tail
+    # below 1 GiB is not offered (render_node's label counts the summed bytes).
+    return [PluginDevice(id=f"cxl-node{c.numa_node}-gib{i}", healthy=True, numa_node=c.numa_node,
+                         cxl_node=c.numa_node)
+            for c in inventory.cxl_nodes for i in range(c.memory_bytes // GiB)]
+
+
+DEVICES = {RESOURCE_NVME: nvme_devices, RESOURCE_CXL_GIB: cxl_devices}
+
+
+def merge(previous: list[PluginDevice], current: list[PluginDevice]) -> list[PluginDevice]:
+    """The list to advertise: every device now available (healthy), plus every device
+    advertised before that is no longer available (unhealthy), in a stable order."""
+    now = {d.id: d for d in current}
+    merged = [now.pop(d.id) if d.id in now else replace(d, healthy=False) for d in previous]
+    return merged + list(now.values())
+
+
+def grant(resource: str, ids: list[str], devices: list[PluginDevice]) -> ContainerGrant:
+    """The grant for one container's device IDs, checked against the current list."""
+    by_id = {d.id: d for d in devices}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        raise AllocationError(f"{resource}: unknown device IDs {unknown}")
+    # The kubelet may act on a list older than our last health change; a
+    # namespace that gained a filesystem since must not reach a container.
+    sick = [i for i in ids if not by_id[i].healthy]
+    if sick:
+        raise AllocationError(f"{resource}: devices no longer available (unhealthy): {sick}")
+    chosen = [by_id[i] for i in ids]
+    if resource == RESOURCE_NVME:
+        paths = tuple(d.dev_path for d in chosen)
+        return ContainerGrant(envs={ENV_NVME_DEVICES: ",".join(paths)}, device_paths=paths)
+    if resource == RESOURCE_CXL_GIB:
+        nodes = sorted({d.cxl_node for d in chosen if d.cxl_node is not None})
+        return ContainerGrant(envs={ENV_CXL_NODES: ",".join(map(str, nodes))})
+    raise AllocationError(f"unknown resource {resource}")

@@ -1,0 +1,202 @@
+"""`memstrata nodeagent`: discover the node's strata, label the Node, serve the device plugins.
+
+    memstrata nodeagent                 # the DaemonSet's command (NODE_NAME from the downward API)
+    memstrata nodeagent --once          # print the inventory, labels and plugin devices as JSON, exit
+
+The DaemonSet pod needs the host's /sys, /dev (hostPath) and mount table
+(hostPID, so /proc/1/mountinfo is the host's), and
+/var/lib/kubelet/device-plugins.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from memstrata.api.node import NodeInventory, render_node
+from memstrata.nodeagent.discovery import SysfsError, dev_heads, discover
+from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
+
+log = logging.getLogger("memstrata.nodeagent")
+PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="memstrata nodeagent", description=__doc__.splitlines()[0])
+    p.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
+    p.add_argument("--dev-root", type=Path, default=Path("/dev"),
+                   help="where namespaces' device nodes are (or <name>.head captures)")
+    p.add_argument("--mountinfo", type=Path, default=Path("/proc/1/mountinfo"),
+                   help="the host's mount table (/proc/mounts or mountinfo format)")
+    p.add_argument("--plugin-dir", type=Path, default=PLUGIN_DIR, help="the kubelet's device-plugins directory")
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
+                   help="Node to label (default $NODE_NAME; empty: do not talk to the API server)")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    p.add_argument("--nfd-dir", type=Path, default=NFD_FEATURES_DIR,
+                   help="NFD local feature directory; written only when it exists")
+    p.add_argument("--rescan-seconds", type=float, default=5.0,
+                   help="how often namespaces are re-checked (health) and labels refreshed")
+    p.add_argument("--once", action="store_true", help="discover, print JSON and exit")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.rescan_seconds <= 0:
+        p.error(f"--rescan-seconds must be positive, got {args.rescan_seconds}")
+    return args
+
+
+def read_inventory(args: argparse.Namespace) -> NodeInventory:
+    try:
+        mounts = args.mountinfo.read_text()
+    except OSError as exc:
+        raise SysfsError(args.mountinfo, f"cannot read the mount table: {exc.strerror}") from exc
+    return discover(args.sysfs_root, heads=dev_heads(args.dev_root), mounts_text=mounts,
+                    hostname=args.node_name or socket.gethostname())
+
+
+def once(args: argparse.Namespace) -> int:
+    from memstrata.nodeagent.devices import DEVICES
+
+    inventory = read_inventory(args)
+    devices = {r: [d.__dict__ for d in fn(inventory)] for r, fn in DEVICES.items()}
+    print(json.dumps({"inventory": inventory.wire(), "node": render_node(inventory), "devices": devices}, indent=2))
+    return 0
+
+
+class NodePatcher:
+    """Puts labels and the inventory annotation on the Node, only when they changed."""
+
+    def __init__(self, node_name: str, kubeconfig: str | None) -> None:
+        self.node_name = node_name
+        self.kubeconfig = kubeconfig
+        self._api: Any = None
+        self._last: dict[str, Any] | None = None
+
+    def apply(self, inventory: NodeInventory) -> None:
+        patch = node_patch(inventory)
+        if not self.node_name or patch == self._last:
+            return
+        from kubernetes import client, config
+
+        if self._api is None:
+            if self.kubeconfig:
+                config.load_kube_config(self.kubeconfig)
+            else:
+                config.load_incluster_config()
+            self._api = client.CoreV1Api()
+        self._api.patch_node(self.node_name, patch)
+        self._last = patch
+        log.info("labelled node %s: %s", self.node_name, patch["metadata"]["labels"])
+
+
+class Agent:
+    """The plugins and the one event loop that restarts them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from memstrata.nodeagent.devices import DEVICES
+        from memstrata.nodeagent.deviceplugin import DevicePluginServer
+
+        self.args = args
+        # SimpleQueue.put is reentrant: safe to call from the signal handlers below.
+        self.events: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.servers = [DevicePluginServer(r, args.plugin_dir) for r in DEVICES]
+        self.devices = DEVICES
+        self.patcher = NodePatcher(args.node_name, args.kubeconfig)
+        self.inventory: NodeInventory | None = None
+
+    def rescan(self) -> None:
+        """Re-discover; health changes reach ListAndWatch, label changes the Node."""
+        try:
+            self.inventory = read_inventory(self.args)
+        except SysfsError as exc:  # a device mid-removal can leave a half-read tree; next scan retries
+            log.warning("discovery failed, keeping the previous inventory: %s", exc)
+            return
+        for server in self.servers:
+            server.publish(self.devices[server.resource](self.inventory))
+        if self.args.nfd_dir.is_dir():
+            write_atomically(self.args.nfd_dir / NFD_FILE, nfd_features(self.inventory))
+        try:
+            self.patcher.apply(self.inventory)
+        except Exception as exc:  # the API server being away must not stop the plugins
+            log.warning("could not label node %s (will retry): %s", self.args.node_name, exc)
+
+    def restart_plugins(self) -> None:
+        """Serve afresh and register every resource; raises when the kubelet is not there."""
+        for server in self.servers:
+            server.stop()
+        from memstrata.nodeagent.deviceplugin import DevicePluginServer
+
+        self.servers = [DevicePluginServer(s.resource, self.args.plugin_dir) for s in self.servers]
+        for server in self.servers:
+            server.start()
+            if self.inventory is not None:
+                server.publish(self.devices[server.resource](self.inventory))
+            server.register()
+
+    def run(self) -> int:
+        from memstrata.nodeagent.deviceplugin import KUBELET_SOCKET, RegistrationError, socket_identity
+
+        for sig, name in ((signal.SIGHUP, "sighup"), (signal.SIGTERM, "stop"), (signal.SIGINT, "stop")):
+            signal.signal(sig, lambda *_, n=name: self.events.put(n))
+        kubelet_sock = self.args.plugin_dir / KUBELET_SOCKET
+        self.inventory = read_inventory(self.args)  # a tree that cannot be read at start is fatal
+        restart_due = 0.0  # when to (re)start the plugins; inf while they run
+        next_scan = 0.0
+        registered_with = None
+        # The one event loop. Causes of a plugin restart, all handled here:
+        #  - start-up, and a failed registration (retried every second: the kubelet may be starting);
+        #  - kubelet.sock re-created: a restarted kubelet forgot us and wiped our sockets;
+        #  - SIGHUP: the operator asks for a full re-read and re-registration.
+        # Between restarts a rescan every --rescan-seconds publishes health changes
+        # (ListAndWatch resends) and label changes. Ticks are 0.25 s so that a
+        # kubelet restart is answered well within the 5 s the kubelet allows.
+        while True:
+            try:
+                event = self.events.get(timeout=0.25)
+            except queue.Empty:
+                event = "tick"
+            if event == "stop":
+                break
+            if event == "sighup":
+                log.info("SIGHUP: re-discovering and re-registering")
+                next_scan = restart_due = 0.0
+            now = time.monotonic()
+            if now >= next_scan:
+                self.rescan()
+                next_scan = now + self.args.rescan_seconds
+            identity = socket_identity(kubelet_sock)
+            if restart_due == float("inf") and identity != registered_with:
+                log.info("%s re-created: the kubelet restarted; registering again", kubelet_sock)
+                restart_due = now
+            if now >= restart_due and identity is not None:
+                try:
+                    self.restart_plugins()
+                    registered_with, restart_due = identity, float("inf")
+                except RegistrationError as exc:
+                    log.warning("%s; retrying in 1 s", exc)
+                    restart_due = now + 1.0
+        for server in self.servers:
+            server.stop()
+        log.info("stopped")
+        return 0
+
+
+def main(argv: list[str]) -> int:
+    # `memstrata nodeagent -- --once`: the CLI hands over everything after the subcommand.
+    args = parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.once:
+            return once(args)
+        return Agent(args).run()
+    except SysfsError as exc:
+        print(f"memstrata nodeagent: error: {exc}", file=sys.stderr)
+        return 2
