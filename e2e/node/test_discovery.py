@@ -1,0 +1,79 @@
+"""Inside the QEMU guest, `memstrata nodeagent --once` reports exactly the node QEMU built,
+and offers only the free namespace to the kubelet. Run with `make test-guest`.
+
+The guest (e2e/node/guest.py): NUMA node 0 with both CPUs, memory-only node 1,
+a CXL Type-3 expander (serial 0x1234, 512 MiB) onlined as a CPU-less node in a
+lower tier, and NVMe controller `deadbeef` with namespaces nsid 1 free, 2 ext4,
+3 GPT-partitioned, 4 held by device-mapper. Device names (nvme0nX) follow the
+kernel's probe order, not the nsid, so everything here is keyed by nsid.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from guest import GuestResult, missing_reason, run_in_guest
+
+pytestmark = [pytest.mark.guest, pytest.mark.slow]
+
+SCRIPT = r'''
+import subprocess, sys
+done = subprocess.run([sys.executable, "-m", "memstrata.cli", "nodeagent", "--", "--once",
+                       "--mountinfo", "/proc/self/mountinfo", "--node-name", "guest"],
+                      capture_output=True, text=True, timeout=120)
+open("/out/once.json", "w").write(done.stdout)
+sys.stderr.write(done.stderr)
+sys.exit(done.returncode)
+'''
+
+
+@pytest.fixture(scope="module")
+def once() -> dict:
+    reason = missing_reason()
+    if reason:
+        pytest.skip(f"QEMU GUEST UNAVAILABLE — {reason}")
+    result: GuestResult = run_in_guest(SCRIPT, timeout=400).check()
+    try:
+        return json.loads(result.files["once.json"])
+    finally:
+        shutil.rmtree(result.out_dir, ignore_errors=True)
+
+
+def test_numa_topology_is_exactly_what_qemu_built(once: dict) -> None:
+    nodes = {n["id"]: n for n in once["inventory"]["numaNodes"]}
+    assert sorted(nodes) == [0, 1, 2], nodes
+    assert (nodes[0]["kind"], nodes[0]["cpus"]) == ("dram", [0, 1])
+    assert (nodes[1]["kind"], nodes[1]["cpus"]) == ("memory-only", [])
+    assert (nodes[2]["kind"], nodes[2]["cpus"]) == ("cxl", [])
+    assert nodes[2]["tier"] > nodes[0]["tier"], "the CXL node must sit in a slower memory tier"
+    assert 450 << 20 <= nodes[1]["memoryBytes"] <= 512 << 20
+    (cxl,) = once["inventory"]["cxlNodes"]
+    assert (cxl["numaNode"], cxl["memoryBytes"], cxl["region"]) == (2, 512 << 20, "region0")
+    assert cxl["memdevs"] == [{"name": "mem0", "serial": "0x1234", "ramBytes": 512 << 20}]
+
+
+def test_namespaces_and_why_three_are_refused(once: dict) -> None:
+    (ctrl,) = once["inventory"]["nvmeControllers"]
+    assert (ctrl["name"], ctrl["serial"], ctrl["model"], ctrl["transport"]) == (
+        "nvme0", "deadbeef", "QEMU NVMe Ctrl", "pcie")
+    ns = {n["nsid"]: n for n in once["inventory"]["nvmeNamespaces"]}
+    assert sorted(ns) == [1, 2, 3, 4], "hidden per-path nodes must not be counted"
+    assert all(n["controller"] == "nvme0" for n in ns.values()), ns
+    assert ns[1]["free"] and ns[1]["sizeBytes"] == 256 << 20 and "reason" not in ns[1]
+    assert ns[2]["reason"] == "foreign signature: ext4"
+    assert ns[3]["reason"] == f"has partitions ({ns[3]['name']}p1)"
+    assert ns[4]["reason"].startswith("held by dm-")
+
+
+def test_only_the_free_namespace_is_offered(once: dict) -> None:
+    ns1 = next(n for n in once["inventory"]["nvmeNamespaces"] if n["nsid"] == 1)
+    (device,) = once["devices"]["memstrata.dev/nvme-ns"]
+    assert (device["id"], device["dev_path"], device["healthy"]) == (ns1["wwid"], f"/dev/{ns1['name']}", True)
+    # 512 MiB of CXL is less than one whole GiB unit: nothing to offer, but the labels say it is there.
+    assert once["devices"]["memstrata.dev/cxl-gib"] == []
+    labels = once["node"]["labels"]
+    assert labels["memstrata.dev/cxl"] == "true" and labels["memstrata.dev/cxl-node-count"] == "1"
+    assert labels["memstrata.dev/nvme-free-count"] == "1"
+    assert once["node"]["capacity"] == {"memstrata.dev/nvme-ns": "1", "memstrata.dev/cxl-gib": "0"}
