@@ -5,8 +5,6 @@ detached in teardown, whatever the test did; nothing else is ever touched.
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,32 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _loop_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "loop-device tests need root (losetup, mount)"
-    if shutil.which("losetup") is None:
-        return "losetup (util-linux) is not installed"
-    if not Path("/dev/loop-control").exists():
-        return "/dev/loop-control is missing: this kernel has no loop driver"
-    return None
-
-
-def need_tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} not installed (Debian package {package}; `make deps` installs it)")
-    return path
-
-
-def run(*cmd: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
-
+from native_helpers import _loop_unavailable, run
 
 @pytest.fixture
 def loopdev(tmp_path: Path) -> Iterator[Callable[..., str]]:
@@ -78,12 +51,6 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     yield mount
     for target in reversed(mounted):
         subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=60)
-
-
-def child_env() -> dict[str, str]:
-    """Environment for a child Python that imports this checkout's memstrata."""
-    paths = [str(REPO / "runtime"), str(REPO / "operator"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import need_tool, run
+from native_helpers import need_tool, run
 
 from memstrata.runtime.errors import DeviceUnsafeError, StrataError
 from memstrata.runtime.header import HEADER_BYTES, MAGIC, Header, HeaderError, State, parse_header, render_header

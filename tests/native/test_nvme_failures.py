@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env, need_tool, run
+from native_helpers import child_env, need_tool, run
 
 from memstrata.runtime import _native
 from memstrata.runtime.errors import DeviceUnsafeError, NvmeError

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import child_env
+from native_helpers import child_env
 
 from memstrata.runtime.pinned import (
     ALIGN, BufferSet, PinnedArena, PinnedMemoryError, ShapeClass, buffer_sets_for, layout, locked_bytes_total,

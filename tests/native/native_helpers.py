@@ -1,0 +1,41 @@
+"""Helpers shared by the native engine tests (imported by name: pytest loads every conftest as `conftest`)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _loop_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "loop-device tests need root (losetup, mount)"
+    if shutil.which("losetup") is None:
+        return "losetup (util-linux) is not installed"
+    if not Path("/dev/loop-control").exists():
+        return "/dev/loop-control is missing: this kernel has no loop driver"
+    return None
+
+
+def need_tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not installed (Debian package {package}; `make deps` installs it)")
+    return path
+
+
+def run(*cmd: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a child Python that imports this checkout's memstrata."""
+    paths = [str(REPO / "runtime"), str(REPO / "operator"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
