@@ -6,6 +6,7 @@ line naming what is wrong and exit with status 2 before anything is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -61,15 +62,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         spec.training.steps = args.steps
     created = not args.nvme_path.exists()
-    node = local_inventory(args.nvme_path)
-    plan = plan_job(spec, node)
-    if not plan.feasible:
-        if created:
-            args.nvme_path.rmdir()  # a refused job leaves nothing behind
-        raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
-    from memstrata.runtime.local import run_local
+    rc = EXIT_USAGE
+    try:
+        node = local_inventory(args.nvme_path)
+        plan = plan_job(spec, node)
+        if not plan.feasible:
+            raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
+        from memstrata.runtime.local import run_local
 
-    return run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json)
+        rc = run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json)
+        return rc
+    finally:
+        if created and rc == EXIT_USAGE:
+            with contextlib.suppress(OSError):  # a refused job leaves nothing behind; rmdir only if empty
+                args.nvme_path.rmdir()
 
 
 def _operator(argv: list[str]) -> int:

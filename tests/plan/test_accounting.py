@@ -50,18 +50,21 @@ def test_checkpoints_scale_with_ranks_and_state_does_not() -> None:
     assert eight["optimizer"] == one["optimizer"]
 
 
-def test_memstrata_pins_exact_sizes_stock_pins_powers_of_two() -> None:
-    """gpt-125m (layer 7,087,872 params; largest tensor 50304*768 = 38,633,472; 125,262,336 total), bf16.
-    Stock: 5 param buffers of pow2(1e8 * 2 B) = 268,435,456 -> 1,342,177,280, plus 4 optimizer buffers of
-    pow2(125,262,336 * 4 B = 501,049,344) = 536,870,912 -> 2,147,483,648.
+def test_memstrata_pins_less_than_tuned_stock() -> None:
+    """gpt-125m (layer 7,087,872 params; largest tensor 50304*768 = 38,633,472; 196 tensors), bf16.
+    Stock, as dsconfig tunes it: 8 parameter buffers of the largest tensor, 8*38,633,472*2 = 618,135,552,
+    plus 4 optimizer buffers of (sub-group 38,633,472 + one tensor of overshoot)*4 B = 1,236,271,104.
     memstrata: 2 layers (2*7,087,872*2 = 28,351,488 -> 28,352,512 page-rounded) + the largest tensor
     (77,266,944), plus 2 sub-groups of one layer at 12 B (85,054,464 -> 85,057,536 page-rounded)."""
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=1024, micro_batch=1, gpus=1)
     stock = pinned_buffers(JobShape(**shape, engine="deepspeed"), optimizer_on_nvme=True, params_on_nvme=True)
     ours = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True)
-    assert stock == 1_342_177_280 + 2_147_483_648
+    assert stock == 618_135_552 + 1_236_271_104
     assert ours == 28_352_512 + 77_266_944 + 2 * 85_057_536
     assert pinned_buffers(JobShape(**shape), optimizer_on_nvme=False, params_on_nvme=False) == 0
+    eight = pinned_buffers(JobShape(**{**shape, "gpus": 8}, engine="memstrata"), optimizer_on_nvme=True,
+                           params_on_nvme=True)
+    assert eight == 8 * ours                     # one set per rank
 
 
 def test_architecture_rejects_heads_that_do_not_divide() -> None:

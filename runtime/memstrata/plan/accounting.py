@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Engine, Precision
+from memstrata.plan.stock import pinned_pool_bytes
 
 Category = Literal["working", "pinned", "gradients", "master", "optimizer", "weights", "checkpoints"]
 
@@ -29,11 +30,6 @@ GPU_RUNTIME_OVERHEAD = 1 << 30
 # Activation bytes per token per hidden unit for one layer in 16-bit with flash
 # attention and no sequence parallelism (Korthikanti et al., 2022: 34·s·b·h).
 ACTIVATION_FACTOR = 34
-# DeepSpeed ZeRO-Infinity's defaults (REFERENCE.md) that size its pinned pools.
-DS_PARAM_BUFFER_COUNT = 5
-DS_PARAM_BUFFER_SIZE = 100_000_000
-DS_OPTIMIZER_BUFFER_COUNT = 4
-DS_SUB_GROUP_SIZE = 1_000_000_000
 # memstrata streams optimizer state in sub-groups of one layer's slice of the flat
 # fp32 partition, capped so one huge layer cannot pin tens of GiB.
 SUB_GROUP_CAP = 1 << 27
@@ -92,10 +88,9 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool)
     streamed optimizer state two sub-groups of min(layer, 2^27) elements at 12 B
     each (fp32 master + 2 moments) — one being updated while the next is read.
 
-    Stock DeepSpeed locks `buffer_count (5) x buffer_size` parameter elements, with
-    buffer_size max(1e8, largest tensor) (it refuses smaller), and `buffer_count (4)`
-    fp32 buffers of its largest sub-group, min(parameters, sub_group_size 1e9) —
-    and torch rounds every pinned request up to a power of two.
+    Stock DeepSpeed, run with the settings memstrata.runtime.dsconfig gives it, locks
+    what memstrata.plan.stock.pinned_pool_bytes counts: buffer_count buffers of the
+    largest tensor for parameters, four of the largest sub-group for optimizer state.
     """
     m, w = job.model, job.weight_bytes
     per_rank = 0
@@ -105,15 +100,8 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool)
         if optimizer_on_nvme:
             per_rank += 2 * _pages(min(m.layer_params(), SUB_GROUP_CAP) * 12)
     else:
-        if params_on_nvme:
-            per_rank += DS_PARAM_BUFFER_COUNT * _pow2(max(DS_PARAM_BUFFER_SIZE, m.largest_tensor()) * w)
-        if optimizer_on_nvme:
-            per_rank += DS_OPTIMIZER_BUFFER_COUNT * _pow2(min(m.parameters(), DS_SUB_GROUP_SIZE) * 4)
+        per_rank = pinned_pool_bytes(m, w, params_on_nvme=params_on_nvme, optimizer_on_nvme=optimizer_on_nvme)
     return per_rank * job.ranks
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def category_bytes(job: JobShape) -> dict[str, int]:

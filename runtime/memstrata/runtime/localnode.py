@@ -5,6 +5,7 @@ The NVMe stratum of a local run is a scratch directory on a disk filesystem
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -54,17 +55,28 @@ def filesystem_type(path: Path) -> str:
 
 
 def check_scratch(path: Path) -> int:
-    """Create `path` if needed and prove it writable on a disk filesystem; return its free bytes."""
+    """Prove `path` usable as the NVMe stratum of a local run; return its free bytes.
+
+    The filesystem is checked on the nearest existing ancestor before anything is
+    created, so a refused path leaves nothing behind.
+    """
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fstype = filesystem_type(existing)
+    if fstype in MEMORY_FILESYSTEMS:
+        raise ScratchError(f"{path}: NVMe scratch path is on {fstype}, which lives in RAM; use a disk filesystem")
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".memstrata-write-probe"
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as exc:
+        if created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
         raise ScratchError(f"{path}: NVMe scratch path is not writable: {exc.strerror or exc}") from None
-    fstype = filesystem_type(path)
-    if fstype in MEMORY_FILESYSTEMS:
-        raise ScratchError(f"{path}: NVMe scratch path is on {fstype}, which lives in RAM; use a disk filesystem")
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 

@@ -1,0 +1,160 @@
+"""What a run costs in memory and storage, measured from outside the training code.
+
+- Peak RSS of the whole process tree (this process and every descendant,
+  summed), sampled in a background thread: these machines use cgroup v1, which
+  has no `memory.peak`, and DeepSpeed may start helper processes (compilers,
+  probes).
+- Bytes this process moved to and from storage, from `/proc/self/io`
+  (`write_bytes` / `read_bytes` count what reached the block layer, including
+  DeepSpeed's O_DIRECT swap I/O from its aio threads).
+- The swap directory itself: how many files and bytes it holds, at most.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from pydantic import BaseModel
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+class IoCounters(BaseModel):
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+    def __sub__(self, other: "IoCounters") -> "IoCounters":
+        return IoCounters(read_bytes=self.read_bytes - other.read_bytes,
+                          write_bytes=self.write_bytes - other.write_bytes)
+
+
+class DirUsage(BaseModel):
+    files: int = 0
+    bytes: int = 0
+
+
+def process_io(pid: int | str = "self") -> IoCounters:
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return IoCounters(read_bytes=int(fields["read_bytes"]), write_bytes=int(fields["write_bytes"]))
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process exited since its parent listed it
+        return kids
+    for task in tasks:
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the thread exited between listing and reading
+            continue
+    return kids
+
+
+def _rss(pid: int) -> int:
+    try:
+        # statm's second field is resident pages; cheaper to parse than status.
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _hwm(pid: int) -> int:
+    """The kernel's exact high-water mark of one process's RSS (VmHWM): catches spikes between samples."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _pss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of `root` plus those of all its descendants.
+
+    Descendants count by PSS, not RSS: a child forked from a 1 GB trainer (a
+    compiler probe, `ldconfig`) shares all its pages with the parent until it
+    execs, and summing RSS would count them twice.
+    """
+    total, todo, seen = 0, [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += _rss(pid) if pid == root else _pss(pid)
+        todo += _children(pid)
+    return total
+
+
+def dir_usage(path: Path) -> DirUsage:
+    """Files under `path` and their allocated bytes (st_blocks: what the disk really holds)."""
+    usage = DirUsage()
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            usage.files += 1
+            usage.bytes += st.st_blocks * 512
+    return usage
+
+
+class MemWatch:
+    """Samples tree RSS and swap-directory usage every `interval` seconds until stopped; keeps the peaks."""
+
+    def __init__(self, swap_dir: Path | None, interval: float = 0.05, root_pid: int | None = None) -> None:
+        self.swap_dir = swap_dir
+        self.interval = interval
+        self.root_pid = root_pid or os.getpid()
+        self.peak_rss = 0
+        self.peak_swap = DirUsage()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._io_start = IoCounters()
+
+    def sample(self) -> None:
+        self.peak_rss = max(self.peak_rss, tree_rss(self.root_pid), _hwm(self.root_pid))
+        if self.swap_dir is not None and self.swap_dir.exists():
+            now = dir_usage(self.swap_dir)
+            if now.bytes > self.peak_swap.bytes or now.files > self.peak_swap.files:
+                self.peak_swap = DirUsage(files=max(now.files, self.peak_swap.files),
+                                          bytes=max(now.bytes, self.peak_swap.bytes))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sample()
+            except OSError:  # a process or file vanished mid-walk; the next sample sees the new state
+                continue
+
+    def start(self) -> "MemWatch":
+        self._io_start = process_io()
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, name="memstrata-memwatch", daemon=True)
+        self._thread.start()
+        return self
+
+    def io(self) -> IoCounters:
+        """Storage bytes read and written by this process since start()."""
+        return process_io() - self._io_start
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
