@@ -109,19 +109,6 @@ class FineTuneRecipe:
         d, t = self.spec.dataset, self.spec.training
         return build_dataset(d.synthetic, d.path, d.text_field, t.sequence_length, t.seed)
 
-    @staticmethod
-    def _preload_libaio() -> None:
-        """DeepSpeed 0.19.8 links its CPU-only async_io op without -laio ("undefined symbol: io_submit");
-        scripts/bootstrap-venv fixes the build, and loading libaio globally here keeps a venv built
-        without that fix working too."""
-        import ctypes
-
-        try:
-            # The soname, not ctypes.util.find_library: that forks ldconfig from a large process.
-            ctypes.CDLL("libaio.so.1", mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            pass  # no libaio: DeepSpeed's own check names the missing library when it loads async_io
-
     def _setup_distributed(self) -> None:
         """Single-process torch.distributed, the way a launcher would have set it up."""
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
@@ -129,7 +116,6 @@ class FineTuneRecipe:
             os.environ.setdefault(key, value)
         # DeepSpeed picks its accelerator at import time; on a CPU node it must be told.
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.on_gpu else "cpu")
-        self._preload_libaio()
         import deepspeed
 
         for name in ("DeepSpeed", "deepspeed"):

@@ -1,0 +1,161 @@
+"""One ZeRO-3 training run with parameters and optimizer state on NVMe, on either engine.
+
+    python benchmarks/offload/harness.py --engine memstrata --preset gpt-tiny --steps 20 \
+        --swap-dir /tmp/x --nvme /dev/loop3 --out result.json
+
+`--engine stock` is plain `deepspeed.initialize` (swap files under --swap-dir);
+`--engine memstrata` is `memstrata.runtime.initialize` with the same model,
+seed, data and ds_config. The result JSON holds the loss of every step, the
+phase times, time to first step, and what the swap layer moved. Used by
+tests/offload (correctness) and benchmarks/offload/run.py (measurements).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ALIGN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: str) -> dict[str, Any]:
+    """The ds_config both engines get. `profile`: 'default' (DeepSpeed's defaults, only what it needs to
+    run at all) or 'tuned' (the settings memstrata's dsconfig uses for stock runs)."""
+    largest = max(arch.largest_tensor(), arch.max_positions * arch.hidden)
+    aligned = -(-largest // ALIGN) * ALIGN
+    layer = arch.layer_params()
+    param: dict[str, Any] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False}
+    optim: dict[str, Any] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False}
+    zero: dict[str, Any] = {"stage": 3, "offload_param": param, "offload_optimizer": optim}
+    if profile == "default":
+        # buffer_size must hold the largest tensor or stock refuses to start.
+        param.update(buffer_size=max(aligned, int(1e8)))
+    else:
+        param.update(buffer_size=aligned, buffer_count=16, max_in_cpu=0)
+        optim.update(buffer_count=4)
+        zero.update(sub_group_size=max(layer, largest, (1 << 20) // 4), stage3_param_persistence_threshold=0,
+                    stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=aligned,
+                    stage3_max_live_parameters=max(2 * layer, 2 * largest))
+    return {
+        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "train_batch_size": batch,
+        "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": 0.0}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 12},
+        "zero_optimization": zero,
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                "overlap_events": True, "use_gds": False},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["stock", "memstrata"], required=True)
+    ap.add_argument("--preset", default="gpt-tiny")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--profile", default="tuned", choices=["default", "tuned"])
+    ap.add_argument("--swap-dir", required=True)
+    ap.add_argument("--nvme", default="", help="comma-separated namespaces for memstrata")
+    ap.add_argument("--swap-json", default="", help="extra SwapSettings fields as JSON")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--torch-adam", action="store_true",
+                    help="torch.optim.AdamW instead of DeepSpeedCPUAdam (where the cpu_adam op is not built)")
+    ap.add_argument("--pause-at-step", type=int, default=0, help="write --out, then sleep inside this step")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import logging
+
+    import torch
+
+    import deepspeed
+    from memstrata.api.architecture import PRESETS
+    from memstrata.runtime.model import build_model
+
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(os.cpu_count() or 1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    arch = PRESETS[args.preset]
+    torch.manual_seed(args.seed)
+    model = build_model(arch, args.seed)
+    cfg = ds_config(arch, swap_dir=args.swap_dir, batch=args.batch, precision=args.precision, profile=args.profile)
+    Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
+    init_kw: dict[str, Any] = {"model": model, "model_parameters": model.parameters(), "config": cfg}
+    if args.torch_adam:
+        opt_params = cfg.pop("optimizer")["params"]
+        cfg["zero_force_ds_cpu_optimizer"] = False
+        init_kw["optimizer"] = torch.optim.AdamW(model.parameters(), lr=opt_params["lr"],
+                                                 betas=tuple(opt_params["betas"]), eps=opt_params["eps"],
+                                                 weight_decay=opt_params["weight_decay"])
+        del init_kw["model_parameters"]
+    out: dict[str, Any] = {"engine": args.engine, "preset": args.preset, "params": sum(p.numel() for p in
+                           model.parameters()), "config": cfg, "losses": [], "step_seconds": [],
+                           "phases": {"forward": [], "backward": [], "update": []}}
+    t0 = time.perf_counter()
+    if args.engine == "stock":
+        engine, _, _, _ = deepspeed.initialize(**init_kw)
+    else:
+        from memstrata.runtime import initialize
+
+        swap: dict[str, Any] = json.loads(args.swap_json) if args.swap_json else {}
+        if args.nvme:
+            swap["nvme"] = args.nvme.split(",")
+        engine, _, _, _ = initialize(**init_kw, swap=swap)
+    out["init_seconds"] = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = min(arch.vocab, 256)
+    layer = getattr(engine, "memstrata", None)
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
+        s0 = time.perf_counter()
+        loss = engine(ids[:, :-1], ids[:, 1:])
+        s1 = time.perf_counter()
+        engine.backward(loss)
+        s2 = time.perf_counter()
+        if args.pause_at_step == step:
+            out["paused"] = True
+            if layer is not None:
+                out["swap"] = layer.status()
+            Path(args.out).write_text(json.dumps(out))
+            time.sleep(3600)  # the test kills us here, mid-step, with I/O state live
+        engine.step()
+        s3 = time.perf_counter()
+        out["losses"].append(float(loss.detach().float()))
+        out["phases"]["forward"].append(s1 - s0)
+        out["phases"]["backward"].append(s2 - s1)
+        out["phases"]["update"].append(s3 - s2)
+        out["step_seconds"].append(s3 - s0)
+        if step == 1:
+            out["time_to_first_step"] = time.perf_counter() - t0
+    if layer is not None:
+        out["swap"] = layer.status()
+        out["overflow_checks"] = layer.overflow_checks
+        out["checksums_verified"] = len(layer.checksums or {})
+        layer.close()
+    Path(args.out).write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""memstrata vs stock ZeRO-Infinity (default settings and tuned settings), one run each, same model/seed/batch.
+
+    python benchmarks/offload/run.py --models gpt-125m,gpt-350m --seq 1024 --steps 4
+
+Every contender runs benchmarks/offload/harness.py in its own process tree,
+while this script samples the tree's summed RSS (+ /dev/shm) and VmLck every
+50 ms (these machines have no cgroup memory.peak). Stock swaps to files on a
+disk filesystem (checked with statfs); memstrata to a loop device with
+direct I/O over a file on the same disk. Writes benchmarks/results/offload.json
+and offload.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = REPO / "benchmarks" / "offload" / "harness.py"
+RESULTS = REPO / "benchmarks" / "results"
+TMPFS_MAGIC = 0x01021994
+
+
+def tree_pids(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def status_kb(pid: int, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def shm_bytes() -> int:
+    return sum(p.stat().st_size for p in Path("/dev/shm").glob("*") if p.is_file())
+
+
+class Sampler(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak_rss, self.peak_locked, self.stop = pid, 0, 0, False
+        self.shm0 = shm_bytes()
+
+    def run(self) -> None:
+        while not self.stop:
+            pids = tree_pids(self.pid)
+            rss = sum(status_kb(p, "VmRSS:") for p in pids) * 1024 + max(0, shm_bytes() - self.shm0)
+            locked = sum(status_kb(p, "VmLck:") for p in pids) * 1024
+            self.peak_rss, self.peak_locked = max(self.peak_rss, rss), max(self.peak_locked, locked)
+            time.sleep(0.05)
+
+
+def run_one(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO / 'runtime'}:{REPO / 'operator'}:"
+           + os.environ.get("PYTHONPATH", "")}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sampler = Sampler(proc.pid)
+    sampler.start()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        err = f"timed out after {timeout} s\n" + err
+    sampler.stop = True
+    sampler.join()
+    res: dict[str, Any] = {"contender": name, "command": " ".join(cmd), "wall_seconds": time.perf_counter() - t0,
+                           "peak_rss_bytes": sampler.peak_rss, "peak_locked_bytes": sampler.peak_locked,
+                           "ok": proc.returncode == 0 and out.exists()}
+    if res["ok"]:
+        data = json.loads(out.read_text())
+        ph = data["phases"]
+        later = slice(1, None) if len(data["losses"]) > 1 else slice(0, None)  # step 1 includes warm-up
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        res.update(init_seconds=data["init_seconds"], time_to_first_step=data["time_to_first_step"],
+                   step_seconds=mean(data["step_seconds"][later]), forward_seconds=mean(ph["forward"][later]),
+                   backward_seconds=mean(ph["backward"][later]), update_seconds=mean(ph["update"][later]),
+                   losses=data["losses"], params=data["params"], swap=data.get("swap"))
+    else:
+        tail = [ln for ln in err.splitlines() if ln.strip()][-6:]
+        res["error"] = "\n".join(tail)
+    return res
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gpt-125m,gpt-350m")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=1500)
+    ap.add_argument("--contenders", default="memstrata,stock-default,stock-tuned")
+    ap.add_argument("--scratch", default="/var/tmp/memstrata-bench-offload", help="on a disk filesystem")
+    args = ap.parse_args()
+    scratch = Path(args.scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    if os.statvfs(scratch).f_bsize and _fs_magic(scratch) == TMPFS_MAGIC:
+        raise SystemExit(f"{scratch} is on tmpfs: stock would swap to DRAM; pick a disk filesystem")
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                                           "python": platform.python_version(), "scratch": str(scratch),
+                                           "scratch_fs_magic": hex(_fs_magic(scratch))},
+                               "seq": args.seq, "batch": args.batch, "steps": args.steps,
+                               "dram_cap": "none enforced (cgroup v1 without memory.peak); peaks are measured",
+                               "models": {}}
+    for model in args.models.split(","):
+        runs = []
+        for contender in args.contenders.split(","):
+            work = Path(tempfile.mkdtemp(prefix=f"{model}-{contender}-", dir=scratch))
+            out = work / "result.json"
+            cmd = [sys.executable, str(HARNESS), "--preset", model, "--steps", str(args.steps), "--seq",
+                   str(args.seq), "--batch", str(args.batch), "--swap-dir", str(work / "swap"), "--out", str(out)]
+            loop = None
+            if contender == "memstrata":
+                img = work / "ns0.img"
+                with open(img, "wb") as f:
+                    f.truncate(16 << 30)
+                loop = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(img)], check=True,
+                                      capture_output=True, text=True).stdout.strip()
+                cmd += ["--engine", "memstrata", "--nvme", loop]
+            else:
+                cmd += ["--engine", "stock", "--profile", contender.removeprefix("stock-")]
+            try:
+                print(f"== {model} {contender}", flush=True)
+                res = run_one(contender, cmd, out, args.timeout)
+                res["swap_dir_bytes"] = dir_bytes(work / "swap")
+            finally:
+                if loop:
+                    subprocess.run(["losetup", "-d", loop], capture_output=True)
+                subprocess.run(["rm", "-rf", str(work)])
+            print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "swap", "command")}), flush=True)
+            runs.append(res)
+        results["models"][model] = summarize(runs)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "offload.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / "offload.md").write_text(markdown(results))
+    return 0
+
+
+def _fs_magic(path: Path) -> int:
+    import ctypes
+
+    class Statfs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 120)]
+
+    buf = Statfs()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(str(path).encode(), ctypes.byref(buf)) != 0:
+        raise OSError(ctypes.get_errno(), f"statfs {path}")
+    return buf.f_type & 0xFFFFFFFF
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ours = next((r for r in runs if r["contender"] == "memstrata" and r["ok"]), None)
+    stock = [r for r in runs if r["contender"].startswith("stock") and r["ok"]]
+    out: dict[str, Any] = {"runs": runs}
+    if ours and stock:
+        best = min(stock, key=lambda r: r["step_seconds"])
+        out["best_stock"] = best["contender"]
+        for key, field in (("peak_rss_ratio", "peak_rss_bytes"), ("step_time_ratio", "step_seconds"),
+                           ("update_time_ratio", "update_seconds"), ("init_time_ratio", "init_seconds")):
+            out[key] = round(ours[field] / best[field], 3) if best[field] else None
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# Offload: memstrata vs stock ZeRO-Infinity (seq {results['seq']}, batch {results['batch']}, "
+             f"{results['steps']} steps, CPU, {results['machine']['cpus']} cores)", "",
+             "| model | contender | ok | init s | 1st step s | step s | fwd | bwd | update | peak RSS GiB | "
+             "peak locked GiB | NVMe written GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    g = 1 << 30
+    for model, m in results["models"].items():
+        for r in m["runs"]:
+            if not r["ok"]:
+                lines.append(f"| {model} | {r['contender']} | FAILED: {r['error'].splitlines()[-1][:80]} "
+                             f"| | | | | | | {r['peak_rss_bytes'] / g:.2f} | {r['peak_locked_bytes'] / g:.2f} | |")
+                continue
+            nv = (r.get("swap") or {}).get("nvme", {}).get("bytesWritten")
+            written = nv / g if nv is not None else r.get("swap_dir_bytes", 0) / g
+            lines.append(f"| {model} | {r['contender']} | yes | {r['init_seconds']:.1f} | "
+                         f"{r['time_to_first_step']:.1f} | {r['step_seconds']:.2f} | {r['forward_seconds']:.2f} | "
+                         f"{r['backward_seconds']:.2f} | {r['update_seconds']:.2f} | {r['peak_rss_bytes'] / g:.2f} | "
+                         f"{r['peak_locked_bytes'] / g:.2f} | {written:.2f} |")
+        if "peak_rss_ratio" in m:
+            lines.append(f"| {model} | **memstrata / {m['best_stock']}** | | init {m['init_time_ratio']} | | "
+                         f"step {m['step_time_ratio']} | | | update {m['update_time_ratio']} | "
+                         f"RSS {m['peak_rss_ratio']} | | |")
+    lines += ["", "Targets: peak_rss_ratio <= 0.40, step_time_ratio <= 0.70 (update <= 0.50), init_time_ratio <= 0.10.",
+              "Stock 'NVMe written' is the size of its swap folder at the end (files), memstrata's the device counter."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""memstrata's optimizer-state swapper: sub-groups streamed to NVMe extents, exact buffers, a DRAM cache.
+
+DeepSpeed's PartitionedOptimizerSwapper pins `buffer_count` x the largest
+sub-group of fp32 at construction (4 x 1e9 x 4 B by default) and swaps through
+files. This subclass keeps its bookkeeping (which tensors of a sub-group are
+state, where gradient fragments go) and replaces the three things that cost
+memory or bypass memstrata:
+
+- I/O: the aio handle is an `ExtentSwapHandle` (extents striped over every
+  namespace of the NVMe stratum, one I/O token per stratum per node);
+- buffers: `ExactBuffers` hands out exactly `count` buffers of the requested
+  size from the rank's locked pool, and takes them back after the swap-out;
+- the cache: the first `cache_subgroups` sub-groups whose state is fully in
+  locked buffers stay in DRAM across steps: their swap-out writes nothing and
+  their next swap-in reads only the gradients. ZeRO-3 updates sub-groups in a
+  fixed order, so a fixed cached set gives the same K hits per step as
+  reversing the order with an LRU cache, without patching ZeRO-3's step loop.
+- fast_init: fp32 master weights are built sub-group by sub-group from the
+  16-bit partitions on NVMe, with buffers of that sub-group's size only.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.swap_tensor.async_swapper import AsyncTensorSwapper
+from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
+
+from memstrata.runtime import swaplayer
+from memstrata.runtime.swap import LockedPool
+
+__all__ = ["MemstrataOptimizerSwapper", "ExactBuffers"]
+
+
+class ExactBuffers:
+    """SwapBufferManager's interface over a LockedPool: buffers of exactly the size asked for."""
+
+    def __init__(self, pool: LockedPool, dtype: torch.dtype, spare_count: int) -> None:
+        self.pool, self.dtype = pool, dtype
+        self.spare_count = spare_count  # what allocate_all hands out (gradient staging, init)
+        self._live: dict[int, torch.Tensor] = {}
+
+    def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        if dtype != self.dtype:
+            raise TypeError(f"optimizer swap buffers are {self.dtype}, asked for {dtype}")
+        out = [self.pool.tensor(int(num_elems), dtype).zero_() for _ in range(count)]
+        for t in out:
+            self._live[id(t)] = t
+        return out
+
+    def allocate_all(self, num_elems: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        return self.allocate(num_elems, self.spare_count, dtype)
+
+    def free(self, buffers: list[torch.Tensor]) -> None:
+        for t in buffers:
+            if self._live.pop(id(t), None) is None:
+                raise RuntimeError("optimizer swap buffer freed twice or not from this manager")
+            self.pool.free(t)
+
+
+class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
+    def __init__(self, swap_config: Any, aio_config: Any, base_folder: str, optimizer: Any, largest_numel: int,
+                 device: Any, dtype: torch.dtype, timers: Any) -> None:
+        # Deliberately not super().__init__: that loads the aio op, creates the swap
+        # folder and pins buffer_count x largest sub-group. Same attributes, no side effects.
+        layer = swaplayer.active()
+        self.layer = layer
+        self.swap_config, self.aio_config = swap_config, aio_config
+        self.aio_handle = layer.handle("optimizer")
+        self.swap_params_info: dict[str, Any] = {}
+        self.swap_element_size = torch.tensor([], dtype=dtype).element_size()
+        self.swap_folder = os.path.join(f"memstrata:/optimizer/rank{dist.get_rank()}")
+        self.optimizer = optimizer
+        self.min_aio_bytes = layer.settings.min_swap_bytes
+        self.aligned_bytes = 4096
+        self.numel_alignment = self.aligned_bytes // self.swap_element_size
+        self.largest_numel = self._io_aligned_numel(largest_numel)
+        self.dtype = dtype
+        self.swap_buffer_manager = ExactBuffers(layer.pool, dtype, spare_count=2)
+        self.timers, self.timer_names = timers, set()
+        self.print_exclude_list = ["optimizer", "swap_buffer_manager", "swap_params_info", "timers",
+                                   "timer_names", "aio_handle", "gradient_swapper", "print_exclude_list", "layer"]
+        self.gradient_swapper = AsyncTensorSwapper(aio_handle=self.aio_handle, numel_alignment=self.numel_alignment,
+                                                   timers=self.timers)
+        self._cached: dict[str, list[torch.Tensor]] = {}  # param id -> its state buffers, kept in DRAM
+        self._cache_slots = layer.settings.cache_subgroups
+
+    # -- cache -------------------------------------------------------------------------------------
+    def swap_in_optimizer_state(self, parameter: Any, async_parameter: Any = None) -> None:
+        info = self._get_param_swap_info(parameter)
+        if info is None:
+            return
+        cached = self._cached.get(info.param_id)
+        if cached is None or len(cached) != info.num_tensors():
+            if cached is not None:  # state tensors appeared since it was cached: re-read everything
+                self._drop_cached(info.param_id)
+            super().swap_in_optimizer_state(parameter, async_parameter)
+            return
+        self._flush_gradient_swapper(self.gradient_swapper)
+        self.layer.cache_hits += 1
+        aligned = self._io_aligned_numel(info.numel())
+        info.set_swap_buffers(cached, aligned)
+        info.swap_buffers = list(cached)
+        if info.has_gradients():
+            grad_buf = self.swap_buffer_manager.allocate(aligned, 1, parameter.dtype)
+            info.swap_buffers += grad_buf
+            self._swap_in_gradients(aio_handle=self.aio_handle, parameter=parameter, dest_buffer=grad_buf[0])
+
+    def swap_out_optimizer_state(self, parameter: Any, async_swap: bool = False) -> None:
+        info = self._get_param_swap_info(parameter)
+        if info is None:
+            return
+        pid = info.param_id
+        n = info.num_tensors()
+        state_buffers = info.swap_buffers[:n]
+        cacheable = (info.has_state_tensors and len(state_buffers) == n
+                     and all(self.layer.pool.owns(t) for t in info.get_compute_tensors()))
+        if pid in self._cached or (cacheable and len(self._cached) < self._cache_slots):
+            if pid not in self._cached:
+                self.layer.cache_bytes += sum(t.numel() * t.element_size() for t in state_buffers)
+            self._cached[pid] = state_buffers
+            # Free only what is not cached (the gradient buffer); the state stays in DRAM.
+            extra = info.swap_buffers[n:]
+            info.swap_buffers = []
+            info.release_memory()
+            self.swap_buffer_manager.free(extra)
+            info.release_unswapped_gradients()
+            return
+        super().swap_out_optimizer_state(parameter, async_swap)
+
+    def release_swap_buffers(self, parameter: Any) -> None:
+        info = self._get_param_swap_info(parameter)
+        if info is not None and info.param_id in self._cached:
+            n = info.num_tensors()
+            extra = info.swap_buffers[n:]
+            info.swap_buffers = []
+            info.release_memory()
+            self.swap_buffer_manager.free(extra)
+            return
+        super().release_swap_buffers(parameter)
+
+    def writeback_optimizer_state_and_gradients(self, parameter: Any, write_opt_state: bool,
+                                                write_gradients: bool) -> None:
+        info = self._get_param_swap_info(parameter)
+        if info is not None and info.param_id in self._cached:
+            # The cached copy is the truth; a state write-back must reach NVMe, so uncache it.
+            if write_opt_state:
+                self._drop_cached(info.param_id, keep_buffers_for=info)
+        super().writeback_optimizer_state_and_gradients(parameter, write_opt_state, write_gradients)
+
+    def _drop_cached(self, pid: str, keep_buffers_for: Any = None) -> None:
+        bufs = self._cached.pop(pid)
+        self.layer.cache_bytes -= sum(t.numel() * t.element_size() for t in bufs)
+        if keep_buffers_for is None:
+            self.swap_buffer_manager.free(bufs)
+
+    # -- fast init -----------------------------------------------------------------------------------
+    def initialize_from_swapped_fp16_params(self, fp16_partitions_info: list[Any], fp16_num_elems: list[int],
+                                            fp16_pinned_buffers: list[torch.Tensor],
+                                            fp32_parameters: list[Any]) -> None:
+        paths = self._get_swap_paths(parameters=fp32_parameters, num_elems=fp16_num_elems)
+        for parts, numel, path in zip(fp16_partitions_info, fp16_num_elems, paths):
+            fp16 = None
+            reads, dsts = [], []
+            fp32 = self.swap_buffer_manager.allocate(self._io_aligned_numel(numel), 1, self.dtype)[0]
+            offset = 0
+            for tensor, part_numel, part_path in parts:
+                if fp16 is None:
+                    fp16 = self.layer.pool.tensor(self._io_aligned_numel(numel), tensor.dtype)
+                dst = fp16.narrow(0, offset, part_numel)
+                if part_path is None:
+                    dst.copy_(tensor.data)
+                else:
+                    reads.append(part_path)
+                    dsts.append(dst)
+                offset += part_numel
+            if reads:
+                swap_in_tensors(self.aio_handle, dsts, reads)
+                self.aio_handle.wait()
+            fp32.narrow(0, 0, numel).copy_(fp16.narrow(0, 0, numel))
+            self.layer.pool.free(fp16)
+            self.aio_handle.async_pwrite(fp32, path)
+            self.aio_handle.wait()
+            self.swap_buffer_manager.free([fp32])
