@@ -10,7 +10,8 @@ second fully written file on the same disk. Same block size, queue depth and
 offsets (sequential from 1 MiB, where memstrata's data area starts) for all;
 write and read; 1 and 4 MiB blocks; queue depth 8 and 32; the median of
 --runs runs with the contenders' order rotated every run. Writes
-benchmarks/results/io.json and io.md.
+benchmarks/results/io.json and io.md (with the load average before and after every run:
+the machine is shared). The pinned-memory half of io.json is benchmarks/io/pinned.py.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator")]
 from memstrata.runtime import _native  # noqa: E402
 from memstrata.runtime.header import DATA_OFFSET  # noqa: E402
 from memstrata.runtime.nvme import NvmeEngine  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import render  # noqa: E402
 
 MiB = 1 << 20
 CASES = [(op, bs, qd) for op in ("write", "read") for bs in (1 * MiB, 4 * MiB) for qd in (8, 32)]
@@ -71,6 +75,12 @@ class Memstrata:
         return self.total / dt / 2**30
 
 
+def aio_handle_args(bs: int, qd: int) -> tuple[int, int, bool, bool, int]:
+    # (block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism):
+    # DeepSpeed's own ZeRO-3 NVMe defaults except block size and depth, which match the case.
+    return (bs, qd, False, True, 1)
+
+
 class DeepSpeedAio:
     def __init__(self, path: str, total: int) -> None:
         import torch
@@ -83,7 +93,7 @@ class DeepSpeedAio:
         self.buf.copy_(torch.randint(0, 255, (total,), dtype=torch.uint8))
 
     def run(self, op: str, bs: int, qd: int) -> float:
-        h = self.module.aio_handle(bs, qd, False, True, 1)
+        h = self.module.aio_handle(*aio_handle_args(bs, qd))
         call = h.async_pwrite if op == "write" else h.async_pread
         t0 = time.perf_counter()
         call(self.buf, self.path, DATA_OFFSET)
@@ -100,7 +110,21 @@ def machine(backing: Path) -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "backing_filesystem": {"source": src[0], "fstype": src[1] if len(src) > 1 else "?"},
-            "liburing": "2.3 (Debian)", "fio": sh("fio", "--version").strip(), "python": platform.python_version()}
+            "liburing": "2.3 (Debian)", "fio": sh("fio", "--version").strip(), "python": platform.python_version(),
+            "deepspeed": deepspeed_version()}
+
+
+def deepspeed_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("deepspeed")
+    except Exception:
+        return None
+
+
+def loadavg() -> list[float]:
+    # The machine is shared; the load next to each run says how much the numbers can be trusted.
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def main() -> None:
@@ -131,11 +155,13 @@ def main() -> None:
                 print(ds_note, file=sys.stderr)
         samples: dict[tuple[str, int, int], dict[str, list[float]]] = {c: {k: [] for k in contenders} for c in CASES}
         names = list(contenders)
+        loads = [loadavg()]
         for r in range(args.runs):
             for case in CASES:
                 for name in names[r % len(names):] + names[: r % len(names)]:
                     samples[case][name].append(contenders[name](*case))
-            print(f"run {r + 1}/{args.runs} done", file=sys.stderr)
+            loads.append(loadavg())
+            print(f"run {r + 1}/{args.runs} done, load {loads[-1]}", file=sys.stderr)
     finally:
         subprocess.run(["losetup", "-d", dev], check=False)
     results = []
@@ -144,27 +170,20 @@ def main() -> None:
         row = {"op": op, "block_bytes": bs, "queue_depth": qd, "gib_per_s": med,
                "samples_gib_per_s": by, "ratio_vs_fio": med["memstrata"] / med["fio"],
                "ratio_vs_deepspeed": med["memstrata"] / med["deepspeed"] if "deepspeed" in med else None,
-               "fio_command": " ".join(fio_command("<loopdev>", op, bs, qd, total))}
+               "fio_command": " ".join(fio_command("<loopdev>", op, bs, qd, total)),
+               "deepspeed_call": (f"aio_handle{aio_handle_args(bs, qd)}.async_p{op}(new_cpu_locked_tensor"
+                                  f"({total}), <file on same disk>, {DATA_OFFSET}); wait()")}
         results.append(row)
-    out = {"benchmark": "io", "bytes_per_run": total, "runs": args.runs, "machine": machine(images[0]),
-           "deepspeed_note": ds_note, "target": "ratio_vs_fio >= 0.95 in every case", "cases": results}
     res_dir = REPO / "benchmarks" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
+    prev = json.loads((res_dir / "io.json").read_text()) if (res_dir / "io.json").exists() else {}
+    out = {"benchmark": "io", "bytes_per_run": total, "runs": args.runs, "machine": machine(images[0]),
+           "load_average_1_5_15_before_and_after_each_run": loads, "contender_order": "rotated every run",
+           "deepspeed_note": ds_note, "target": "ratio_vs_fio >= 0.95 in every case", "cases": results}
+    if "pinned" in prev:  # written by benchmarks/io/pinned.py; kept across reruns of this one
+        out["pinned"] = prev["pinned"]
     (res_dir / "io.json").write_text(json.dumps(out, indent=2) + "\n")
-    lines = ["| op | block | QD | memstrata GiB/s | fio GiB/s | DeepSpeed GiB/s | vs fio | vs DeepSpeed |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in results:
-        g = row["gib_per_s"]
-        ds = f"{g['deepspeed']:.2f}" if "deepspeed" in g else "n/a"
-        vds = f"{row['ratio_vs_deepspeed']:.2f}" if row["ratio_vs_deepspeed"] else "n/a"
-        lines.append(f"| {row['op']} | {row['block_bytes'] // MiB} MiB | {row['queue_depth']} | "
-                     f"{g['memstrata']:.2f} | {g['fio']:.2f} | {ds} | {row['ratio_vs_fio']:.2f} | {vds} |")
-    m = out["machine"]
-    lines += ["", f"{m['cpu']}, {m['cores']} cores, kernel {m['kernel']}; loop device over a file on "
-              f"{m['backing_filesystem']['source']} ({m['backing_filesystem']['fstype']}), direct I/O on; "
-              f"{total // MiB} MiB per run, median of {args.runs}." + (f" {ds_note}" if ds_note else "")]
-    (res_dir / "io.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(render(res_dir))
 
 
 if __name__ == "__main__":

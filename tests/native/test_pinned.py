@@ -38,6 +38,16 @@ def test_shape_classes_and_per_class_sizes() -> None:
     assert sets[ShapeClass.ATTENTION].buffer_bytes == 768 * 2304 * 2
     assert sets[ShapeClass.MLP].buffer_bytes == 768 * 3072 * 2
     assert sets[ShapeClass.OTHER].buffer_bytes == 2304 * 2
+    # Never more buffers than a class has tensors: 8 asked, 2 embedding tensors (wte, lm_head) -> 2.
+    capped = {s.shape_class: s.count for s in buffer_sets_for(GPT2_SMALL, dtype_bytes=2, count=8)}
+    assert capped == {ShapeClass.EMBEDDING: 2, ShapeClass.ATTENTION: 2, ShapeClass.MLP: 2, ShapeClass.OTHER: 2}
+
+
+def test_memstratas_own_head_and_positions_are_embedding_sized() -> None:
+    assert shape_class("head.weight") is ShapeClass.EMBEDDING
+    assert shape_class("positions.weight") is ShapeClass.EMBEDDING
+    assert shape_class("blocks.0.attn.q.weight") is ShapeClass.ATTENTION
+    assert shape_class("blocks.0.mlp.gate.weight") is ShapeClass.MLP
 
 
 def test_layout_is_exact_to_4k_with_no_power_of_two_rounding() -> None:

@@ -40,7 +40,8 @@ class ShapeClass(str, Enum):
 
 
 _MARKERS = [
-    (ShapeClass.EMBEDDING, ("embed", "lm_head", "wte", "wpe", "word_embeddings", "output.weight")),
+    # memstrata's own Decoder names its untied LM head `head` and its position table `positions`.
+    (ShapeClass.EMBEDDING, ("embed", "lm_head", "wte", "wpe", "word_embeddings", "output.weight", "positions")),
     (ShapeClass.ATTENTION, ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj", "query_key_value")),
     (ShapeClass.MLP, ("mlp", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "c_fc", "feed_forward")),
 ]
@@ -51,6 +52,8 @@ def shape_class(param_name: str) -> ShapeClass:
     name = param_name.lower()
     if name.endswith("bias") or "norm" in name or "ln_" in name:
         return ShapeClass.OTHER
+    if name == "head.weight" or name.endswith(".head.weight"):
+        return ShapeClass.EMBEDDING
     for cls, markers in _MARKERS:
         if any(m in name for m in markers):
             return cls
@@ -65,12 +68,16 @@ class BufferSet:
 
 
 def buffer_sets_for(numels: Mapping[str, int], *, dtype_bytes: int, count: int) -> list[BufferSet]:
-    """One set of `count` buffers per shape class, each the size of that class's largest tensor."""
+    """Per shape class, up to `count` buffers the size of that class's largest tensor — never more
+    buffers than the class has tensors (a model has one or two embedding-sized tensors, not `count`)."""
     largest: dict[ShapeClass, int] = {}
+    tensors: dict[ShapeClass, int] = {}
     for name, numel in numels.items():
         cls = shape_class(name)
         largest[cls] = max(largest.get(cls, 0), numel * dtype_bytes)
-    return [BufferSet(cls, size, count) for cls, size in sorted(largest.items(), key=lambda kv: kv[0].value)]
+        tensors[cls] = tensors.get(cls, 0) + 1
+    return [BufferSet(cls, size, min(count, tensors[cls]))
+            for cls, size in sorted(largest.items(), key=lambda kv: kv[0].value)]
 
 
 def layout(sets: Sequence[BufferSet]) -> tuple[list[tuple[ShapeClass, int, int]], int]:
