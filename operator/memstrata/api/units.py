@@ -41,12 +41,20 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([kMGTP]i?)?$"
+# [.] rather than \. : CEL string literals reject that escape.
+QUANTITY_PATTERN = r"^[0-9]+([.][0-9]+)?([kMGTP]i?)?$"
 Bytes = Annotated[
     int,
     BeforeValidator(parse_bytes),
     PlainSerializer(lambda v: v, return_type=int),
-    # On the wire a byte count is an integer or a quantity string, like Kubernetes' own.
-    WithJsonSchema({"x-kubernetes-int-or-string": True,
-                    "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": QUANTITY_PATTERN}]}),
+    # On the wire a byte count is an integer or a quantity string, like Kubernetes' own. A structural
+    # schema allows only bare types under int-or-string's anyOf, so the bounds are a CEL rule.
+    WithJsonSchema({
+        "x-kubernetes-int-or-string": True,
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-validations": [{
+            "rule": f"type(self) == int ? self >= 0 : self.matches('{QUANTITY_PATTERN}')",
+            "message": "must be a non-negative byte count or a quantity like 512Gi or 3.84T",
+        }],
+    }),
 ]

@@ -1,0 +1,6 @@
+"""memstrata.operator: the FineTuneJob controller (run by `memstrata operator`).
+
+Pure decisions — node selection (placement), the state machine (lifecycle, conditions),
+the objects of an attempt (render) — and a thin edge: Kopf registrations (handlers), a
+keyed work queue (reconciler) and a small async API client (kube).
+"""

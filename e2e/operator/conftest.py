@@ -1,0 +1,108 @@
+"""Fixtures for the operator against the real control plane: the CRDs from crds/ and the chart,
+kwok stages standing in for the runtime, and `memstrata operator` running as a subprocess."""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from e2e.cluster.kwok import pod_failure_stage
+from e2e.operator.harness import CRD, PEERING, PEERING_CRDS, OperatorProcess, inventory, memstrata_node, succeed_stage
+
+try:  # the operator's own dependencies; without them it cannot run at all
+    import kopf  # noqa: F401
+    import kubernetes  # noqa: F401
+    MISSING = ""
+except ImportError as exc:  # pragma: no cover - depends on the venv
+    MISSING = f"the operator's dependencies are not installed ({exc}); run `make install`"
+
+
+@pytest.fixture(scope="session")
+def memstrata_cluster(cluster: Any) -> Any:
+    """The control plane with the FineTuneJob CRD (from crds/, as a user installs it), Kopf's peering
+    CRDs and object, and the kwok stages that play the runtime's part."""
+    if MISSING:
+        pytest.skip(MISSING)
+    # MEMSTRATA_E2E_CRD only for developing against a CRD not yet committed; by default the test
+    # installs exactly what a user installs.
+    crd = os.environ.get("MEMSTRATA_E2E_CRD", str(CRD))
+    cluster.kubectl("apply", "--server-side", "-f", crd, "-f", str(PEERING_CRDS))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev",
+                    "crd/clusterkopfpeerings.kopf.dev")
+    cluster.apply({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}},
+                  succeed_stage(), pod_failure_stage())
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def operator(memstrata_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(memstrata_cluster.kubeconfig, log).start()
+    try:
+        wait_active(memstrata_cluster, op)
+        yield op
+    finally:
+        op.stop()
+        print(f"\n[operator] log: {log}\n{op.tail(30)}")
+
+
+def peers(cluster: Any) -> dict[str, Any]:
+    obj = cluster.get_json("clusterkopfpeering", PEERING)
+    return {k: v for k, v in (obj.get("status") or {}).items() if isinstance(v, dict)}
+
+
+def wait_active(cluster: Any, op: OperatorProcess, timeout: float = 60) -> None:
+    """Kopf announces itself in the peering object once its watches run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not op.alive():
+            raise AssertionError(f"the operator exited with {op.proc.returncode if op.proc else '?'}:\n{op.tail()}")
+        if any(p.get("priority") == op.priority for p in peers(cluster).values()):
+            time.sleep(1.0)  # its indices fill right after it joins
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"the operator did not join peering {PEERING} in {timeout:.0f}s:\n{op.tail()}")
+
+
+class Nodes:
+    """memstrata nodes for one test (created Ready, deleted after the test's jobs are gone)."""
+
+    def __init__(self, fake_nodes: Any) -> None:
+        self._fake = fake_nodes
+        self.suffix = uuid.uuid4().hex[:5]
+
+    def add(self, name: str, **inv: Any) -> str:
+        full = f"{name}-{self.suffix}"
+        manifest = memstrata_node(full, inventory(full, **inv))
+        meta = manifest["metadata"]
+        self._fake.create(full, labels=meta["labels"], annotations={
+            k: v for k, v in meta["annotations"].items() if not k.startswith("kwok")},
+            capacity=manifest["status"]["capacity"])
+        return full
+
+
+@pytest.fixture
+def nodes(fake_nodes: Any) -> Nodes:
+    return Nodes(fake_nodes)
+
+
+@pytest.fixture
+def ns(memstrata_cluster: Any, operator: OperatorProcess, nodes: Nodes) -> Iterator[str]:
+    """A fresh namespace whose jobs are deleted — and their pods gone — before the test's nodes go,
+    so no test leaves capacity taken for the next."""
+    cluster = memstrata_cluster
+    name = f"ftj-{uuid.uuid4().hex[:8]}"
+    cluster.create_namespace(name)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "finetunejobs", "--all", "-n", name, "--wait=false", timeout=300)
+        try:
+            cluster.wait_for(f"pods of namespace {name} gone",
+                             lambda: not cluster.get_json("pods", "-n", name)["items"], timeout=180)
+        finally:
+            cluster.kubectl("delete", "namespace", name, "--wait=false")

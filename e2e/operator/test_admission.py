@@ -1,0 +1,92 @@
+"""What the user sees for jobs that cannot run: rejected at the API server (bad manifests), failed at
+once (no node could ever hold it), or waiting (no node has room now)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from e2e.operator.harness import REPO, apply_yaml, events_of, example, ftj, job, pods_of, wait
+
+pytestmark = pytest.mark.cluster
+
+
+def _bad(mutate):
+    doc = job("bad")
+    mutate(doc["spec"])
+    return doc
+
+
+INVALID = [
+    (lambda s: s["training"].update(steps=0), "spec.training.steps"),
+    (lambda s: s["model"].update(path="/models/x"), "set exactly one of model.preset or model.path"),
+    (lambda s: s["training"].update(sequenceLength=1 << 16), "training.sequenceLength"),
+    (lambda s: s["runPolicy"].update(backoffLimit=-1), "spec.runPolicy.backoffLimit"),
+    (lambda s: s["training"].update(gradientAccumulaton=4), 'unknown field "spec.training.gradientAccumulaton"'),
+    (lambda s: s["memory"].update(engine="zero-infinity"), "spec.memory.engine"),
+]
+
+
+@pytest.mark.parametrize("mutate,field", INVALID, ids=[f for _, f in INVALID])
+def test_invalid_manifest_is_rejected_naming_the_field_and_nothing_is_created(memstrata_cluster, ns, mutate, field):
+    cluster = memstrata_cluster
+    proc = subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "apply",
+                           "-n", ns, "-f", "-"], input=json.dumps(_bad(mutate)), capture_output=True, text=True)
+    assert proc.returncode != 0, proc.stdout
+    assert field in proc.stderr, proc.stderr
+    assert cluster.kubectl("get", "ftj,pods,configmaps", "-n", ns, "-o", "name",
+                           "-l", "app.kubernetes.io/managed-by=memstrata-operator").strip() == ""
+    assert cluster.kubectl("get", "ftj", "-n", ns, "-o", "name").strip() == ""
+
+
+def test_spec_is_immutable_after_creation(memstrata_cluster, ns, nodes):
+    cluster = memstrata_cluster
+    apply_yaml(cluster, job("fixed", run_policy={"suspend": True}), ns)
+    proc = subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "patch",
+                           "ftj", "fixed", "-n", ns, "--type=merge", "-p", '{"spec":{"training":{"steps":7}}}'],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "immutable" in proc.stderr
+
+
+def test_a_job_no_node_can_ever_hold_fails_with_the_shortfall_per_stratum(memstrata_cluster, ns, nodes):
+    cluster = memstrata_cluster
+    small = nodes.add("small", dram_gib=64, nvme=0)
+    cluster.kubectl("apply", "-n", ns, "-f", str(REPO / "examples" / "finetune.yaml"))
+    wait("Failed", lambda: (ftj(cluster, ns, "llama3-8b-32k").get("status") or {}).get("phase") == "Failed")
+    status = ftj(cluster, ns, "llama3-8b-32k")["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InsufficientMemory"
+    assert f"closest is {small}" in failed["message"] and "NVMe short by" in failed["message"]
+    assert [s["stratum"] for s in status["shortfalls"]] == ["nvme"]
+    assert status["shortfalls"][0]["missingBytes"] > 70 * 2**30
+    assert pods_of(cluster, ns, "llama3-8b-32k") == []
+    warnings = [e for e in events_of(cluster, ns, "llama3-8b-32k") if e["type"] == "Warning"]
+    assert any(e["reason"] == "InsufficientMemory" for e in warnings)
+
+
+def test_waits_unschedulable_and_is_scheduled_when_capacity_frees(memstrata_cluster, ns, nodes):
+    cluster = memstrata_cluster
+    only = nodes.add("one-gpu", dram_gib=64, gpus=1)
+    apply_yaml(cluster, job("first"), ns)
+    wait("first Running", lambda: (ftj(cluster, ns, "first").get("status") or {}).get("phase") == "Running")
+    apply_yaml(cluster, job("second"), ns)
+    wait("second Pending", lambda: (ftj(cluster, ns, "second").get("status") or {}).get("phase") == "Pending")
+    status = ftj(cluster, ns, "second")["status"]
+    scheduled = next(c for c in status["conditions"] if c["type"] == "Scheduled")
+    assert scheduled["status"] == "False" and scheduled["reason"] == "Unschedulable"
+    assert "nvidia.com/gpu needs 1, 0 free" in scheduled["message"] and only in scheduled["message"]
+    assert pods_of(cluster, ns, "second") == []
+    cluster.kubectl("delete", "ftj", "first", "-n", ns, "--wait=false")
+    wait("second Running once the first's GPU is free",
+         lambda: (ftj(cluster, ns, "second").get("status") or {}).get("phase") == "Running", timeout=30)
+    assert pods_of(cluster, ns, "second")[0]["spec"]["nodeName"] == only
+
+
+def test_examples_apply_cleanly(memstrata_cluster, ns):
+    cluster = memstrata_cluster
+    for name in ("finetune.yaml", "finetune-tiny.yaml"):
+        doc = example(name)
+        doc["spec"]["runPolicy"] = {**doc["spec"].get("runPolicy", {}), "suspend": True}  # accepted, not run
+        out = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input=json.dumps(doc))
+        assert "created (server dry run)" in out

@@ -1,0 +1,123 @@
+"""Restarts, replicas, many jobs at once, and the runtime's narrowly scoped identity."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from e2e.operator.conftest import peers, wait_active
+from e2e.operator.harness import OperatorProcess, apply_yaml, ftj, job, kubectl_as, pods_of, token_kubeconfig, wait
+from memstrata.api import RuntimeReport, StratumCounters
+
+pytestmark = pytest.mark.cluster
+
+
+def _phases(cluster, ns):
+    items = cluster.get_json("ftj", "-n", ns)["items"]
+    return {i["metadata"]["name"]: (i.get("status") or {}).get("phase") for i in items}
+
+
+def _pods_per_job(cluster, ns):
+    out: dict[str, list[str]] = {}
+    for p in cluster.get_json("pods", "-n", ns)["items"]:
+        owner = p["metadata"]["ownerReferences"][0]["name"]
+        out.setdefault(owner, []).append(p["metadata"]["name"])
+    return out
+
+
+def _submit(cluster, ns, docs):
+    cluster.kubectl("apply", "-n", ns, "-f", "-",
+                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}), timeout=120)
+
+
+def test_operator_killed_mid_flight_loses_no_job_and_duplicates_no_pod(memstrata_cluster, operator, ns, nodes):
+    cluster = memstrata_cluster
+    for i in range(5):
+        nodes.add(f"n{i}", dram_gib=64, gpus=4)
+    n = 20
+    _submit(cluster, ns, [job(f"j{i:02d}") for i in range(n)])
+    wait("some pods created", lambda: 0 < len(_pods_per_job(cluster, ns)), timeout=30, interval=0.05)
+    operator.stop(signal.SIGKILL)  # no cleanup, no goodbye: a crash
+    created_while_up = len(_pods_per_job(cluster, ns))
+    operator.priority += 1  # the dead process's peering record has the old priority until it expires
+    operator.start()
+    wait_active(cluster, operator)
+    wait(f"all {n} jobs Running", lambda: list(_phases(cluster, ns).values()).count("Running") == n, timeout=90)
+    per_job = _pods_per_job(cluster, ns)
+    assert sorted(per_job) == [f"j{i:02d}" for i in range(n)]
+    assert all(pods == [f"{name}-0"] for name, pods in per_job.items()), per_job
+    assert all(ftj(cluster, ns, name)["status"]["attempts"] == 1 for name in per_job)
+    print(f"pods created before the kill: {created_while_up}/{n}")
+
+
+def test_runtime_identity_may_patch_its_own_status_and_nothing_else(memstrata_cluster, ns, nodes, tmp_path):
+    cluster = memstrata_cluster
+    nodes.add("gpu", dram_gib=64, gpus=2)
+    apply_yaml(cluster, job("mine"), ns)
+    apply_yaml(cluster, job("theirs"), ns)
+    wait("both Running", lambda: set(_phases(cluster, ns).values()) == {"Running"})
+    sa = pods_of(cluster, ns, "mine")[0]["spec"]["serviceAccountName"]
+    kc = token_kubeconfig(cluster, ns, sa, tmp_path / "runtime.kubeconfig")
+
+    report = RuntimeReport(stage="training", step=30, total_steps=60, loss=1.25, tokens_per_second=812.0,
+                           elapsed_seconds=90.0, strata={"dram": StratumCounters(peak_bytes=3 << 30)})
+    patch = json.dumps(report.status_patch())
+    ok = kubectl_as(cluster, kc, "patch", "ftj", "mine", "--subresource=status", "--type=merge", "-p", patch)
+    assert ok.returncode == 0, ok.stderr
+    row = cluster.kubectl("get", "ftj", "mine", "-n", ns, "--no-headers").split()
+    assert row[3:6] == ["30/60", "(50%)", "1m30s"]  # Progress and ETA columns
+    status = ftj(cluster, ns, "mine")["status"]
+    assert status["progress"]["loss"] == 1.25 and status["peakMemory"] == {"dram": 3 << 30}
+    assert status["phase"] == "Running"  # the operator's fields survive the runtime's patch
+
+    for args in (("patch", "ftj", "theirs", "--subresource=status", "--type=merge", "-p", patch),
+                 ("patch", "ftj", "mine", "--type=merge", "-p", '{"spec":{"runPolicy":{"backoffLimit":9}}}'),
+                 ("get", "pods"), ("get", "ftj", "theirs"), ("delete", "ftj", "mine")):
+        denied = kubectl_as(cluster, kc, *args)
+        assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), (args, denied.stderr)
+    assert "progress" not in (ftj(cluster, ns, "theirs")["status"])
+
+
+def test_two_replicas_one_active_and_the_standby_takes_over(memstrata_cluster, operator, ns, nodes, tmp_path):
+    cluster = memstrata_cluster
+    nodes.add("gpu", dram_gib=64, gpus=4)
+    standby = OperatorProcess(cluster.kubeconfig, tmp_path / "standby.log", operator.priority - 50).start()
+    try:
+        wait("two peers", lambda: len([p for p in peers(cluster).values()
+                                       if p.get("priority") in (operator.priority, standby.priority)]) == 2)
+        apply_yaml(cluster, job("before"), ns)
+        wait("before Running", lambda: _phases(cluster, ns).get("before") == "Running")
+        operator.stop(signal.SIGTERM)  # a graceful exit removes its peering record at once
+        apply_yaml(cluster, job("after"), ns)
+        wait("after Running, handled by the standby", lambda: _phases(cluster, ns).get("after") == "Running",
+             timeout=60)
+        assert "paus" in standby.log.read_text().lower()  # it waited while the active replica lived
+        assert _pods_per_job(cluster, ns) == {"before": ["before-0"], "after": ["after-0"]}
+    finally:
+        standby.stop()
+        if not operator.alive():
+            operator.priority += 100
+            operator.start()
+            wait_active(cluster, operator)
+
+
+@pytest.mark.slow
+def test_two_hundred_jobs_at_once(memstrata_cluster, operator, ns, nodes):
+    cluster = memstrata_cluster
+    for i in range(50):
+        nodes.add(f"m{i:02d}", dram_gib=64, gpus=4)
+    n = 200
+    began = time.monotonic()
+    _submit(cluster, ns, [job(f"b{i:03d}") for i in range(n)])
+    wait(f"all {n} Running", lambda: list(_phases(cluster, ns).values()).count("Running") == n,
+         timeout=240, interval=1.0)
+    elapsed = time.monotonic() - began
+    per_job = _pods_per_job(cluster, ns)
+    assert len(per_job) == n and all(len(p) == 1 for p in per_job.values())
+    per_node: dict[str, int] = {}
+    for p in cluster.get_json("pods", "-n", ns)["items"]:
+        per_node[p["spec"]["nodeName"]] = per_node.get(p["spec"]["nodeName"], 0) + 1
+    assert max(per_node.values()) <= 4 and len(per_node) == 50  # spread, within each node's GPUs
+    print(f"{n} jobs Running in {elapsed:.1f}s; operator peak RSS {operator.peak_rss_bytes() / 2**20:.0f} MiB")

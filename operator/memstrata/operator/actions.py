@@ -1,0 +1,65 @@
+"""What a reconcile asks the edge to do. Plain values: the lifecycle returns them, the reconciler applies them
+in order (deletions, the new attempt, the status patch, events, the job's own deletion)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from memstrata.plan import Plan
+
+
+@dataclass(frozen=True)
+class CreateAttempt:
+    """Create the attempt's ServiceAccount/Role/RoleBinding/ConfigMap, then its pod."""
+
+    attempt: int
+    node: str
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class DeletePods:
+    names: tuple[str, ...]
+    why: str
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    patch: dict[str, Any]  # merge patch of .status (None deletes a field)
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    why: str
+
+
+@dataclass(frozen=True)
+class AddFinalizer:
+    """Hold the job's deletion until its children are gone (runs alongside the first attempt)."""
+
+
+@dataclass(frozen=True)
+class CleanupChildren:
+    """Delete every child of a job being deleted; release the finalizer once no pod is left."""
+
+    release: bool
+
+
+Action = Union[DeletePods, CreateAttempt, PatchStatus, Event, DeleteJob, AddFinalizer, CleanupChildren]
+
+
+@dataclass(frozen=True)
+class Decision:
+    actions: tuple[Action, ...] = ()
+    requeue_after: float | None = None  # seconds until the decision may change with no event
+    waiting_for_room: bool = False  # re-place as soon as capacity frees up
+
+    def of(self, kind: type) -> list[Any]:
+        return [a for a in self.actions if isinstance(a, kind)]

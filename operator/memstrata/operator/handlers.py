@@ -1,0 +1,84 @@
+"""Kopf registrations, kept thin: each handler only feeds the reconciler or an index.
+
+- indices of nodes (their memstrata inventory) and of pods holding resources: Kopf
+  fills them before any other handler runs, so the first placement after a restart
+  already sees every pod that holds a GPU or a namespace;
+- events of FineTuneJobs and of their pods enqueue the job; a pod ending or a node
+  changing wakes the jobs waiting for room;
+- deletion is the reconciler's too: its own finalizer (memstrata.dev/cleanup) is released only
+  once every child is gone. Kopf's on.delete is not used, because Kopf would then also write its
+  finalizer and a copy of every spec (diff-base annotation) into each job: two extra writes per job.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from memstrata.api.finetunejob import GROUP, KIND, PLURAL, VERSION
+from memstrata.operator import names
+from memstrata.operator.nodes import NodeView, PodUse, node_view, pod_use
+from memstrata.operator.reconciler import Reconciler, holds_resources
+from memstrata.operator.settings import OperatorConfig, apply_settings
+
+log = logging.getLogger("memstrata.operator")
+
+
+def build_registry(reconciler: Reconciler, config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        apply_settings(settings, config)
+        await reconciler.start()
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await reconciler.stop()
+        await reconciler.kube.close()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # Kopf and the reconciler must reach the same API server as the same identity.
+        return kopf.ConnectionInfo(**reconciler.kube.credentials())
+
+    @kopf.index("", "v1", "nodes", registry=registry, id="node_index")  # the id names the kwarg
+    def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
+        return {name: node_view(body)}
+
+    @kopf.index("", "v1", "pods", registry=registry, id="pod_index")
+    def pod_index(body: kopf.Body, **_: Any) -> dict[str, PodUse]:
+        use = pod_use(body)
+        return {use.node: use} if use else {}
+
+    def bind(node_index: kopf.Index[str, NodeView], pod_index: kopf.Index[str, PodUse]) -> None:
+        # The indices are live views; binding them once is enough, binding again is harmless.
+        reconciler.nodes = lambda: [v for store in node_index.values() for v in store]
+        reconciler.pod_uses = lambda: [v for store in pod_index.values() for v in store]
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    async def job_event(event: kopf.RawEvent, node_index: kopf.Index[str, NodeView],
+                        pod_index: kopf.Index[str, PodUse], **_: Any) -> None:
+        bind(node_index, pod_index)
+        reconciler.observe_job(event["object"], deleted=event.get("type") == "DELETED")
+
+    @kopf.on.event("", "v1", "pods", registry=registry)
+    async def pod_event(event: kopf.RawEvent, node_index: kopf.Index[str, NodeView],
+                        pod_index: kopf.Index[str, PodUse], **_: Any) -> None:
+        bind(node_index, pod_index)
+        pod = event["object"]
+        meta = pod.get("metadata") or {}
+        if names.LABEL_JOB_UID in (meta.get("labels") or {}):
+            owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == KIND), None)
+            if owner:
+                reconciler.enqueue((meta.get("namespace", "default"), owner["name"]))
+        ended = event.get("type") == "DELETED" or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+        if ended and holds_resources(pod):
+            reconciler.wake_waiting()
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)
+    async def node_event(**_: Any) -> None:
+        reconciler.wake_waiting()
+
+    return registry

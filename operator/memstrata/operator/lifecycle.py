@@ -1,0 +1,275 @@
+"""The FineTuneJob state machine. Pure: (job, its pods, now, a placer) -> Decision.
+
+Level-triggered: the decision depends only on what is observed now, so running
+it twice, or after an operator restart, asks for nothing new. Two facts cannot
+be observed and are kept in status: which pod is the current attempt
+(`activePod`, written only after the pod exists) and which pods already failed
+(`failedPods`), so a failed pod that someone deletes still counts.
+
+Phases: Pending -> Created -> Scheduled -> Running -> Succeeded | Failed, with
+Restarting between attempts and Suspended while spec.runPolicy.suspend is true.
+backoffLimit N allows N failed attempts to be retried: N+1 attempts in all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Callable, Sequence
+
+from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.api.report import format_duration
+from memstrata.operator.actions import (
+    Action, AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeleteJob, DeletePods, Event, PatchStatus,
+)
+from memstrata.operator.conditions import StatusBuilder
+from memstrata.operator.names import FINALIZER, pod_name
+from memstrata.operator.observe import JobView, PodView, format_time, parse_time
+from memstrata.operator.placement import Placement
+
+
+@dataclass(frozen=True)
+class LifecyclePolicy:
+    backoff_base_seconds: float = 10.0
+    """Delay before the 2nd attempt; doubles per failure (the Job controller's rule)."""
+    backoff_max_seconds: float = 360.0
+    """Cap on that delay, as the Job controller's six minutes."""
+    unschedulable_retry_seconds: float = 30.0
+    """Re-place a waiting job this often even if no capacity event arrives (a safety net)."""
+
+    def backoff(self, failures: int) -> float:
+        if failures <= 0 or self.backoff_base_seconds <= 0:
+            return 0.0
+        return min(self.backoff_base_seconds * 2 ** (failures - 1), self.backoff_max_seconds)
+
+
+Placer = Callable[[FineTuneJobSpec], Placement]
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+@dataclass
+class _Run:
+    job: JobView
+    pods: Sequence[PodView]
+    now: datetime
+    b: StatusBuilder
+    actions: list[Action] = field(default_factory=list)
+    requeue: list[float] = field(default_factory=list)
+    waiting: bool = False
+
+    @property
+    def active(self) -> list[PodView]:
+        return [p for p in self.pods if p.active]
+
+    def done(self) -> Decision:
+        patch = self.b.patch()
+        actions = [a for a in self.actions if not isinstance(a, Event)]
+        if patch:
+            actions.append(PatchStatus(patch))
+        actions += [a for a in self.actions if isinstance(a, Event)] + self.b.events()
+        return Decision(tuple(actions), min(self.requeue) if self.requeue else None, self.waiting)
+
+    def stop_active(self, why: str) -> None:
+        if self.active:
+            self.actions.insert(0, DeletePods(tuple(p.name for p in self.active), why))
+
+    def finish(self, phase: str, reason: str, message: str) -> Decision:
+        self.stop_active(f"the job {phase.lower()}")
+        b = self.b
+        b.phase(phase, message)
+        b.condition(phase, "True", reason, message)
+        b.condition_if_true("Running", "False", reason, message)
+        b.condition_if_true("Restarting", "False", reason, message)
+        b.set("completionTime", b.now_str)
+        b.set("activePod", None)
+        self._ttl(self.now)
+        return self.done()
+
+    def _ttl(self, completed: datetime) -> None:
+        ttl = self.job.spec.run_policy.ttl_seconds_after_finished if self.job.spec else None
+        if ttl is None:
+            return
+        left = (completed + timedelta(seconds=ttl) - self.now).total_seconds()
+        if left <= 0:
+            self.actions.append(DeleteJob(f"ttlSecondsAfterFinished ({ttl}s) passed"))
+        else:
+            self.requeue.append(left)
+
+
+def decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
+           policy: LifecyclePolicy = LifecyclePolicy()) -> Decision:
+    if job.deleting:
+        if FINALIZER not in job.finalizers:
+            return Decision()  # released already; the API server finishes the deletion
+        # Pods still listed (even terminating) keep the finalizer: no orphan outlives its job.
+        return Decision((CleanupChildren(release=not pods),), requeue_after=1.0 if pods else None)
+    decision = _decide(job, pods, now, place, policy)
+    if FINALIZER not in job.finalizers:
+        return Decision((AddFinalizer(),) + decision.actions, decision.requeue_after, decision.waiting_for_room)
+    return decision
+
+
+def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
+            policy: LifecyclePolicy) -> Decision:
+    run = _Run(job, pods, now, StatusBuilder(job.status, now))
+    phase = job.status.get("phase")
+    if phase in TERMINAL_PHASES:
+        run.stop_active(f"the job already {phase.lower()}")
+        run._ttl(parse_time(job.status.get("completionTime")) or now)
+        return run.done()
+    if job.spec is None:
+        return run.finish("Failed", "InvalidSpec", job.spec_error)
+    policy_ = job.spec.run_policy
+    if policy_.suspend:
+        return _suspend(run)
+    if phase == "Suspended":
+        run.b.condition("Suspended", "False", "Resumed", "spec.runPolicy.suspend was set to false")
+
+    succeeded = [p for p in pods if p.phase == "Succeeded"]
+    if succeeded:  # a finished run counts even if the deadline passed while we were not looking
+        return run.finish("Succeeded", "PodSucceeded", f"pod {succeeded[0].name} completed")
+
+    start = parse_time(job.status.get("startTime"))
+    if policy_.active_deadline_seconds and start is not None:
+        left = (start + timedelta(seconds=policy_.active_deadline_seconds) - now).total_seconds()
+        if left <= 0:
+            return run.finish("Failed", "DeadlineExceeded",
+                              f"the job ran longer than spec.runPolicy.activeDeadlineSeconds "
+                              f"({policy_.active_deadline_seconds}s)")
+        run.requeue.append(left)
+
+    failures = _failures(run)
+    limit = policy_.backoff_limit
+    if len(failures) > limit:
+        last = (run.b.get("lastFailure") or {}).get("message") or "the last attempt failed"
+        return run.finish("Failed", "BackoffLimitExceeded",
+                          f"{last}; spec.runPolicy.backoffLimit is {limit}, "
+                          f"so {limit + 1} attempt(s) were allowed and all failed")
+
+    current = sorted(run.active, key=lambda p: p.attempt)
+    if current:
+        if len(current) > 1:  # only possible if someone copied a pod; keep the newest
+            run.actions.append(DeletePods(tuple(p.name for p in current[:-1]), "duplicate attempt"))
+        return _track(run, current[-1], failures)
+    return _start_attempt(run, failures, place, policy)
+
+
+def _suspend(run: _Run) -> Decision:
+    run.stop_active("the job is suspended")
+    b = run.b
+    message = "spec.runPolicy.suspend is true" + ("; its pods were deleted" if run.active else "")
+    b.phase("Suspended", message)
+    b.condition("Suspended", "True", "Suspended", message)
+    b.condition_if_true("Running", "False", "Suspended", message)
+    b.set("activePod", None)
+    # The deadline counts running time only, as the Job controller's does.
+    b.set("startTime", None)
+    return run.done()
+
+
+def _failures(run: _Run) -> list[str]:
+    """Names of all failed attempts, recording newly observed ones (with their reason) in status."""
+    known = list(run.b.get("failedPods") or [])
+    active_pod = run.b.get("activePod")
+    by_name = {p.name: p for p in run.pods}
+    new: list[str] = []
+    message = ""
+    for pod in sorted(run.pods, key=lambda p: p.attempt):
+        if pod.name in known:
+            continue
+        # A pod we deleted ourselves (suspend) is not the current attempt and is no failure.
+        ours_deleted = pod.deleting and pod.name != active_pod
+        if (pod.phase == "Failed" and not ours_deleted) or (pod.deleting and not pod.terminal and not ours_deleted):
+            new.append(pod.name)
+            message = pod.describe_failure()
+    if active_pod and active_pod not in by_name and active_pod not in known and active_pod not in new:
+        new.append(active_pod)
+        message = f"pod {active_pod} disappeared before it finished"
+    if new:
+        run.b.set("failedPods", known + new)
+        run.b.set("lastFailure", {"pod": new[-1], "message": message, "time": run.b.now_str})
+        run.b.set("message", message)
+        run.b.set("activePod", None)
+        run.b.condition_if_true("Running", "False", "PodFailed", message)
+    return known + new
+
+
+def _track(run: _Run, pod: PodView, failures: list[str]) -> Decision:
+    b = run.b
+    if b.get("activePod") != pod.name:  # adopted after a restart between create and status patch
+        b.set("activePod", pod.name)
+    b.set("attempts", max(int(b.get("attempts") or 0), pod.attempt + 1))
+    if pod.node:
+        b.set("node", pod.node)
+    if pod.phase == "Running":
+        b.phase("Running", f"pod {pod.name} is running on {pod.node}")
+        b.condition("Scheduled", "True", "PodScheduled", f"pod {pod.name} is bound to node {pod.node}")
+        b.condition("Running", "True", "PodRunning", f"pod {pod.name} is running on {pod.node}")
+        b.condition_if_true("Restarting", "False", "Restarted", f"attempt {pod.attempt + 1} is running")
+    elif pod.node:
+        b.phase("Restarting" if failures else "Scheduled", f"pod {pod.name} is bound to node {pod.node}")
+        b.condition("Scheduled", "True", "PodScheduled", f"pod {pod.name} is bound to node {pod.node}")
+    else:
+        b.phase("Restarting" if failures else "Created", f"pod {pod.name} waits for the scheduler")
+        if pod.unschedulable:
+            b.condition("Scheduled", "False", "Unschedulable", pod.reason)
+            run.waiting = True
+    return run.done()
+
+
+def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: LifecyclePolicy) -> Decision:
+    job, b = run.job, run.b
+    spec = job.spec
+    assert spec is not None
+    limit = spec.run_policy.backoff_limit
+    if failures:
+        wait = policy.backoff(len(failures))
+        failure = b.get("lastFailure") or {}
+        due = (parse_time(failure.get("time")) or run.now) + timedelta(seconds=wait)
+        left = (due - run.now).total_seconds()
+        # An absolute time, not "in 5s": a message that changed every reconcile would be a
+        # status write (and an event loop) every reconcile.
+        msg = (f"{failure.get('message') or 'an attempt failed'}; attempt {len(failures) + 1} of {limit + 1} "
+               f"starts at {format_time(due)} (backoff {format_duration(wait)})")
+        b.phase("Restarting", msg)
+        b.condition("Restarting", "True", "BackoffAfterFailure", msg)
+        if left > 0:
+            run.requeue.append(left)
+            return run.done()
+
+    placement = place(spec)
+    if placement.outcome == "impossible":
+        b.set("shortfalls", [s.wire() for s in placement.shortfalls])
+        return run.finish("Failed", "InsufficientMemory", placement.message)
+    if placement.outcome == "no-room":
+        if not failures:
+            b.phase("Pending", placement.message)
+        b.condition("Scheduled", "False", "Unschedulable", placement.message)
+        run.waiting = True
+        run.requeue.append(policy.unschedulable_retry_seconds)
+        return run.done()
+
+    assert placement.node is not None and placement.plan is not None
+    attempt = _next_attempt(b.get("attempts"), run.pods)
+    name = pod_name(job.name, attempt)
+    run.actions.append(CreateAttempt(attempt, placement.node, placement.plan))
+    message = f"created pod {name} for node {placement.node}: {placement.message}"
+    b.set("node", placement.node)
+    b.set("plan", placement.plan.model_dump(mode="json"))
+    b.set("attempts", attempt + 1)
+    b.set("activePod", name)
+    b.set("restarts", len(failures))
+    b.set("shortfalls", None)
+    if b.get("startTime") is None:
+        b.set("startTime", b.now_str)
+    if not failures:
+        b.phase("Created", message)
+    b.condition("Created", "True", "PodCreated", message)
+    if failures:  # the first pod's event comes with the Created condition; a retry's needs its own
+        run.actions.append(Event("Normal", "PodCreated", message))
+    return run.done()
+
+
+def _next_attempt(recorded: Any, pods: Sequence[PodView]) -> int:
+    """One past every attempt ever made: the status counter, or any pod seen (a crash may
+    have come between creating a pod and recording it)."""
+    return max([int(recorded or 0)] + [p.attempt + 1 for p in pods])

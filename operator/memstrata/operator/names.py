@@ -1,0 +1,66 @@
+"""Names and labels of everything the operator creates for a FineTuneJob.
+
+One module names them so the renderer, the reconciler, the cleanup on
+deletion and the tests select the same objects. Children are selected by the
+job's UID, not its name: a label value is capped at 63 characters while a job
+name may be 253, and a re-created job with the same name must never adopt the
+pods of its predecessor.
+"""
+from __future__ import annotations
+
+from memstrata.api.finetunejob import GROUP
+
+FINALIZER = f"{GROUP}/cleanup"
+FIELD_MANAGER = "memstrata-operator"
+COMPONENT = "memstrata-operator"
+
+LABEL_JOB_UID = f"{GROUP}/job-uid"
+LABEL_JOB_NAME = f"{GROUP}/job-name"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "memstrata-operator"
+
+# Labels on a job that must never be copied to its pods: they would let a user
+# make a pod look like another job's child.
+RESERVED_PREFIXES = (f"{GROUP}/job-", f"{GROUP}/attempt", "app.kubernetes.io/managed-by")
+
+CONTAINER = "runtime"
+CONFIG_MOUNT = "/etc/memstrata"
+
+# Kubernetes object names are DNS subdomains (253); leave room for suffixes.
+_MAX_BASE = 230
+
+
+def _base(job: str) -> str:
+    return job[:_MAX_BASE].rstrip("-.")
+
+
+def pod_name(job: str, attempt: int) -> str:
+    """Deterministic per attempt, so a re-run reconcile gets 409 instead of a duplicate pod."""
+    return f"{_base(job)}-{attempt}"
+
+
+def configmap_name(job: str) -> str:
+    return f"{_base(job)}-runtime-config"
+
+
+def runtime_account_name(job: str) -> str:
+    """The ServiceAccount, Role and RoleBinding that let the job's runtime patch its status."""
+    return f"{_base(job)}-runtime"
+
+
+def selector(uid: str) -> str:
+    """Label selector for every child of the job with this UID."""
+    return f"{LABEL_JOB_UID}={uid}"
+
+
+def child_labels(job: str, uid: str) -> dict[str, str]:
+    labels = {LABEL_JOB_UID: uid, LABEL_MANAGED_BY: MANAGED_BY}
+    if len(job) <= 63:
+        labels[LABEL_JOB_NAME] = job
+    return labels
+
+
+def user_labels(labels: dict[str, str] | None) -> dict[str, str]:
+    """The job's own labels that are copied onto its pods (so selectors and policies can match them)."""
+    return {k: v for k, v in (labels or {}).items() if not k.startswith(RESERVED_PREFIXES)}

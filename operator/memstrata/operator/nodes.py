@@ -1,0 +1,150 @@
+"""What the operator knows about nodes and the room left on them. Pure: dicts in, values out.
+
+"Room now" is a node's allocatable minus the requests of the pods bound to it
+that have not terminated — the same arithmetic the scheduler does for extended
+resources — so the operator only creates a pod where the scheduler will bind it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from memstrata.api.node import (
+    RESOURCE_CXL_GIB, RESOURCE_GPU, RESOURCE_NVME, NodeInventory, NodeNotManagedError, read_node,
+)
+from memstrata.operator.names import LABEL_JOB_UID
+
+RESOURCES = (RESOURCE_GPU, RESOURCE_NVME, RESOURCE_CXL_GIB)
+# Taints that the operator's pods tolerate: GPU nodes are commonly tainted so
+# that only GPU workloads land there, and a fine-tune is one.
+TOLERATED_TAINT_KEYS = frozenset({RESOURCE_GPU})
+
+_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$")
+
+
+def quantity(value: str | int | None) -> int:
+    """A Kubernetes quantity as a whole number (milli-units round up; extended resources are integers)."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    m = _QUANTITY.match(str(value).strip())
+    if not m:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}")
+    number, suffix = float(m.group(1)), m.group(2) or ""
+    if suffix == "m":
+        return int(-(-number // 1000))
+    return int(number * _SUFFIX[suffix])
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One Node as the placement needs it."""
+
+    name: str
+    inventory: NodeInventory | None
+    allocatable: Mapping[str, int]
+    schedulable: bool
+    why_not: str = ""  # why no pod can be placed there now (cordoned, NotReady, tainted)
+    error: str = ""  # why the inventory is unusable
+    inventory_key: str = ""  # identical inventories share plans (see placement)
+
+
+def node_view(node: Mapping[str, Any]) -> NodeView:
+    meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
+    name = meta.get("name", "")
+    try:
+        inventory: NodeInventory | None = read_node(node)
+        error, key = "", inventory.model_dump_json(exclude={"hostname"})
+    except NodeNotManagedError as exc:
+        inventory, error, key = None, str(exc), ""
+    alloc = status.get("allocatable") or {}
+    allocatable = {r: quantity(alloc.get(r)) for r in RESOURCES}
+    why = _why_unschedulable(spec, status)
+    return NodeView(name=name, inventory=inventory, allocatable=allocatable, schedulable=not why,
+                    why_not=why, error=error, inventory_key=key)
+
+
+def _why_unschedulable(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    if spec.get("unschedulable"):
+        return "cordoned"
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "True":
+        return "not Ready"
+    for taint in spec.get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and taint.get("key") not in TOLERATED_TAINT_KEYS:
+            return f"tainted {taint.get('key')}:{taint.get('effect')}"
+    return ""
+
+
+@dataclass(frozen=True)
+class PodUse:
+    """A pod bound to a node that still holds its resources."""
+
+    key: str  # namespace/name
+    node: str
+    requests: Mapping[str, int]
+    memstrata: bool  # one of ours: counts for spreading
+
+
+def pod_use(pod: Mapping[str, Any]) -> PodUse | None:
+    """The resources a pod holds on its node, or None if it holds none (unbound or terminated)."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    node = spec.get("nodeName")
+    if not node or status.get("phase") in ("Succeeded", "Failed"):
+        return None
+    return PodUse(
+        key=f"{meta.get('namespace', '')}/{meta.get('name', '')}",
+        node=node,
+        requests=pod_requests(spec),
+        memstrata=LABEL_JOB_UID in (meta.get("labels") or {}),
+    )
+
+
+def pod_requests(spec: Mapping[str, Any]) -> dict[str, int]:
+    """Extended-resource requests of a pod: the sum over containers, or the largest init container
+    (init containers run one at a time), whichever is larger — the scheduler's rule."""
+    def of(containers: Iterable[Mapping[str, Any]] | None) -> list[dict[str, int]]:
+        out = []
+        for c in containers or []:
+            res = c.get("resources") or {}
+            # Extended resources may be given as limits only; requests then default to them.
+            merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
+            out.append({r: quantity(merged.get(r)) for r in RESOURCES})
+        return out
+
+    main, init = of(spec.get("containers")), of(spec.get("initContainers"))
+    return {r: max(sum(c[r] for c in main), max((c[r] for c in init), default=0)) for r in RESOURCES}
+
+
+@dataclass
+class Usage:
+    """What is already taken on one node."""
+
+    requested: dict[str, int] = field(default_factory=lambda: {r: 0 for r in RESOURCES})
+    memstrata_pods: int = 0
+
+    def add(self, use: PodUse) -> None:
+        for r in RESOURCES:
+            self.requested[r] += use.requests.get(r, 0)
+        self.memstrata_pods += int(use.memstrata)
+
+
+def usage_by_node(uses: Iterable[PodUse]) -> dict[str, Usage]:
+    """Sum pod uses per node; a pod seen twice (the watch and an in-flight creation) counts once."""
+    seen: set[str] = set()
+    out: dict[str, Usage] = {}
+    for use in uses:
+        if use.key in seen:
+            continue
+        seen.add(use.key)
+        out.setdefault(use.node, Usage()).add(use)
+    return out
+
+
+def free_now(node: NodeView, usage: Usage | None) -> dict[str, int]:
+    taken = usage.requested if usage else {}
+    return {r: node.allocatable.get(r, 0) - taken.get(r, 0) for r in RESOURCES}

@@ -1,0 +1,138 @@
+"""The operator's read of a FineTuneJob and its pods. Pure: API dicts in, frozen views out.
+
+The lifecycle decides only from these views, so every decision can be tested
+with plain dicts shaped like what the API server returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.api.manifest import describe_validation_error
+from memstrata.operator.names import LABEL_ATTEMPT
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def format_time(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class JobView:
+    name: str
+    namespace: str
+    uid: str
+    labels: Mapping[str, str]
+    spec: FineTuneJobSpec | None
+    spec_error: str  # why spec could not be read (the CRD and the models disagree)
+    status: Mapping[str, Any]
+    deleting: bool
+    created: datetime | None
+    finalizers: tuple[str, ...] = ()
+    resource_version: str = ""
+
+
+def job_view(body: Mapping[str, Any]) -> JobView:
+    meta = body.get("metadata") or {}
+    try:
+        spec: FineTuneJobSpec | None = FineTuneJobSpec.model_validate(body.get("spec") or {})
+        error = ""
+    except ValidationError as exc:
+        spec, error = None, describe_validation_error(exc, "spec")
+    return JobView(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", "default"),
+        uid=meta.get("uid", ""),
+        labels=dict(meta.get("labels") or {}),
+        spec=spec,
+        spec_error=error,
+        status=dict(body.get("status") or {}),
+        deleting=bool(meta.get("deletionTimestamp")),
+        created=parse_time(meta.get("creationTimestamp")),
+        finalizers=tuple(meta.get("finalizers") or ()),
+        resource_version=str(meta.get("resourceVersion") or ""),
+    )
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    attempt: int
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    node: str | None
+    deleting: bool
+    exit_code: int | None = None
+    reason: str = ""  # why it terminated or why it cannot be scheduled
+    unschedulable: bool = False
+    finished_at: datetime | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL
+
+    @property
+    def active(self) -> bool:
+        """Holding (or about to hold) the job's place on a node."""
+        return not self.terminal and not self.deleting
+
+    def describe_failure(self) -> str:
+        bits = [f"pod {self.name}"]
+        if self.deleting and not self.terminal:
+            bits.append("was deleted before it finished")
+        else:
+            bits.append("failed")
+            if self.exit_code is not None:
+                bits.append(f"with exit code {self.exit_code}")
+        if self.reason:
+            bits.append(f"({self.reason})")
+        return " ".join(bits)
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView:
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    labels = dict(meta.get("labels") or {})
+    try:
+        attempt = int(labels.get(LABEL_ATTEMPT, "0"))
+    except ValueError:
+        attempt = 0
+    exit_code, reason, finished = None, status.get("reason") or "", None
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+        if term:
+            exit_code = term.get("exitCode")
+            reason = term.get("reason") or reason
+            if term.get("message"):
+                reason = f"{reason}: {term['message']}" if reason else term["message"]
+            finished = parse_time(term.get("finishedAt"))
+            if exit_code:
+                break  # the failing container explains the pod
+    unschedulable = False
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            unschedulable = cond.get("reason") == "Unschedulable"
+            if status.get("phase", "Pending") == "Pending":
+                reason = cond.get("message") or cond.get("reason") or reason
+    return PodView(
+        name=meta.get("name", ""),
+        attempt=attempt,
+        phase=status.get("phase") or "Pending",
+        node=spec.get("nodeName"),
+        deleting=bool(meta.get("deletionTimestamp")),
+        exit_code=exit_code,
+        reason=reason,
+        unschedulable=unschedulable,
+        finished_at=finished,
+        labels=labels,
+    )

@@ -1,0 +1,324 @@
+"""The edge that turns decisions into API calls: a keyed work queue, like a controller's.
+
+Every trigger (a job event, one of its pods changing, capacity freeing up, a
+timer) only enqueues the job's key; a few workers take keys off the queue, and
+one key is never reconciled by two workers at once — a key that changes while it
+is being reconciled is simply run again afterwards. Each reconcile reads the
+job's pods with a consistent LIST, asks the pure lifecycle what to do, and does
+it in a safe order: the pod before the status that names it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Mapping
+
+from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
+from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.operator import names, render
+from memstrata.operator.actions import (
+    AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeleteJob, DeletePods, Event, PatchStatus,
+)
+from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, api_path, gather_ok
+from memstrata.operator.lifecycle import LifecyclePolicy, decide
+from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
+from memstrata.operator.observe import JobView, format_time, job_view, pod_view
+from memstrata.operator.placement import PlanCache, Placement, place
+
+log = logging.getLogger("memstrata.operator")
+JobKey = tuple[str, str]
+ASSUME_SECONDS = 60.0  # how long a created pod counts against its node before the watch reports it
+
+
+def _rv(body: Mapping[str, Any]) -> int:
+    try:
+        return int((body.get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, policy: LifecyclePolicy = LifecyclePolicy(), workers: int = 16,
+                 report_interval_seconds: float = 10.0, cleanup_tries: int = 60) -> None:
+        self.kube = kube
+        self.cleanup_tries = cleanup_tries
+        self._cleanups: dict[JobKey, int] = {}
+        self.policy = policy
+        self.report_interval_seconds = report_interval_seconds
+        self.plans = PlanCache()
+        self.nodes: Callable[[], Iterable[NodeView]] = lambda: ()
+        self.pod_uses: Callable[[], Iterable[PodUse]] = lambda: ()
+        self._workers_n = workers
+        self._workers: list[asyncio.Task[None]] = []
+        self._queue: asyncio.Queue[JobKey] = asyncio.Queue()
+        self._queued: set[JobKey] = set()
+        self._running: set[JobKey] = set()
+        self._dirty: set[JobKey] = set()
+        self._timers: dict[JobKey, tuple[float, asyncio.TimerHandle]] = {}
+        self._errors: dict[JobKey, int] = {}
+        self._bodies: dict[JobKey, dict[str, Any]] = {}
+        self._assumed: dict[str, tuple[PodUse, float]] = {}
+        self._waiting: set[JobKey] = set()
+        self._wake: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.reconciles = 0
+
+    # -- triggers ---------------------------------------------------------------------------------
+    def observe_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", "default"), meta.get("name", ""))
+        if deleted:
+            self.forget(key)
+            return
+        known = self._bodies.get(key)
+        if known is None or _rv(body) >= _rv(known) or (known.get("metadata") or {}).get("uid") != meta.get("uid"):
+            self._bodies[key] = dict(body)
+        self.enqueue(key)
+
+    def forget(self, key: JobKey) -> None:
+        self._bodies.pop(key, None)
+        self._waiting.discard(key)
+        self._errors.pop(key, None)
+        timer = self._timers.pop(key, None)
+        if timer:
+            timer[1].cancel()
+
+    def enqueue(self, key: JobKey, delay: float = 0.0) -> None:
+        if delay > 0:
+            loop = asyncio.get_running_loop()
+            due = loop.time() + delay
+            old = self._timers.get(key)
+            if old and old[0] <= due:
+                return  # an earlier wake-up is already set
+            if old:
+                old[1].cancel()
+            self._timers[key] = (due, loop.call_at(due, self._fire, key))
+            return
+        if key in self._running:
+            self._dirty.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    def _fire(self, key: JobKey) -> None:
+        self._timers.pop(key, None)
+        self.enqueue(key)
+
+    def wake_waiting(self) -> None:
+        """Capacity may have freed up: re-place every waiting job, coalescing bursts of events."""
+        if self._wake is None and self._waiting:
+            self._wake = asyncio.get_running_loop().call_later(0.2, self._wake_now)
+
+    def _wake_now(self) -> None:
+        self._wake = None
+        for key in sorted(self._waiting):
+            self.enqueue(key)
+
+    # -- workers ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._workers = [asyncio.create_task(self._work(), name=f"reconcile-{i}") for i in range(self._workers_n)]
+
+    async def stop(self) -> None:
+        for t in self._workers:
+            t.cancel()
+        await asyncio.gather(*self._workers, *self._tasks, return_exceptions=True)
+        for _, handle in self._timers.values():
+            handle.cancel()
+
+    @property
+    def idle(self) -> bool:
+        return not self._queued and not self._running
+
+    async def _work(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            self._running.add(key)
+            try:
+                await self.reconcile(key)
+                self._errors.pop(key, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — one job's error must not stop the others
+                n = self._errors[key] = self._errors.get(key, 0) + 1
+                delay = min(0.5 * 2 ** (n - 1), 60.0)
+                log.warning("reconcile %s/%s failed (try %d), again in %.1fs: %s", *key, n, delay, exc)
+                self.enqueue(key, delay)
+                body = self._bodies.get(key)
+                if body is not None and (n == 1 or n % 10 == 0):  # tell the user, without flooding
+                    self._spawn(self.post_event(job_view(body), Event(
+                        "Warning", "ReconcileError", f"try {n}, next in {delay:.0f}s: {str(exc)[:800]}")))
+            finally:
+                self._running.discard(key)
+                if key in self._dirty:
+                    self._dirty.discard(key)
+                    self.enqueue(key)
+
+    # -- one reconcile ----------------------------------------------------------------------------
+    async def reconcile(self, key: JobKey) -> None:
+        namespace, name = key
+        self.reconciles += 1
+        body = self._bodies.get(key)
+        if body is None:
+            try:
+                body = await self.kube.get(api_path(API_VERSION, PLURAL, namespace, name))
+            except NotFound:
+                self.forget(key)
+                return
+            self._bodies[key] = body
+        job = job_view(body)
+        if not job.uid:
+            return
+        # A job we never touched (no finalizer, no status) has no pods, except if we crashed right
+        # after creating one; then the pod create below answers 409 and the next run LISTs.
+        untouched = not job.status and names.FINALIZER not in job.finalizers and not job.deleting
+        pods = [] if untouched else await self.kube.list(api_path("v1", "pods", namespace), names.selector(job.uid))
+        views = [pod_view(p) for p in pods]
+        for p in views:
+            if p.terminal or p.deleting:
+                self._assumed.pop(f"{namespace}/{p.name}", None)
+        now = datetime.now(timezone.utc)
+        decision = decide(job, views, now, self._place, self.policy)
+        # Claim the chosen node before the first await, so a concurrent placement sees it.
+        for create in decision.of(CreateAttempt):
+            pod_key = f"{namespace}/{names.pod_name(job.name, create.attempt)}"
+            use = PodUse(pod_key, create.node, dict(create.plan.requests), True)
+            self._assumed[pod_key] = (use, time.monotonic())
+        await self.apply(job, decision)
+        if decision.waiting_for_room:
+            self._waiting.add(key)
+        else:
+            self._waiting.discard(key)
+        if decision.requeue_after is not None:
+            self.enqueue(key, max(decision.requeue_after, 0.05))
+
+    def _place(self, spec: FineTuneJobSpec) -> Placement:
+        uses = list(self.pod_uses())
+        seen = {u.key for u in uses}
+        stale = time.monotonic() - ASSUME_SECONDS
+        for key, (_, at) in list(self._assumed.items()):
+            if key in seen or at < stale:
+                del self._assumed[key]
+        usage = usage_by_node(uses + [u for u, _ in self._assumed.values()])
+        return place(spec, list(self.nodes()), usage, self.plans)
+
+    async def apply(self, job: JobView, decision: Decision) -> None:
+        finalizer: asyncio.Task[None] | None = None
+        try:
+            for action in decision.actions:
+                if isinstance(action, AddFinalizer):
+                    # Off the critical path: the pod does not wait for it, the status patch does.
+                    finalizer = asyncio.create_task(self._add_finalizer(job))
+                elif isinstance(action, DeletePods):
+                    await gather_ok(*(self.kube.delete(api_path("v1", "pods", job.namespace, n))
+                                      for n in action.names))
+                    for n in action.names:
+                        self._assumed.pop(f"{job.namespace}/{n}", None)
+                elif isinstance(action, CreateAttempt):
+                    await self._create_attempt(job, action)
+                elif isinstance(action, PatchStatus):
+                    if finalizer is not None:
+                        await finalizer
+                    path = api_path(API_VERSION, PLURAL, job.namespace, job.name, "status")
+                    self.observe_fresh(await self.kube.merge_patch(path, {"status": action.patch}))
+                elif isinstance(action, Event):
+                    self._spawn(self.post_event(job, action))
+                elif isinstance(action, DeleteJob):
+                    log.info("deleting %s/%s: %s", job.namespace, job.name, action.why)
+                    await self.kube.delete(api_path(API_VERSION, PLURAL, job.namespace, job.name))
+                elif isinstance(action, CleanupChildren):
+                    await self._cleanup(job, action.release)
+        finally:
+            if finalizer is not None:
+                await finalizer
+
+    async def _add_finalizer(self, job: JobView) -> None:
+        # resourceVersion makes it a compare-and-swap: a concurrent writer of the list gets a 409, not lost.
+        body = await self.kube.merge_patch(api_path(API_VERSION, PLURAL, job.namespace, job.name), {"metadata": {
+            "finalizers": [*job.finalizers, names.FINALIZER], "resourceVersion": job.resource_version}})
+        self.observe_fresh(body)
+
+    async def _cleanup(self, job: JobView, release: bool) -> None:
+        key = (job.namespace, job.name)
+        await self.delete_children(job.namespace, job.uid)
+        tries = self._cleanups[key] = self._cleanups.get(key, 0) + 1
+        if not release and tries < self.cleanup_tries:
+            return
+        if not release:  # finite: the garbage collector still removes what the owner references cover
+            self._spawn(self.post_event(job, Event("Warning", "CleanupAbandoned",
+                                                   f"pods still terminating after {tries} cleanups; releasing")))
+        remaining = [f for f in job.finalizers if f != names.FINALIZER]
+        await self.kube.merge_patch(api_path(API_VERSION, PLURAL, job.namespace, job.name), {"metadata": {
+            "finalizers": remaining or None, "resourceVersion": job.resource_version}})
+        self._cleanups.pop(key, None)
+        self.forget(key)
+
+    def observe_fresh(self, body: Mapping[str, Any]) -> None:
+        """Our own write's response is the newest state we know; keep it without re-enqueuing."""
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", "default"), meta.get("name", ""))
+        known = self._bodies.get(key)
+        if known is None or _rv(body) >= _rv(known):
+            self._bodies[key] = dict(body)
+
+    async def _create_attempt(self, job: JobView, action: CreateAttempt) -> None:
+        before, pod = render.attempt_objects(job, action.node, action.plan, action.attempt,
+                                             self.report_interval_seconds)
+        account, rest = before[0], before[1:]
+        # Only the ServiceAccount must exist before the pod (admission checks it); the ConfigMap,
+        # Role and RoleBinding are created alongside: the kubelet waits for a missing volume, and
+        # the Role is used only when the runtime first reports.
+        others = asyncio.create_task(gather_ok(*(self._ensure(obj) for obj in rest)))
+        try:
+            await self._ensure(account)
+            try:
+                await self.kube.create(pod)
+            except Conflict:
+                pass  # created by an earlier run of this same decision: idempotent
+        finally:
+            await others
+
+    async def _ensure(self, obj: Mapping[str, Any]) -> None:
+        """Create; if it exists (a re-run, or a leftover of a same-named job), converge it by apply."""
+        try:
+            await self.kube.create(obj)
+        except Conflict:
+            await self.kube.apply(obj, names.FIELD_MANAGER)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def post_event(self, job: JobView, event: Event) -> None:
+        now = format_time(datetime.now(timezone.utc))
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{job.name[:200]}.{uuid.uuid4().hex[:16]}", "namespace": job.namespace},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": job.name,
+                               "namespace": job.namespace, "uid": job.uid},
+            "reason": event.reason, "message": event.message[:1024], "type": event.type,
+            "source": {"component": names.COMPONENT}, "reportingComponent": names.COMPONENT,
+            "reportingInstance": names.COMPONENT, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            await self.kube.create(body)
+        except KubeError as exc:  # an event lost is a log line, never a failed reconcile
+            log.warning("event %s for %s/%s not posted: %s", event.reason, job.namespace, job.name, exc)
+
+    # -- deletion ---------------------------------------------------------------------------------
+    async def delete_children(self, namespace: str, uid: str) -> None:
+        """Delete every child of the job with this UID (idempotent)."""
+        sel = names.selector(uid)
+        await gather_ok(*(self.kube.delete_collection(api_path(api_version, plural, namespace), sel)
+                          for api_version, plural in (
+                              ("v1", "pods"), ("v1", "configmaps"), ("rbac.authorization.k8s.io/v1", "rolebindings"),
+                              ("rbac.authorization.k8s.io/v1", "roles"), ("v1", "serviceaccounts"))))
+
+
+def holds_resources(pod: Mapping[str, Any]) -> bool:
+    """Whether a pod's end frees anything the placement counts."""
+    return any(pod_requests(pod.get("spec") or {}).values())

@@ -1,0 +1,146 @@
+"""The Kubernetes objects of one job attempt. Pure: (job, node, plan, attempt) in, manifests out.
+
+Every object is owned by the FineTuneJob (so the garbage collector removes what
+the finalizer might miss) and labelled with the job's UID (so cleanup and the
+reconciler find exactly the job's children). The pod meets PodSecurity
+`restricted`: devices arrive through the device plugin, never `privileged`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
+from memstrata.api.node import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU
+from memstrata.api.runtimeconfig import CONFIGMAP_KEY, ENV_RUNTIME_CONFIG, JobRef, RuntimeConfig
+from memstrata.operator import names
+from memstrata.operator.observe import JobView
+from memstrata.plan import Plan
+
+RUNTIME_UID = 1000  # the runtime image's non-root user (docker/runtime.Dockerfile)
+
+
+def owner_reference(job: JobView) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": job.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(job: JobView, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {**(extra_labels or {}), **names.child_labels(job.name, job.uid)},
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def runtime_config(job: JobView, node: str, plan: Plan, attempt: int,
+                   report_interval_seconds: float = 10.0) -> RuntimeConfig:
+    spec = job.spec
+    assert spec is not None  # the lifecycle never places a job whose spec it cannot read
+    return RuntimeConfig(
+        job=JobRef(name=job.name, namespace=job.namespace, uid=job.uid),
+        model=spec.model, dataset=spec.dataset, training=spec.training, resources=spec.resources,
+        memory=spec.memory, plan=plan.model_dump(mode="json"), node=node, attempt=attempt,
+        report_interval_seconds=report_interval_seconds,
+    )
+
+
+def configmap(job: JobView, config: RuntimeConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(job, names.configmap_name(job.name)),
+        "data": {CONFIGMAP_KEY: json.dumps(config.wire(), indent=1, sort_keys=True)},
+    }
+
+
+def service_account(job: JobView) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, names.runtime_account_name(job.name))}
+
+
+def role(job: JobView) -> dict[str, Any]:
+    """May read its own job and patch its own job's status — nothing else, no other job."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": _meta(job, names.runtime_account_name(job.name)),
+        "rules": [
+            {"apiGroups": [API_VERSION.split("/")[0]], "resources": [f"{PLURAL}/status"],
+             "resourceNames": [job.name], "verbs": ["get", "patch"]},
+            {"apiGroups": [API_VERSION.split("/")[0]], "resources": [PLURAL],
+             "resourceNames": [job.name], "verbs": ["get"]},
+        ],
+    }
+
+
+def role_binding(job: JobView) -> dict[str, Any]:
+    name = names.runtime_account_name(job.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": _meta(job, name),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
+    }
+
+
+def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
+    spec = job.spec
+    assert spec is not None
+    requests = {r: str(n) for r, n in sorted(plan.requests.items()) if n}
+    labels = {**names.user_labels(dict(job.labels)), names.LABEL_ATTEMPT: str(attempt)}
+    node_terms = [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]},
+        {"key": LABEL_MANAGED, "operator": "In", "values": ["true"]},
+    ]
+    if plan.cxl_nodes:
+        node_terms.append({"key": LABEL_CXL, "operator": "In", "values": ["true"]})
+    container: dict[str, Any] = {
+        "name": names.CONTAINER,
+        "image": spec.image,
+        "env": [
+            {"name": ENV_RUNTIME_CONFIG, "value": f"{names.CONFIG_MOUNT}/{CONFIGMAP_KEY}"},
+            {"name": "MEMSTRATA_JOB_NAME", "value": job.name},
+            {"name": "MEMSTRATA_JOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "MEMSTRATA_ATTEMPT", "value": str(attempt)},
+        ],
+        # Extended resources cannot be overcommitted: requests must equal limits.
+        "resources": {"requests": dict(requests), "limits": dict(requests)},
+        "volumeMounts": [{"name": "runtime-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.command:
+        container["command"] = list(spec.command)
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            **_meta(job, names.pod_name(job.name, attempt), labels),
+            "annotations": {f"{names.LABEL_JOB_NAME}": job.name, "memstrata.dev/planned-node": node},
+        },
+        "spec": {
+            "restartPolicy": "Never",  # a retry is a new pod, counted against backoffLimit
+            "serviceAccountName": names.runtime_account_name(job.name),
+            "enableServiceLinks": False,
+            "securityContext": {
+                "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": node_terms}]}}},
+            "tolerations": [{"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [container],
+            "volumes": [{"name": "runtime-config", "configMap": {
+                "name": names.configmap_name(job.name), "items": [{"key": CONFIGMAP_KEY, "path": CONFIGMAP_KEY}]}}],
+        },
+    }
+
+
+def attempt_objects(job: JobView, node: str, plan: Plan, attempt: int,
+                    report_interval_seconds: float = 10.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the pod's companions, ServiceAccount first; the pod). Admission rejects a pod whose
+    ServiceAccount does not exist yet; the others may come alongside it."""
+    config = runtime_config(job, node, plan, attempt, report_interval_seconds)
+    return [service_account(job), role(job), role_binding(job), configmap(job, config)], pod(job, node, plan, attempt)
