@@ -230,7 +230,9 @@ def cxl_missing_region(root: Path) -> None:
 
 def no_nodes(root: Path) -> None:
     t = Tree(root)
-    (t.sys / "devices/system").mkdir(parents=True)
+    # A file keeps devices/system in git (which drops empty directories); node/ is what is missing.
+    (t.sys / "devices/system/cpu").mkdir(parents=True)
+    (t.sys / "devices/system/cpu/online").write_text("0-1\n")
     t.finish()
 
 
