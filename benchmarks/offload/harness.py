@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         out["phases"]["backward"].append(s2 - s1)
         out["phases"]["update"].append(s3 - s2)
         out["step_seconds"].append(s3 - s0)
+        if layer is not None:  # cumulative, so a test can see hits per step
+            out.setdefault("cache_hits", []).append(layer.cache_hits)
         if step == 1:
             out["time_to_first_step"] = time.perf_counter() - t0
     if layer is not None:

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ class Sampler(threading.Thread):
 def run_one(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO / 'runtime'}:{REPO / 'operator'}:"
            + os.environ.get("PYTHONPATH", "")}
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sampler = Sampler(proc.pid)
@@ -92,16 +94,19 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, A
     sampler.join()
     res: dict[str, Any] = {"contender": name, "command": " ".join(cmd), "wall_seconds": time.perf_counter() - t0,
                            "peak_rss_bytes": sampler.peak_rss, "peak_locked_bytes": sampler.peak_locked,
-                           "ok": proc.returncode == 0 and out.exists()}
+                           "ok": proc.returncode == 0 and out.exists(),
+                           "loadavg_before": [round(x, 2) for x in load_before],
+                           "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     if res["ok"]:
         data = json.loads(out.read_text())
         ph = data["phases"]
         later = slice(1, None) if len(data["losses"]) > 1 else slice(0, None)  # step 1 includes warm-up
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        mean = statistics.median  # a shared machine: the median resists a step slowed by a neighbour
         res.update(init_seconds=data["init_seconds"], time_to_first_step=data["time_to_first_step"],
                    step_seconds=mean(data["step_seconds"][later]), forward_seconds=mean(ph["forward"][later]),
                    backward_seconds=mean(ph["backward"][later]), update_seconds=mean(ph["update"][later]),
-                   losses=data["losses"], params=data["params"], swap=data.get("swap"))
+                   step_seconds_all=data["step_seconds"], losses=data["losses"], params=data["params"],
+                   swap=data.get("swap"), config=data.get("config"))
     else:
         tail = [ln for ln in err.splitlines() if ln.strip()][-6:]
         res["error"] = "\n".join(tail)
@@ -130,7 +135,12 @@ def main() -> int:
                                            "python": platform.python_version(), "scratch": str(scratch),
                                            "scratch_fs_magic": hex(_fs_magic(scratch))},
                                "seq": args.seq, "batch": args.batch, "steps": args.steps,
-                               "dram_cap": "none enforced (cgroup v1 without memory.peak); peaks are measured",
+                               "dram_cap": {"enforced": False, "machine_dram_bytes": _mem_total(),
+                                            "note": "no cap enforced on either engine (cgroup v1, no "
+                                                    "memory.peak); both ran with the machine's whole DRAM "
+                                                    "and the peak of summed RSS+shm is measured"},
+                               "statistic": "median over steps 2..N (step 1 includes warm-up)",
+                               "loadavg_start": [round(x, 2) for x in os.getloadavg()],
                                "models": {}}
     for model in args.models.split(","):
         runs = []
@@ -160,9 +170,21 @@ def main() -> int:
             print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "swap", "command")}), flush=True)
             runs.append(res)
         results["models"][model] = summarize(runs)
+        results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        _write(results)  # after every model, so a later failure or timeout keeps what was measured
+    return 0
+
+
+def _write(results: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "offload.json").write_text(json.dumps(results, indent=1))
     (RESULTS / "offload.md").write_text(markdown(results))
+
+
+def _mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
     return 0
 
 
@@ -214,7 +236,11 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {model} | **memstrata / {m['best_stock']}** | | init {m['init_time_ratio']} | | "
                          f"step {m['step_time_ratio']} | | | update {m['update_time_ratio']} | "
                          f"RSS {m['peak_rss_ratio']} | | |")
-    lines += ["", "Targets: peak_rss_ratio <= 0.40, step_time_ratio <= 0.70 (update <= 0.50), init_time_ratio <= 0.10.",
+    cap = results["dram_cap"]
+    lines += ["", f"DRAM cap: {'enforced' if cap['enforced'] else 'none enforced'} "
+              f"(machine {cap['machine_dram_bytes'] / g:.1f} GiB). Step/phase times are medians over steps 2..N. "
+              f"Load average at start {results['loadavg_start']}, end {results.get('loadavg_end')} "
+              "(shared machine).", "Targets: peak_rss_ratio <= 0.40, step_time_ratio <= 0.70 (update <= 0.50), init_time_ratio <= 0.10.",
               "Stock 'NVMe written' is the size of its swap folder at the end (files), memstrata's the device counter."]
     return "\n".join(lines) + "\n"
 

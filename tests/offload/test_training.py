@@ -126,3 +126,23 @@ def test_gpt_125m_matches_stock(loopdev, tmp_path: Path) -> None:
     assert_losses_agree(stock, ours, steps)
     assert_no_files_in_deepspeed_swap_folder(ours)
     assert ours["swap"]["nvme"]["byKind"]["optimizer"]["written"] >= 3 * 4 * ours["params"] * steps * 0.5
+
+
+def test_subgroup_order_reverses_and_keeps_the_last_k(loopdev, tmp_path: Path) -> None:
+    """MLP-Offload's policy: step i walks the sub-groups in the reverse order of step i-1, and the K walked
+    last stay in DRAM, so every step after the first starts with K hits; evicted ones read back intact."""
+    k = 1
+    ours = run_harness("memstrata", tmp_path, steps=3, nvme=[loopdev(384 << 20)],
+                       swap={"cache_subgroups": k, "checksums": True})
+    orders = ours["swap"]["dram"]["subGroupOrders"]
+    assert len(orders) == 3, orders
+    groups = len(orders[0])
+    assert groups > k, f"gpt-tiny must have more sub-groups than the cache holds to show eviction: {orders}"
+    assert orders[0] == sorted(orders[0])
+    assert orders[1] == orders[0][::-1] and orders[2] == orders[1][::-1], orders
+    hits = ours["cache_hits"]
+    per_step = [hits[0]] + [b - a for a, b in zip(hits, hits[1:])]
+    assert per_step == [0, k, k], f"cache hits per step {per_step} (cumulative {hits}), orders {orders}"
+    assert ours["checksums_verified"] > 0, "evicted state must be read back and checked against what was written"
+    assert ours["losses"][-1] < ours["losses"][0]
+    assert_no_files_in_deepspeed_swap_folder(ours)

@@ -13,6 +13,9 @@ message, because each is an internal name):
    `deepspeed.initialize` in the same process still gets stock DeepSpeed.
 3. The ZeRO-3 optimizer *instance*'s `has_overflow` (fp16 only): one pass of
    memstrata.runtime.overflow instead of `isinf().any()` + `isnan().any()`.
+4. The same instance's `step` and the per-sub-group methods its loop calls
+   (memstrata.runtime.suborder): the sub-group order reversed every step, the
+   last K kept in DRAM.
 
 Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 """
@@ -143,6 +146,11 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **
     engine = result[0]
     engine.memstrata = layer
     opt = getattr(engine, "optimizer", None)
+    swapper = getattr(opt, "optimizer_swapper", None)
+    if settings.cache_subgroups > 0 and swapper is not None and hasattr(swapper, "keep_ids"):
+        from memstrata.runtime.suborder import install_reversing_order
+
+        layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
     if settings.one_pass_overflow and engine.fp16_enabled() and hasattr(opt, "grad_partitions_flat_buffer"):
         opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
     return result

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from memstrata.api.finetunejob import FineTuneJob
 from memstrata.api.report import RuntimeReport, StratumCounters
@@ -41,10 +42,11 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         return EXIT_USAGE
 
     training = job.spec.training
-    watch = MemWatch(recipe.swap_dir).start()
+    watch = MemWatch(recipe.ds_swap_dir).start()  # DeepSpeed's swap folder (with memstrata: must stay empty)
     bar = ProgressBar(training.steps)
     try:
-        bar.message(f"memstrata: {job.metadata.name}: initializing DeepSpeed ZeRO-3 "
+        bar.message(f"memstrata: {job.metadata.name}: initializing DeepSpeed ZeRO-3 with the "
+                    f"{recipe.engine_name} swap layer "
                     f"(weights -> {plan.offload_device('weights')}, optimizer state -> "
                     f"{plan.offload_device('master', 'optimizer')}) in {recipe.swap_dir}")
         recipe.setup()
@@ -53,7 +55,8 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         started = time.perf_counter()  # the ETA extrapolates training steps, not initialization
 
         def on_step(s: StepResult) -> None:
-            bar.update(_status(watch, s, training.steps, time.perf_counter() - started))
+            bar.update(_status(watch, recipe.memstrata_status(), s, training.steps,
+                               time.perf_counter() - started))
 
         with bar:
             result = recipe.train(on_step)
@@ -74,7 +77,16 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     return 0
 
 
-def _strata(watch: MemWatch) -> dict[str, StratumCounters]:
+def _strata(watch: MemWatch, swap: dict[str, Any] | None) -> dict[str, StratumCounters]:
+    """Per stratum. Stock: the process tree's block I/O and the swap folder's size, watched from outside.
+    memstrata: its NVMe engine's own counters (bytes through its namespaces, state live on them)."""
+    if swap is not None:
+        nvme = swap["nvme"]
+        return {
+            "dram": StratumCounters(peak_bytes=watch.peak_rss),
+            "nvme": StratumCounters(peak_bytes=nvme["bytesLivePeak"], bytes_written=nvme["bytesWritten"],
+                                    bytes_read=nvme["bytesRead"]),
+        }
     io = watch.io()
     return {
         "dram": StratumCounters(peak_bytes=watch.peak_rss),
@@ -83,10 +95,11 @@ def _strata(watch: MemWatch) -> dict[str, StratumCounters]:
     }
 
 
-def _status(watch: MemWatch, s: StepResult, total: int, elapsed: float) -> RuntimeReport:
+def _status(watch: MemWatch, swap: dict[str, Any] | None, s: StepResult, total: int,
+            elapsed: float) -> RuntimeReport:
     return RuntimeReport(stage="training", step=s.step, total_steps=total, loss=s.loss,
                          tokens_per_second=s.tokens / s.seconds if s.seconds else None,
-                         elapsed_seconds=elapsed, strata=_strata(watch))
+                         elapsed_seconds=elapsed, strata=_strata(watch, swap))
 
 
 def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: TrainResult, watch: MemWatch,
@@ -112,7 +125,8 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         losses=losses,
         loss=LossSummary.of(losses),
         peak_rss_bytes=watch.peak_rss,
-        strata=_strata(watch),
+        strata=_strata(watch, recipe.swap_status),
+        memstrata=recipe.swap_status,
         swap_dir=str(recipe.swap_dir),
         swap_files=watch.peak_swap.files,
         swap_files_after_init=swap_files_after_init,

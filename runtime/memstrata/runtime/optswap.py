@@ -10,11 +10,11 @@ memory or bypass memstrata:
   namespace of the NVMe stratum, one I/O token per stratum per node);
 - buffers: `ExactBuffers` hands out exactly `count` buffers of the requested
   size from the rank's locked pool, and takes them back after the swap-out;
-- the cache: the first `cache_subgroups` sub-groups whose state is fully in
-  locked buffers stay in DRAM across steps: their swap-out writes nothing and
-  their next swap-in reads only the gradients. ZeRO-3 updates sub-groups in a
-  fixed order, so a fixed cached set gives the same K hits per step as
-  reversing the order with an LRU cache, without patching ZeRO-3's step loop.
+- the cache: `cache_subgroups` (K) sub-groups whose state is fully in locked
+  buffers stay in DRAM across steps: their swap-out writes nothing and their
+  next swap-in reads only the gradients. With memstrata.runtime.suborder the
+  order is reversed every step and the K walked last are kept (`keep_ids`),
+  MLP-Offload's policy; without it, the first K cacheable ones stay for good.
 - fast_init: fp32 master weights are built sub-group by sub-group from the
   16-bit partitions on NVMe, with buffers of that sub-group's size only.
 """
@@ -87,6 +87,9 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
                                                    timers=self.timers)
         self._cached: dict[str, list[torch.Tensor]] = {}  # param id -> its state buffers, kept in DRAM
         self._cache_slots = layer.settings.cache_subgroups
+        # Set each step by memstrata.runtime.suborder: the sub-groups walked last, which the next (reversed)
+        # step walks first. None without that hook: then the first K cacheable sub-groups stay for good.
+        self.keep_ids: set[str] | None = None
 
     # -- cache -------------------------------------------------------------------------------------
     def swap_in_optimizer_state(self, parameter: Any, async_parameter: Any = None) -> None:
@@ -118,7 +121,18 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         state_buffers = info.swap_buffers[:n]
         cacheable = (info.has_state_tensors and len(state_buffers) == n
                      and all(self.layer.pool.owns(t) for t in info.get_compute_tensors()))
-        if pid in self._cached or (cacheable and len(self._cached) < self._cache_slots):
+        if self.keep_ids is not None:
+            if pid in self.keep_ids and info.has_state_tensors and not cacheable:
+                # First step: Adam created its moments as ordinary tensors. Move them into exact pool
+                # buffers so this sub-group can be kept, instead of missing the cache for a whole step.
+                state_buffers, cacheable = self._adopt_into_pool(info), True
+            keep = cacheable and pid in self.keep_ids
+            if not keep and pid in self._cached:
+                # Evicted: the DRAM copy is the only current one, so write it back like any other sub-group.
+                self._drop_cached(pid, keep_buffers_for=info)
+        else:
+            keep = pid in self._cached or (cacheable and len(self._cached) < self._cache_slots)
+        if keep:
             if pid not in self._cached:
                 self.layer.cache_bytes += sum(t.numel() * t.element_size() for t in state_buffers)
             self._cached[pid] = state_buffers
@@ -130,6 +144,18 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             info.release_unswapped_gradients()
             return
         super().swap_out_optimizer_state(parameter, async_swap)
+
+    def _adopt_into_pool(self, info: Any) -> list[torch.Tensor]:
+        """Copy every compute tensor of `info` into fresh pool buffers and rebind it there; the old swap
+        buffers stay in `info.swap_buffers` after the new ones, for the caller to free."""
+        aligned = self._io_aligned_numel(info.numel())
+        fresh = self.swap_buffer_manager.allocate(aligned, info.num_tensors(), self.dtype)
+        for buf, t in zip(fresh, info.get_compute_tensors()):
+            buf.narrow(0, 0, t.numel()).copy_(t.reshape(-1))
+        old = info.swap_buffers
+        info.set_swap_buffers(fresh, aligned)
+        info.swap_buffers = fresh + old
+        return fresh
 
     def release_swap_buffers(self, parameter: Any) -> None:
         info = self._get_param_swap_info(parameter)

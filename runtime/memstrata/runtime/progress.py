@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -93,6 +93,9 @@ class RunReport(BaseModel):
     swap_files_after_init: int
     phases: dict[str, float]
     deepspeed_settings: list[dict[str, Any]]
+    memstrata: dict[str, Any] | None = Field(
+        None, description="memory.engine memstrata: its swap layer's own per-stratum counters "
+                          "(SwapLayer.status(): nvme bytesWritten/bytesRead/byKind, dram lockedBytes...).")
 
 
 def render_report(r: RunReport, console: Console | None = None) -> None:
@@ -111,6 +114,8 @@ def render_report(r: RunReport, console: Console | None = None) -> None:
     for name, c in r.strata.items():
         strata.add_row(name, format_bytes(c.peak_bytes), format_bytes(c.bytes_written), format_bytes(c.bytes_read))
     console.print(strata)
+    if r.memstrata is not None:
+        render_memstrata(r.memstrata, console)
     console.print(f"swap directory {r.swap_dir}: {r.swap_files} files at most ({r.swap_files_after_init} after init); "
                   "removed after the run", highlight=False)
 
@@ -128,3 +133,21 @@ def render_report(r: RunReport, console: Console | None = None) -> None:
     for s in r.deepspeed_settings:
         settings.add_row(s["key"], str(s["value"]), str(s["default"]), s["why"])
     console.print(settings)
+
+
+def render_memstrata(status: dict[str, Any], console: Console) -> None:
+    """memstrata's swap layer in its own words: what went through its NVMe engine and what it locked."""
+    nvme, dram = status["nvme"], status["dram"]
+    t = Table(title="memstrata swap layer", title_justify="left")
+    for col in ("stratum", "what", "bytes"):
+        t.add_column(col, justify="right" if col == "bytes" else "left")
+    t.add_row("nvme", f"written through {len(nvme['namespaces'])} namespace(s)", format_bytes(nvme["bytesWritten"]))
+    t.add_row("nvme", "read", format_bytes(nvme["bytesRead"]))
+    for kind, moved in sorted(nvme["byKind"].items()):
+        t.add_row("nvme", f"{kind} state written / read",
+                  f"{format_bytes(moved['written'])} / {format_bytes(moved['read'])}")
+    t.add_row("nvme", "peak held on the stratum", format_bytes(nvme["bytesLivePeak"]))
+    t.add_row("dram", "locked (mlock'ed pool)", format_bytes(dram["lockedBytes"]))
+    t.add_row("dram", "optimizer sub-groups cached", f"{format_bytes(dram['optimizerCacheBytes'])}, "
+              f"{dram['optimizerCacheHits']} hits")
+    console.print(t)

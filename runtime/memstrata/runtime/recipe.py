@@ -1,4 +1,5 @@
-"""The local fine-tuning recipe on stock DeepSpeed ZeRO-Infinity (`memory.engine: deepspeed`).
+"""The local fine-tuning recipe: DeepSpeed ZeRO-3 on stock ZeRO-Infinity (`memory.engine: deepspeed`) or
+with memstrata's swap layer in its place (`memory.engine: memstrata`).
 
 Read it in order, torchtune style: `__init__` rejects settings that cannot run
 here (before anything is written); `setup` builds the data, the swap
@@ -22,6 +23,7 @@ from memstrata.api.finetunejob import FineTuneJob
 from memstrata.plan import Plan
 from memstrata.runtime.data import Blocks, ByteTokenizer, build_dataset
 from memstrata.runtime.dsconfig import DsConfig, build_ds_config
+from memstrata.runtime.swapstrata import SwapStrata, create_file_namespaces, swap_settings
 
 
 class RecipeError(ValueError):
@@ -71,9 +73,9 @@ class FineTuneRecipe:
         spec = self.spec = job.spec
         self.job, self.plan = job, plan
         self.arch = spec.model.shape()
-        if spec.memory.engine != "deepspeed":
-            raise RecipeError("spec.memory.engine: local runs use stock DeepSpeed ZeRO-Infinity; set it to "
-                              "'deepspeed' (memstrata's swap layer is not wired into `memstrata run` yet)")
+        self.engine_name = spec.memory.engine
+        if self.engine_name not in ("deepspeed", "memstrata"):
+            raise RecipeError(f"spec.memory.engine: {self.engine_name!r} is not 'deepspeed' or 'memstrata'")
         if spec.resources.gpus > 1:
             raise RecipeError(f"spec.resources.gpus: a local run is one process on one device, got {spec.resources.gpus}")
         if spec.model.path is not None:
@@ -85,6 +87,11 @@ class FineTuneRecipe:
         self.on_gpu = spec.resources.gpus == 1 and gpu_available()
         # One directory per run under the scratch path, so parallel runs never share swap files.
         self.swap_dir = nvme_path / f"memstrata-run-{job.metadata.name}-{os.getpid()}-{int(time.time())}"
+        # With memstrata, DeepSpeed's own swap folder must stay empty (no silent fallback to the stock
+        # path), so it is a subfolder of its own, apart from memstrata's file-backed namespaces.
+        self.ds_swap_dir = self.swap_dir / "deepspeed" if self.engine_name == "memstrata" else self.swap_dir
+        self.strata: SwapStrata | None = None
+        self.swap_status: dict[str, Any] | None = None  # memstrata's per-stratum counters, kept past cleanup
         self.data: Blocks | None = None
         self.ds: DsConfig | None = None
         self.engine: Any = None
@@ -99,8 +106,17 @@ class FineTuneRecipe:
     def setup(self) -> None:
         t0 = time.perf_counter()
         self.load_data()
-        self.ds = build_ds_config(self.plan, self.arch, self.spec.training, self.swap_dir, self.on_gpu)
+        self.ds = build_ds_config(self.plan, self.arch, self.spec.training, self.ds_swap_dir, self.on_gpu)
+        if self.engine_name == "memstrata":
+            try:
+                self.strata = swap_settings(self.plan, job=self.job.metadata.name, run_dir=self.swap_dir,
+                                            env=os.environ)
+            except ValueError as exc:
+                raise RecipeError(str(exc)) from None
         self.swap_dir.mkdir(parents=True, exist_ok=False)
+        self.ds_swap_dir.mkdir(exist_ok=True)
+        if self.strata is not None:
+            create_file_namespaces(self.strata)
         self._setup_distributed()
         self.engine = self._setup_engine(self.ds)
         self.phases.init = time.perf_counter() - t0
@@ -132,8 +148,22 @@ class FineTuneRecipe:
 
         torch.manual_seed(self.spec.training.seed)
         model = build_model(self.arch, self.spec.training.seed)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds.config)
+        if self.strata is None:
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=ds.config)
+            return engine
+        from memstrata.runtime.deepspeed import initialize
+
+        engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds.config,
+                                     swap=self.strata.settings)
         return engine
+
+    def memstrata_status(self) -> dict[str, Any] | None:
+        """memstrata's own per-stratum counters (None on the stock engine); live while the engine is."""
+        layer = getattr(self.engine, "memstrata", None)
+        if layer is not None:
+            self.swap_status = layer.status()
+        return self.swap_status
 
     # --- train ------------------------------------------------------------------------------------
     def train(self, on_step: Callable[[StepResult], None]) -> TrainResult:
@@ -171,12 +201,21 @@ class FineTuneRecipe:
 
     # --- cleanup ----------------------------------------------------------------------------------
     def cleanup(self) -> None:
-        """Drop the engine (its aio handles hold the swap files open), the process group, the swap directory."""
+        """Drop the engine (its aio handles hold the swap files open), the swap layer, the process group, the
+        swap directory."""
+        layer = getattr(self.engine, "memstrata", None)
         self.engine = None
         try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
+            if layer is not None:
+                try:
+                    self.swap_status = layer.status()
+                finally:
+                    layer.close()  # before the rmtree: it holds the namespace files open
         finally:
-            shutil.rmtree(self.swap_dir, ignore_errors=True)
+            try:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    dist.destroy_process_group()
+            finally:
+                shutil.rmtree(self.swap_dir, ignore_errors=True)

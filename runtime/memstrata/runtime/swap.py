@@ -51,6 +51,7 @@ class SwapCounters:
     reads: int = 0
     extents_live: int = 0
     extent_bytes_live: int = 0
+    extent_bytes_peak: int = 0  # the most state held on the stratum at once: its peak use
     by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [written, read]
 
     def add(self, kind: str, nbytes: int, write: bool) -> None:
@@ -174,6 +175,8 @@ class ExtentSwapHandle:
             self._extents[path] = extent
             self.counters.extents_live += 1
             self.counters.extent_bytes_live += extent.padded
+            self.counters.extent_bytes_peak = max(self.counters.extent_bytes_peak,
+                                                  self.counters.extent_bytes_live)
         self._begin()
         src = buffer.detach().contiguous()
         if self.checksums is not None:

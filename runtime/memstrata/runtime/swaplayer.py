@@ -108,6 +108,7 @@ class SwapLayer:
         self.cache_bytes = 0
         self.cache_hits = 0
         self.overflow_checks = 0
+        self.subgroup_order: Any = None  # memstrata.runtime.suborder.SubGroupOrder, once installed
         self.io_log: list[tuple[str, float, float]] | None = None  # tests: (kind, start, end) per I/O batch
 
     @classmethod
@@ -143,7 +144,7 @@ class SwapLayer:
         """Per-stratum bytes for the progress report and the job status (JSON-ready, camelCase like the API).
 
         nvme: namespaces, bytesWritten/bytesRead (device counters), bytesLive/extentsLive (state
-        held now), byKind {param|optimizer: {written, read}}, ioTokenWaitSeconds.
+        held now), bytesLivePeak, byKind {param|optimizer: {written, read}}, ioTokenWaitSeconds.
         dram: lockedBytes (pool regions, mlock'ed), lockedPeakInUse, optimizerCacheBytes/Hits,
         vmLockedBytes (the kernel's VmLck for this process)."""
         dev = self.engine.stats()
@@ -153,6 +154,7 @@ class SwapLayer:
                 "bytesWritten": sum(d.bytes_written for d in dev),
                 "bytesRead": sum(d.bytes_read for d in dev),
                 "bytesLive": self.counters.extent_bytes_live,
+                "bytesLivePeak": self.counters.extent_bytes_peak,
                 "extentsLive": self.counters.extents_live,
                 "byKind": {k: {"written": w, "read": r} for k, (w, r) in self.counters.by_kind.items()},
                 "ioTokenWaitSeconds": round(self.tokens.wait_seconds, 3),
@@ -162,6 +164,7 @@ class SwapLayer:
                 "lockedPeakInUse": self.pool.peak_in_use + self.param_pool.peak_in_use,
                 "optimizerCacheBytes": self.cache_bytes,
                 "optimizerCacheHits": self.cache_hits,
+                "subGroupOrders": self.subgroup_order.history[-8:] if self.subgroup_order is not None else [],
                 "vmLockedBytes": vm_locked_bytes(),
             },
         }

@@ -1,0 +1,97 @@
+"""Sub-group order reversed every optimizer step, the last K kept in DRAM (MLP-Offload).
+
+ZeRO-3's `step()` (DeepSpeed 0.19.8, stage3.py) updates sub-groups in one
+fixed loop, `for sub_group_id, group in enumerate(self.fp16_groups)`, whose
+body calls five per-sub-group methods in turn: `_prepare_sub_group`,
+`_muon_update_lacks_loss_scale`, `unscale_and_clip_grads`, `_optimizer_step`,
+`_reassign_or_swap_out_partitioned_parameters`, `_release_sub_group`.
+Rather than copy `step()`, the hook wraps those methods on the optimizer
+*instance* so that, inside the loop only, the loop's position p is read as
+sub-group `order[p]`. The loop is entered at the first `_prepare_sub_group`
+of a step (Muon's pre-loop calls of `_muon_update_lacks_loss_scale` use real
+ids) and left when `step()` returns; checkpoint paths that call the same
+methods outside `step()` are untouched.
+
+With the order reversed each step, the K sub-groups updated last in step i
+are the first K of step i+1: the optimizer swapper keeps exactly those in
+DRAM (its `keep` set) and writes every other one back to NVMe.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["install_reversing_order", "LOOP_METHODS"]
+
+LOOP_METHODS = ("_prepare_sub_group", "_muon_update_lacks_loss_scale", "unscale_and_clip_grads",
+                "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group")
+
+
+class SubGroupOrder:
+    """Per-optimizer state of the hook: this step's order, whether the loop is running, what was walked."""
+
+    def __init__(self, groups: int, cache_slots: int) -> None:
+        self.groups, self.cache_slots = groups, cache_slots
+        self.order: list[int] = list(range(groups))
+        self.in_loop = False
+        self.history: list[list[int]] = []  # sub-group ids in update order, per walk (a few ints per step)
+
+    def next_order(self) -> list[int]:
+        """The reverse of the last walk. Counted in walks, not calls: a step skipped on overflow walks nothing."""
+        forward = list(range(self.groups))
+        self.order = forward if len(self.history) % 2 == 0 else forward[::-1]
+        return self.order
+
+    def keep(self, swappable: Callable[[int], bool]) -> list[int]:
+        """Sub-groups to leave in DRAM this step: the last K swapped ones walked (the first K of the next step).
+        Sub-groups too small to swap stay in DRAM anyway and must not take a cache slot."""
+        candidates = [g for g in self.order if swappable(g)]
+        return candidates[len(candidates) - min(self.cache_slots, len(candidates)):] if self.cache_slots else []
+
+
+def install_reversing_order(optimizer: Any, swapper: Any, cache_slots: int) -> SubGroupOrder:
+    """Wrap `optimizer.step` and the loop's per-sub-group methods; tell `swapper` which ids to keep each step."""
+    missing = [m for m in ("step", "fp16_groups", "_swappable_optimizer_subgroup", "fp32_partitioned_groups_flat", "get_param_id", *LOOP_METHODS)
+               if not hasattr(optimizer, m)]
+    if missing:
+        raise RuntimeError(f"DeepSpeed ZeRO-3 optimizer lacks {missing}: the sub-group order hook was written for "
+                           "DeepSpeed 0.19.8's stage3.py")
+    state = SubGroupOrder(len(optimizer.fp16_groups), cache_slots)
+    optimizer.memstrata_order = state
+
+    def translated(name: str) -> None:
+        original = getattr(optimizer, name)  # bound method of the class
+
+        @functools.wraps(original)
+        def call(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:
+            if name == "_prepare_sub_group" and not state.in_loop and stepping[0]:
+                state.in_loop = True
+                state.history.append([])
+            if state.in_loop:
+                sub_group_id = state.order[sub_group_id]
+                if name == "_prepare_sub_group":
+                    state.history[-1].append(sub_group_id)
+            return original(sub_group_id, *args, **kwargs)
+
+        setattr(optimizer, name, call)
+
+    stepping = [False]
+    for name in LOOP_METHODS:
+        translated(name)
+    original_step = optimizer.step
+
+    @functools.wraps(original_step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        state.next_order()
+        swapper.keep_ids = {optimizer.get_param_id(optimizer.fp32_partitioned_groups_flat[g])
+                           for g in state.keep(optimizer._swappable_optimizer_subgroup)}
+        stepping[0] = True
+        try:
+            return original_step(*args, **kwargs)
+        finally:
+            stepping[0] = False
+            state.in_loop = False
+
+    optimizer.step = step
+    return state
