@@ -19,10 +19,6 @@ export CACHE VENV TORCH_VERSION DS_VERSION
 # fio as the storage ceiling, and the tools the loop-device tests use.
 APT_PACKAGES := build-essential libaio-dev liburing-dev libnuma-dev fio numactl util-linux e2fsprogs gdisk xfsprogs btrfs-progs fdisk bc
 APT_STAMP := $(CACHE)/stamps/apt-$(shell echo $(APT_PACKAGES) | sha256sum | cut -c1-12)
-# The editable install points at this checkout, so its stamp includes the path.
-SRC_HASH = $(shell cat pyproject.toml setup.py build_proto.py $(sort $(wildcard native/*.c native/*.h operator/memstrata/*/proto/*.proto)) | sha256sum | cut -c1-12)
-INSTALL_STAMP = $(VENV)/.installed-$(shell echo $(CURDIR) | sha256sum | cut -c1-8)-$(SRC_HASH)
-
 # Issue-owned fragments (real control plane, QEMU guest, ...) add their own
 # targets and append prerequisites to TEST_PREREQS.
 TEST_PREREQS :=
@@ -40,12 +36,10 @@ $(APT_STAMP):
 deps: $(APT_STAMP)
 	@$(TIMED) venv scripts/bootstrap-venv
 
-$(INSTALL_STAMP): $(APT_STAMP)
+# Always run: each script returns at once when its work is already done.
+install: $(APT_STAMP)
 	@$(TIMED) venv scripts/bootstrap-venv
-	@$(TIMED) install $(VENV)/bin/pip install -q --no-build-isolation --no-deps -e .
-	@rm -f $(VENV)/.installed-* && touch $@
-
-install: $(INSTALL_STAMP)
+	@$(TIMED) install scripts/install-editable
 
 demo: install
 	@$(TIMED) demo $(MEMSTRATA) run examples/finetune-tiny.yaml
