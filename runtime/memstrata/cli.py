@@ -143,6 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("memstrata: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `memstrata plan ... | head`: the reader left early, which is not an error; keep
+        # Python from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

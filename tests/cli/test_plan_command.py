@@ -44,3 +44,13 @@ def test_stdlib_operator_is_not_shadowed(repo) -> None:
     assert "site-packages" not in path and path.endswith("operator.py") and ok == "True"
     assert not (repo / "operator/memstrata/__init__.py").exists()
     assert not (repo / "runtime/memstrata/__init__.py").exists()
+
+
+def test_plan_whose_reader_left_exits_quietly(repo) -> None:
+    """`memstrata plan ... | head`: the reader is gone before the table is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "memstrata.cli", "plan", "examples/finetune.yaml", "--node",
+                             "examples/node-cxl.yaml"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # close the read end at once: every write the CLI makes hits a broken pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0
+    assert "Traceback" not in err and err == ""
