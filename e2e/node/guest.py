@@ -18,6 +18,7 @@ The artifacts come from `make guest` (e2e/node/build/build-guest.sh).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 QEMU = "qemu-system-x86_64"
@@ -219,6 +221,16 @@ def run_in_guest(script: str, timeout: float = 180.0, out_dir: Path | None = Non
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def json_from_guest(script: str, filename: str, timeout: float = 400.0) -> Any:
+    """Run `script` in the guest and return the JSON it wrote to /out/`filename`; the
+    output directory is removed. Raises GuestError like run_in_guest."""
+    result = run_in_guest(script, timeout=timeout).check()
+    try:
+        return json.loads(result.files[filename])
+    finally:
+        shutil.rmtree(result.out_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,9 @@ kernel's probe order, not the nsid, so everything here is keyed by nsid.
 """
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
-from guest import GuestResult, missing_reason, run_in_guest
+from guest import json_from_guest, missing_reason
 
 pytestmark = [pytest.mark.guest, pytest.mark.slow]
 
@@ -34,11 +31,7 @@ def once() -> dict:
     reason = missing_reason()
     if reason:
         pytest.skip(f"QEMU GUEST UNAVAILABLE — {reason}")
-    result: GuestResult = run_in_guest(SCRIPT, timeout=400).check()
-    try:
-        return json.loads(result.files["once.json"])
-    finally:
-        shutil.rmtree(result.out_dir, ignore_errors=True)
+    return json_from_guest(SCRIPT, "once.json")
 
 
 def test_numa_topology_is_exactly_what_qemu_built(once: dict) -> None:

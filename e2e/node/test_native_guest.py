@@ -7,12 +7,9 @@ Namespaces are found by nsid (device names follow probe order): 1 free, 2 ext4,
 """
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
-from guest import GuestResult, missing_reason, run_in_guest
+from guest import json_from_guest, missing_reason
 
 pytestmark = [pytest.mark.guest, pytest.mark.slow]
 
@@ -64,11 +61,7 @@ def native() -> dict:
     reason = missing_reason()
     if reason:
         pytest.skip(f"QEMU GUEST UNAVAILABLE — {reason}")
-    result: GuestResult = run_in_guest(SCRIPT, timeout=400).check()
-    try:
-        return json.loads(result.files["native.json"])
-    finally:
-        shutil.rmtree(result.out_dir, ignore_errors=True)
+    return json_from_guest(SCRIPT, "native.json")
 
 
 def test_raw_nvme_round_trip_on_the_free_namespace(native: dict) -> None:
