@@ -146,3 +146,22 @@ def test_subgroup_order_reverses_and_keeps_the_last_k(loopdev, tmp_path: Path) -
     assert ours["checksums_verified"] > 0, "evicted state must be read back and checked against what was written"
     assert ours["losses"][-1] < ours["losses"][0]
     assert_no_files_in_deepspeed_swap_folder(ours)
+
+
+def test_gradients_stay_in_dram_in_16_bit(loopdev, tmp_path: Path) -> None:
+    """Stock writes an fp32 copy of every gradient to NVMe and reads it back in the update; memstrata keeps the
+    16-bit gradients in DRAM and widens them there: the same losses, 4 bytes per parameter per step less I/O."""
+    steps = 5
+    dev = loopdev(512 << 20)
+    on = run_harness("memstrata", tmp_path / "on", steps=steps, nvme=[dev])
+    off = run_harness("memstrata", tmp_path / "off", steps=steps, nvme=[dev], swap={"dram_gradients": False})
+    assert on["losses"] == pytest.approx(off["losses"], rel=1e-6)
+    grads = on["swap"]["dram"]["gradients"]
+    assert grads["dtype"] == "bfloat16"
+    assert grads["bytes"] == pytest.approx(2 * on["params"], rel=0.01)  # half of stock's fp32 flat buffer
+    assert grads["widenedBytes"] >= 4 * on["params"] * (steps - 1)  # every update widened the real gradients
+    assert off["swap"]["dram"]["gradients"] is None
+    saved = {d: off["swap"]["nvme"]["byKind"]["optimizer"][d] - on["swap"]["nvme"]["byKind"]["optimizer"][d]
+             for d in ("written", "read")}
+    fp32_grads = 4 * on["params"] * steps
+    assert saved["written"] >= 0.9 * fp32_grads and saved["read"] >= 0.9 * 4 * on["params"] * (steps - 1), saved

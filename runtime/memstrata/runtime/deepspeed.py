@@ -16,6 +16,10 @@ message, because each is an internal name):
 4. The same instance's `step` and the per-sub-group methods its loop calls
    (memstrata.runtime.suborder): the sub-group order reversed every step, the
    last K kept in DRAM.
+5. The same instance's `_offload_grad_partition_at_boundary`
+   (memstrata.runtime.gradients): gradients stay in DRAM, 16-bit where that
+   changes no value (`data_types.grad_accum_dtype` set when the user did not),
+   and are widened to fp32 by the optimizer swapper in the update.
 
 Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 """
@@ -130,6 +134,12 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **
     config = kwargs.get("config", kwargs.get("config_params"))
     if config is None and len(args) >= 9:
         config = args[8]
+    if settings.dram_gradients:
+        from memstrata.runtime.gradients import accumulation_config
+
+        key = "config" if "config" in kwargs else "config_params" if "config_params" in kwargs else None
+        if key is not None:
+            kwargs[key] = config = accumulation_config(config)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank = dist.get_rank()
@@ -151,6 +161,10 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **
         from memstrata.runtime.suborder import install_reversing_order
 
         layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
+    if settings.dram_gradients and swapper is not None and hasattr(swapper, "dram_gradients"):
+        from memstrata.runtime.gradients import install_dram_gradients
+
+        layer.dram_gradients = install_dram_gradients(opt, swapper)
     if settings.one_pass_overflow and engine.fp16_enabled() and hasattr(opt, "grad_partitions_flat_buffer"):
         opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
     return result

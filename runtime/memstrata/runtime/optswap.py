@@ -90,6 +90,8 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         # Set each step by memstrata.runtime.suborder: the sub-groups walked last, which the next (reversed)
         # step walks first. None without that hook: then the first K cacheable sub-groups stay for good.
         self.keep_ids: set[str] | None = None
+        # Set by memstrata.runtime.gradients: gradients of NVMe sub-groups stay in DRAM, never swapped.
+        self.dram_gradients: Any = None
 
     # -- cache -------------------------------------------------------------------------------------
     def swap_in_optimizer_state(self, parameter: Any, async_parameter: Any = None) -> None:
@@ -101,6 +103,7 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             if cached is not None:  # state tensors appeared since it was cached: re-read everything
                 self._drop_cached(info.param_id)
             super().swap_in_optimizer_state(parameter, async_parameter)
+            self._widen_dram_gradients(parameter, info)
             return
         self._flush_gradient_swapper(self.gradient_swapper)
         self.layer.cache_hits += 1
@@ -111,6 +114,18 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             grad_buf = self.swap_buffer_manager.allocate(aligned, 1, parameter.dtype)
             info.swap_buffers += grad_buf
             self._swap_in_gradients(aio_handle=self.aio_handle, parameter=parameter, dest_buffer=grad_buf[0])
+        self._widen_dram_gradients(parameter, info)
+
+    def _widen_dram_gradients(self, parameter: Any, info: Any) -> None:
+        """With memstrata.runtime.gradients installed: this sub-group's fp32 gradients, widened from DRAM
+        into one exact buffer that is released with the state buffers."""
+        grads = self.dram_gradients
+        if grads is None or not grads.holds(parameter) or info.has_gradients():
+            return
+        buf = self.swap_buffer_manager.allocate(self._io_aligned_numel(info.numel()), 1, parameter.dtype)[0]
+        grads.fill_fp32_gradients(parameter, buf)
+        info.swap_buffers.append(buf)
+        parameter.grad = buf.narrow(0, 0, parameter.numel())
 
     def swap_out_optimizer_state(self, parameter: Any, async_swap: bool = False) -> None:
         info = self._get_param_swap_info(parameter)

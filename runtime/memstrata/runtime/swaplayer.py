@@ -50,6 +50,10 @@ class SwapSettings(BaseModel):
     dram_nodes: list[int] = Field(default_factory=list, description="DRAM NUMA nodes; empty: every node with CPUs.")
     cxl_nodes: list[int] = Field(default_factory=list, description="CPU-less CXL NUMA nodes (the plan's cxl_nodes).")
     one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
+    dram_gradients: bool = Field(
+        True, description="Keep gradients in DRAM (in the 16-bit training dtype when one micro-step makes a step) "
+                          "until the update widens them, instead of writing fp32 copies to NVMe "
+                          "(memstrata.runtime.gradients).")
 
 
 _active: SwapLayer | None = None
@@ -109,6 +113,7 @@ class SwapLayer:
         self.cache_hits = 0
         self.overflow_checks = 0
         self.subgroup_order: Any = None  # memstrata.runtime.suborder.SubGroupOrder, once installed
+        self.dram_gradients: Any = None  # memstrata.runtime.gradients.DramGradients, once installed
         self.io_log: list[tuple[str, float, float]] | None = None  # tests: (kind, start, end) per I/O batch
 
     @classmethod
@@ -146,6 +151,7 @@ class SwapLayer:
         nvme: namespaces, bytesWritten/bytesRead (device counters), bytesLive/extentsLive (state
         held now), bytesLivePeak, byKind {param|optimizer: {written, read}}, ioTokenWaitSeconds.
         dram: lockedBytes (pool regions, mlock'ed), lockedPeakInUse, optimizerCacheBytes/Hits,
+        gradients {dtype, bytes, widenedBytes} when they stay in DRAM (else null),
         vmLockedBytes (the kernel's VmLck for this process)."""
         dev = self.engine.stats()
         return {
@@ -165,6 +171,7 @@ class SwapLayer:
                 "optimizerCacheBytes": self.cache_bytes,
                 "optimizerCacheHits": self.cache_hits,
                 "subGroupOrders": self.subgroup_order.history[-8:] if self.subgroup_order is not None else [],
+                "gradients": self.dram_gradients.status() if self.dram_gradients is not None else None,
                 "vmLockedBytes": vm_locked_bytes(),
             },
         }

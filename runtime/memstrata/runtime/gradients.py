@@ -1,0 +1,124 @@
+"""Gradients kept in DRAM in the training dtype until the update converts them (MLP-Offload).
+
+Stock ZeRO-3 with `offload_optimizer.device: nvme` (DeepSpeed 0.19.8,
+stage3.py) keeps every gradient partition in `grad_partitions_flat_buffer`,
+a DRAM buffer the size of the whole partition in fp32, *and* at each
+accumulation boundary converts each partition to an fp32 copy and writes it to
+NVMe (`_offload_grad_partition_at_boundary` -> `swap_out_gradients`), only to
+read it back in the update. With this hook:
+
+- the flat buffer holds the training dtype (bf16/fp16) when one micro-step
+  makes a step (`accumulation_config`): the values are the same as stock's,
+  which are 16-bit gradients widened to fp32, at half the bytes;
+- at the boundary only the gradient norm is recorded (as stock does); nothing
+  is copied or written, so no gradient staging buffers are pinned;
+- when the update swaps a sub-group in, the optimizer swapper widens that
+  sub-group's gradients from the flat buffer into one fp32 buffer of exactly
+  the sub-group's size (`fill_fp32_gradients`), released with its state.
+
+Per step this removes 2 x 4 bytes per parameter of NVMe traffic and the
+gradient swapper's two pinned buffers of the largest sub-group.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["accumulation_config", "install_dram_gradients", "DramGradients"]
+
+_SIXTEEN_BIT = {"bf16": "bf16", "fp16": "fp16"}
+
+
+def _steps_per_update(cfg: dict[str, Any]) -> int | None:
+    """Micro-steps per optimizer step, or None when it depends on the world size (resolved by DeepSpeed)."""
+    if "gradient_accumulation_steps" in cfg:
+        return int(cfg["gradient_accumulation_steps"])
+    if "train_batch_size" in cfg and "train_micro_batch_size_per_gpu" in cfg:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return int(cfg["train_batch_size"]) // max(1, int(cfg["train_micro_batch_size_per_gpu"]) * world)
+    return 1 if "train_batch_size" not in cfg else None
+
+
+def accumulation_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any] | str | os.PathLike[str]:
+    """The ds_config with `data_types.grad_accum_dtype` set to the training dtype where that changes no value.
+
+    Only when one micro-step makes a step (nothing is accumulated, so a 16-bit
+    gradient widened later equals one widened now) and the user set no
+    accumulation dtype. Pure: returns a new dict, or the argument unchanged."""
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            cfg = json.loads(Path(config).read_text())
+        except (OSError, ValueError):
+            return config  # DeepSpeed reports an unreadable config in its own words
+    elif isinstance(config, dict):
+        cfg = config
+    else:
+        return config
+    if (cfg.get("data_types") or {}).get("grad_accum_dtype") is not None or _steps_per_update(cfg) != 1:
+        return config
+    dtype = next((name for name in _SIXTEEN_BIT if (cfg.get(name) or {}).get("enabled")), None)
+    if dtype is None:
+        return config
+    out = copy.deepcopy(cfg)
+    out.setdefault("data_types", {})["grad_accum_dtype"] = _SIXTEEN_BIT[dtype]
+    return out
+
+
+class DramGradients:
+    """Where a ZeRO-3 sub-group's gradients are: per parameter, a view of the optimizer's flat buffer."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.opt = optimizer
+        self._views: dict[int, Any] = getattr(optimizer, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+        # fp32 flat sub-group parameter (what the swapper is handed) -> sub-group index
+        self._group_of = {id(p): i for i, p in enumerate(optimizer.fp32_partitioned_groups_flat)}
+        self.bytes_widened = 0
+
+    def status(self) -> dict[str, Any]:
+        flat = self.opt.grad_partitions_flat_buffer
+        return {"dtype": str(flat.dtype).removeprefix("torch."), "bytes": flat.numel() * flat.element_size(),
+                "widenedBytes": self.bytes_widened}
+
+    def holds(self, fp32_param: Any) -> bool:
+        i = self._group_of.get(id(fp32_param))
+        return i is not None and bool(self.opt._swappable_optimizer_subgroup(i))
+
+    def fill_fp32_gradients(self, fp32_param: Any, dest: torch.Tensor) -> None:
+        """Widen sub-group `fp32_param`'s gradients into `dest` (fp32, at least the sub-group's size)."""
+        i = self._group_of[id(fp32_param)]
+        opt = self.opt
+        for param in opt.fp16_groups[i]:
+            _, offset, numel = opt.grad_position[opt.get_param_id(param)]
+            dest.narrow(0, offset, numel).copy_(self._views[param.ds_id].narrow(0, 0, numel))
+        self.bytes_widened += int(opt.fp16_partitioned_groups_flat_numel[i]) * dest.element_size()
+
+
+def install_dram_gradients(optimizer: Any, swapper: Any) -> DramGradients:
+    """Stop ZeRO-3 from copying and swapping gradients of NVMe sub-groups; the swapper widens them instead."""
+    missing = [m for m in ("_offload_grad_partition_at_boundary", "grad_position", "fp16_groups",
+                           "fp32_partitioned_groups_flat", "_swappable_optimizer_subgroup", "norm_for_param_grads",
+                           "_constant_buffered_norm2", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+               if not hasattr(optimizer, m)]
+    if missing:
+        raise RuntimeError(f"DeepSpeed ZeRO-3 optimizer lacks {missing}: the DRAM-gradient hook was written for "
+                           "DeepSpeed 0.19.8's stage3.py")
+    grads = DramGradients(optimizer)
+    original = optimizer._offload_grad_partition_at_boundary
+
+    def at_boundary(param: Any, grad_buffer: Any, offload_fp32_gradients: dict[int, list[Any]],
+                    offload_fp32_offsets: dict[int, list[int]]) -> None:
+        pid = optimizer.get_param_id(param)
+        if not optimizer._swappable_optimizer_subgroup(optimizer.grad_position[pid][0]):
+            return original(param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets)
+        # The norm is all stock takes from the buffer here; the gradient itself stays where it is.
+        optimizer.norm_for_param_grads[pid] = optimizer._constant_buffered_norm2(grad_buffer)
+        return None
+
+    optimizer._offload_grad_partition_at_boundary = at_boundary
+    swapper.dram_gradients = grads
+    return grads
