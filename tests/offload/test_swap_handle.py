@@ -75,3 +75,27 @@ def test_importing_the_runtime_does_not_import_torch() -> None:
                          env={"PYTHONPATH": f"{REPO / 'runtime'}:{REPO / 'operator'}"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_trim_gives_back_idle_locked_regions_only() -> None:
+    """After an update the pool unmaps what nothing uses: the kernel's locked count falls, live buffers stay."""
+    from memstrata.runtime.pinned import vm_locked_bytes
+
+    pool = LockedPool(4 << 20)
+    before = vm_locked_bytes()
+    kept = pool.tensor(1 << 20, torch.float32)  # 4 MiB: a region of its own
+    kept.fill_(3.0)
+    idle = pool.tensor(2 << 20, torch.float32)  # 8 MiB: another
+    assert vm_locked_bytes() - before == 12 << 20
+    pool.free(idle)
+    del idle
+    assert pool.trim() == 8 << 20
+    assert pool.locked_bytes == 4 << 20 and vm_locked_bytes() - before == 4 << 20
+    assert bool((kept == 3.0).all()) and pool.owns(kept)
+    assert pool.trim() == 0  # the live buffer's region is never given back
+    again = pool.tensor(1024, torch.float32)  # the pool grows again after a trim
+    assert pool.owns(again)
+    pool.free(again)
+    pool.free(kept)
+    with pytest.raises(SwapError, match="freed twice"):
+        pool.free(kept)

@@ -20,6 +20,8 @@ message, because each is an internal name):
    (memstrata.runtime.gradients): gradients stay in DRAM, 16-bit where that
    changes no value (`data_types.grad_accum_dtype` set when the user did not),
    and are widened to fp32 by the optimizer swapper in the update.
+6. The same instance's `step`, once more: after it, locked regions nothing
+   uses are given back (`SwapSettings.trim_after_step`).
 
 Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 """
@@ -96,6 +98,18 @@ def _one_pass_has_overflow(layer: SwapLayer) -> Any:
     return has_overflow
 
 
+def _trim_after_step(optimizer: Any, layer: SwapLayer) -> None:
+    step = optimizer.step
+
+    def step_then_trim(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        finally:
+            layer.trim()
+
+    optimizer.step = step_then_trim
+
+
 def _needed_bytes(model: Any) -> int:
     """NVMe bytes for one rank: 16-bit weights, fp32 master + 2 moments + fp32 gradients, with slack."""
     numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
@@ -165,6 +179,8 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **
         from memstrata.runtime.gradients import install_dram_gradients
 
         layer.dram_gradients = install_dram_gradients(opt, swapper)
+    if settings.trim_after_step and opt is not None:
+        _trim_after_step(opt, layer)
     if settings.one_pass_overflow and engine.fp16_enabled() and hasattr(opt, "grad_partitions_flat_buffer"):
         opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
     return result

@@ -78,7 +78,9 @@ class LockedPool:
         self.chunk_bytes = chunk_bytes
         self.lock = lock
         self.placement = placement
-        self._regions: list[tuple[Any, ExtentAllocator]] = []
+        self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
+        self._region_use: dict[int, int] = {}  # id -> bytes handed out
+        self._next_region = 0
         self._owner: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (region index, offset, bytes)
         self.locked_bytes = 0
         self.peak_in_use = 0
@@ -86,7 +88,7 @@ class LockedPool:
 
     def tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
-        for idx, (region, alloc) in enumerate(self._regions):
+        for idx, (region, alloc) in self._regions.items():
             try:
                 off, size = alloc.allocate(nbytes)
             except ExtentError:
@@ -101,24 +103,23 @@ class LockedPool:
             region.lock()
         self.locked_bytes += size
         alloc = ExtentAllocator(0, size, _ALIGN)
-        self._regions.append((region, alloc))
+        idx, self._next_region = self._next_region, self._next_region + 1
+        self._regions[idx], self._region_use[idx] = (region, alloc), 0
         off, got = alloc.allocate(nbytes)
-        return self._view(len(self._regions) - 1, region, off, got, numel, dtype)
+        return self._view(idx, region, off, got, numel, dtype)
 
     def _view(self, idx: int, region: Any, off: int, size: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raw = torch.frombuffer(memoryview(region)[off:off + size], dtype=torch.uint8)
         t = raw.view(dtype)[:numel] if numel else raw.view(dtype)[:0]
         self._owner[t.data_ptr()] = (idx, off, size)
+        self._region_use[idx] += size
         self.in_use += size
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return t
 
     def owns(self, t: torch.Tensor) -> bool:
         ptr = t.data_ptr()
-        for region, _alloc in self._regions:
-            if region.address <= ptr < region.address + region.size:
-                return True
-        return False
+        return any(region.address <= ptr < region.address + region.size for region, _ in self._regions.values())
 
     def free(self, t: torch.Tensor) -> None:
         key = t.data_ptr()
@@ -126,11 +127,27 @@ class LockedPool:
             raise SwapError("buffer was not handed out by this pool (or was freed twice)")
         idx, off, size = self._owner.pop(key)
         self._regions[idx][1].free(off)
+        self._region_use[idx] -= size
         self.in_use -= size
+
+    def trim(self) -> int:
+        """Give back every region with nothing handed out; the bytes released.
+
+        Called between phases (after the update): the update's working set and
+        the activations of forward/backward then never count together in the
+        peak. A region unmaps (and unlocks) once its last view is gone."""
+        released = 0
+        for idx in [i for i, used in self._region_use.items() if used == 0]:
+            region, _ = self._regions.pop(idx)
+            del self._region_use[idx]
+            released += region.size
+        self.locked_bytes -= released
+        return released
 
     def close(self) -> None:
         self._owner.clear()
         self._regions.clear()  # regions unmap (and unlock) when their last view is gone
+        self._region_use.clear()
         self.locked_bytes = 0
 
 

@@ -50,6 +50,10 @@ class SwapSettings(BaseModel):
     dram_nodes: list[int] = Field(default_factory=list, description="DRAM NUMA nodes; empty: every node with CPUs.")
     cxl_nodes: list[int] = Field(default_factory=list, description="CPU-less CXL NUMA nodes (the plan's cxl_nodes).")
     one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
+    trim_after_step: bool = Field(
+        True, description="Give back the locked regions the update no longer uses before the next forward, so the "
+                          "update's working set and the activations never count together in the peak (each update "
+                          "locks them again).")
     dram_gradients: bool = Field(
         True, description="Keep gradients in DRAM (in the 16-bit training dtype when one micro-step makes a step) "
                           "until the update widens them, instead of writing fp32 copies to NVMe "
@@ -112,6 +116,7 @@ class SwapLayer:
         self.cache_bytes = 0
         self.cache_hits = 0
         self.overflow_checks = 0
+        self.trimmed_bytes = 0
         self.subgroup_order: Any = None  # memstrata.runtime.suborder.SubGroupOrder, once installed
         self.dram_gradients: Any = None  # memstrata.runtime.gradients.DramGradients, once installed
         self.io_log: list[tuple[str, float, float]] | None = None  # tests: (kind, start, end) per I/O batch
@@ -145,12 +150,19 @@ class SwapLayer:
         self.handles.append(h)
         return h
 
+    def trim(self) -> int:
+        """Unmap every locked region nothing is using (after an optimizer step); the bytes given back."""
+        released = self.pool.trim() + self.param_pool.trim()
+        self.trimmed_bytes += released
+        return released
+
     def status(self) -> dict[str, Any]:
         """Per-stratum bytes for the progress report and the job status (JSON-ready, camelCase like the API).
 
         nvme: namespaces, bytesWritten/bytesRead (device counters), bytesLive/extentsLive (state
         held now), bytesLivePeak, byKind {param|optimizer: {written, read}}, ioTokenWaitSeconds.
-        dram: lockedBytes (pool regions, mlock'ed), lockedPeakInUse, optimizerCacheBytes/Hits,
+        dram: lockedBytes (pool regions, mlock'ed), lockedPeakInUse, trimmedBytes (given back after
+        updates, in all), optimizerCacheBytes/Hits,
         gradients {dtype, bytes, widenedBytes} when they stay in DRAM (else null),
         vmLockedBytes (the kernel's VmLck for this process)."""
         dev = self.engine.stats()
@@ -168,6 +180,7 @@ class SwapLayer:
             "dram": {
                 "lockedBytes": self.pool.locked_bytes + self.param_pool.locked_bytes,
                 "lockedPeakInUse": self.pool.peak_in_use + self.param_pool.peak_in_use,
+                "trimmedBytes": self.trimmed_bytes,
                 "optimizerCacheBytes": self.cache_bytes,
                 "optimizerCacheHits": self.cache_hits,
                 "subGroupOrders": self.subgroup_order.history[-8:] if self.subgroup_order is not None else [],
