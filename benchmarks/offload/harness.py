@@ -16,11 +16,29 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 ALIGN = 1024
+
+
+class PhaseMemory(threading.Thread):
+    """Peak RSS of this process per phase (init/forward/backward/update), sampled every 20 ms: the breakdown
+    that says which phase sets the peak the benchmark's process-tree sampler reports."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.phase = "init"
+        self.peaks: dict[str, int] = {}
+
+    def run(self) -> None:
+        while True:
+            with open("/proc/self/status") as f:
+                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            time.sleep(0.02)
 
 
 def free_port() -> int:
@@ -30,15 +48,18 @@ def free_port() -> int:
 
 
 def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: str) -> dict[str, Any]:
-    """The ds_config both engines get. `profile`: 'default' (DeepSpeed's defaults, only what it needs to
-    run at all) or 'tuned' (the settings memstrata's dsconfig uses for stock runs)."""
+    """The ds_config both engines get. `profile`: 'literal' (DeepSpeed's defaults exactly, which fail on
+    some models), 'default' (DeepSpeed's defaults with only what it needs to run at all) or 'tuned' (the
+    settings memstrata's dsconfig uses for stock runs)."""
     largest = max(arch.largest_tensor(), arch.max_positions * arch.hidden)
     aligned = -(-largest // ALIGN) * ALIGN
     layer = arch.layer_params()
     param: dict[str, Any] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False}
     optim: dict[str, Any] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False}
     zero: dict[str, Any] = {"stage": 3, "offload_param": param, "offload_optimizer": optim}
-    if profile == "default":
+    if profile == "literal":
+        pass  # DeepSpeed's own defaults untouched: buffer_size 1e8, buffer_count 5, sub_group_size 1e9
+    elif profile == "default":
         # buffer_size must hold the largest tensor or stock refuses to start.
         param.update(buffer_size=max(aligned, int(1e8)))
     else:
@@ -46,7 +67,10 @@ def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: 
         optim.update(buffer_count=4)
         zero.update(sub_group_size=max(layer, largest, (1 << 20) // 4), stage3_param_persistence_threshold=0,
                     stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=aligned,
-                    stage3_max_live_parameters=max(2 * layer, 2 * largest))
+                    stage3_max_live_parameters=max(2 * layer, 2 * largest),
+                    # Gradients are copied into this bucket before they are partitioned; DeepSpeed's 5e8
+                    # elements means every gradient of a small model touches the bucket: one layer's worth.
+                    reduce_bucket_size=max(layer, largest))
     return {
         "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "train_batch_size": batch,
         "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
@@ -65,12 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["stock", "memstrata"], required=True)
     ap.add_argument("--preset", default="gpt-tiny")
+    ap.add_argument("--arch-json", default="", help="a ModelArchitecture as JSON, instead of --preset")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--profile", default="tuned", choices=["default", "tuned"])
+    ap.add_argument("--profile", default="tuned", choices=["literal", "default", "tuned"])
     ap.add_argument("--swap-dir", required=True)
     ap.add_argument("--nvme", default="", help="comma-separated namespaces for memstrata")
     ap.add_argument("--swap-json", default="", help="extra SwapSettings fields as JSON")
@@ -95,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(os.cpu_count() or 1)
+    mem = PhaseMemory()
+    mem.start()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    arch = PRESETS[args.preset]
+    from memstrata.api.architecture import ModelArchitecture
+
+    arch = ModelArchitecture.model_validate_json(args.arch_json) if args.arch_json else PRESETS[args.preset]
     torch.manual_seed(args.seed)
     model = build_model(arch, args.seed)
     cfg = ds_config(arch, swap_dir=args.swap_dir, batch=args.batch, precision=args.precision, profile=args.profile)
@@ -129,10 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(1, args.steps + 1):
         ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
         s0 = time.perf_counter()
+        mem.phase = "forward"
         loss = engine(ids[:, :-1], ids[:, 1:])
         s1 = time.perf_counter()
+        mem.phase = "backward"
         engine.backward(loss)
         s2 = time.perf_counter()
+        mem.phase = "update"
         if args.pause_at_step == step:
             out["paused"] = True
             if layer is not None:
@@ -150,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             out.setdefault("cache_hits", []).append(layer.cache_hits)
         if step == 1:
             out["time_to_first_step"] = time.perf_counter() - t0
+    out["rss_peak_by_phase"] = dict(mem.peaks)
     if layer is not None:
         out["swap"] = layer.status()
         out["overflow_checks"] = layer.overflow_checks

@@ -106,11 +106,55 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, A
                    step_seconds=mean(data["step_seconds"][later]), forward_seconds=mean(ph["forward"][later]),
                    backward_seconds=mean(ph["backward"][later]), update_seconds=mean(ph["update"][later]),
                    step_seconds_all=data["step_seconds"], losses=data["losses"], params=data["params"],
-                   swap=data.get("swap"), config=data.get("config"))
+                   rss_peak_by_phase=data.get("rss_peak_by_phase"), swap=data.get("swap"), config=data.get("config"))
     else:
         tail = [ln for ln in err.splitlines() if ln.strip()][-6:]
         res["error"] = "\n".join(tail)
     return res
+
+
+# Llama-shaped, 2 layers, Llama-3's vocabulary: the 131M-element embedding is larger than the 1e8-element
+# buffers stock DeepSpeed pins for offload_param by default.
+FAILURE_ARCH = {"family": "llama", "layers": 2, "hidden": 1024, "intermediate": 2816, "heads": 16, "kv_heads": 8,
+                "vocab": 128256, "tied": True}
+
+
+def contender_cmd(contender: str, work: Path, out: Path, args: list[str]) -> tuple[list[str], str | None]:
+    """The harness command for one contender; memstrata gets a fresh loop device (returned, to detach)."""
+    cmd = [sys.executable, str(HARNESS), *args, "--swap-dir", str(work / "swap"), "--out", str(out)]
+    if contender != "memstrata":
+        return cmd + ["--engine", "stock", "--profile", contender.removeprefix("stock-")], None
+    img = work / "ns0.img"
+    with open(img, "wb") as f:
+        f.truncate(16 << 30)
+    loop = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(img)], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    return cmd + ["--engine", "memstrata", "--nvme", loop], loop
+
+
+def run_contender(scratch: Path, label: str, contender: str, args: list[str], timeout: float) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix=f"{label}-{contender}-", dir=scratch))
+    out = work / "result.json"
+    loop = None
+    try:
+        cmd, loop = contender_cmd(contender, work, out, args)
+        print(f"== {label} {contender}", flush=True)
+        res = run_one(contender, cmd, out, timeout)
+        res["swap_dir_bytes"] = dir_bytes(work / "swap")
+    finally:
+        if loop:
+            subprocess.run(["losetup", "-d", loop], capture_output=True)
+        subprocess.run(["rm", "-rf", str(work)])
+    print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "swap", "command", "config")}), flush=True)
+    return res
+
+
+def failure_demo(scratch: Path, timeout: float) -> dict[str, Any]:
+    """Stock with DeepSpeed's literal defaults vs memstrata, 2 steps of a model stock cannot hold."""
+    args = ["--arch-json", json.dumps(FAILURE_ARCH), "--steps", "2", "--seq", "256", "--batch", "1"]
+    runs = [run_contender(scratch, "llama-vocab", c, args, timeout) for c in ("stock-literal", "memstrata")]
+    return {"architecture": FAILURE_ARCH, "steps": 2, "seq": 256,
+            "runs": [{k: r.get(k) for k in ("contender", "ok", "error", "losses", "peak_rss_bytes")} for r in runs]}
 
 
 def dir_bytes(path: Path) -> int:
@@ -126,6 +170,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--contenders", default="memstrata,stock-default,stock-tuned")
     ap.add_argument("--scratch", default="/var/tmp/memstrata-bench-offload", help="on a disk filesystem")
+    ap.add_argument("--no-failure-demo", dest="failure_demo", action="store_false",
+                    help="skip the run of stock's literal defaults on a model they cannot hold")
     args = ap.parse_args()
     scratch = Path(args.scratch)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -142,33 +188,15 @@ def main() -> int:
                                "statistic": "median over steps 2..N (step 1 includes warm-up)",
                                "loadavg_start": [round(x, 2) for x in os.getloadavg()],
                                "models": {}}
+    if args.failure_demo:
+        results["stock_failures"] = failure_demo(scratch, args.timeout)
+        _write(results)
     for model in args.models.split(","):
         runs = []
         for contender in args.contenders.split(","):
-            work = Path(tempfile.mkdtemp(prefix=f"{model}-{contender}-", dir=scratch))
-            out = work / "result.json"
-            cmd = [sys.executable, str(HARNESS), "--preset", model, "--steps", str(args.steps), "--seq",
-                   str(args.seq), "--batch", str(args.batch), "--swap-dir", str(work / "swap"), "--out", str(out)]
-            loop = None
-            if contender == "memstrata":
-                img = work / "ns0.img"
-                with open(img, "wb") as f:
-                    f.truncate(16 << 30)
-                loop = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(img)], check=True,
-                                      capture_output=True, text=True).stdout.strip()
-                cmd += ["--engine", "memstrata", "--nvme", loop]
-            else:
-                cmd += ["--engine", "stock", "--profile", contender.removeprefix("stock-")]
-            try:
-                print(f"== {model} {contender}", flush=True)
-                res = run_one(contender, cmd, out, args.timeout)
-                res["swap_dir_bytes"] = dir_bytes(work / "swap")
-            finally:
-                if loop:
-                    subprocess.run(["losetup", "-d", loop], capture_output=True)
-                subprocess.run(["rm", "-rf", str(work)])
-            print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "swap", "command")}), flush=True)
-            runs.append(res)
+            harness_args = ["--preset", model, "--steps", str(args.steps), "--seq", str(args.seq),
+                            "--batch", str(args.batch)]
+            runs.append(run_contender(scratch, model, contender, harness_args, args.timeout))
         results["models"][model] = summarize(runs)
         results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         _write(results)  # after every model, so a later failure or timeout keeps what was measured
@@ -236,6 +264,21 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {model} | **memstrata / {m['best_stock']}** | | init {m['init_time_ratio']} | | "
                          f"step {m['step_time_ratio']} | | | update {m['update_time_ratio']} | "
                          f"RSS {m['peak_rss_ratio']} | | |")
+    lines += ["", "Peak RSS of the training process per phase, GiB (which phase sets the peak):", "",
+              "| model | contender | init | forward | backward | update |", "|---|---|---|---|---|---|"]
+    for model, m in results["models"].items():
+        for r in m["runs"]:
+            ph = r.get("rss_peak_by_phase") or {}
+            lines.append(f"| {model} | {r['contender']} | " + " | ".join(
+                f"{ph[k] / g:.2f}" if k in ph else "" for k in ("init", "forward", "backward", "update")) + " |")
+    fail = results.get("stock_failures")
+    if fail:
+        lines += ["", f"A model stock's literal defaults cannot hold ({json.dumps(fail['architecture'])}, "
+                  f"{fail['steps']} steps, seq {fail['seq']}):", ""]
+        for r in fail["runs"]:
+            what = (f"ran, losses {[round(x, 3) for x in r['losses']]}" if r["ok"]
+                    else f"failed: `{(r.get('error') or '').splitlines()[-1][:160]}`")
+            lines.append(f"- {r['contender']}: {what}")
     cap = results["dram_cap"]
     lines += ["", f"DRAM cap: {'enforced' if cap['enforced'] else 'none enforced'} "
               f"(machine {cap['machine_dram_bytes'] / g:.1f} GiB). Step/phase times are medians over steps 2..N. "

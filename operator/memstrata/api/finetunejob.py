@@ -115,8 +115,9 @@ class MemoryPolicy(ApiModel):
 
     mode: Literal["auto"] = "auto"
     engine: Engine = Field(
-        "deepspeed",
-        description="Stock DeepSpeed ZeRO-Infinity (the baseline) or memstrata's swap layer (per-tensor placement).",
+        "memstrata",
+        description="memstrata's swap layer inside DeepSpeed ZeRO-3 (raw-NVMe extents, exact pinned buffers, "
+                    "per-tensor placement), or stock DeepSpeed ZeRO-Infinity ('deepspeed', the baseline).",
     )
     require_cxl: bool = Field(False, description="Only place the job on nodes with CXL memory.")
     nvme_namespaces: int = Field(1, ge=0, le=64, description="Raw NVMe namespaces to stripe over; 0 disables NVMe.")

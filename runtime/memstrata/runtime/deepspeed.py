@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memstrata.runtime.swaplayer import SwapLayer, SwapSettings, activate
+from memstrata.runtime.swaplayer import SwapLayer, SwapSettings, activate, release_free_heap
 
 __all__ = ["SUPPORTED_DEEPSPEED", "UnsupportedDeepSpeed", "check_version", "initialize", "swap_layer_of"]
 
@@ -102,6 +102,9 @@ def _trim_after_step(optimizer: Any, layer: SwapLayer) -> None:
     step = optimizer.step
 
     def step_then_trim(*args: Any, **kwargs: Any) -> Any:
+        # The activations freed by backward and the update's temporaries sit in malloc's free lists;
+        # returning them between phases keeps one phase's garbage out of the next one's peak.
+        release_free_heap()
         try:
             return step(*args, **kwargs)
         finally:

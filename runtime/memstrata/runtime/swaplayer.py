@@ -8,6 +8,7 @@ classes (which DeepSpeed instantiates with its own fixed arguments) find it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from memstrata.runtime.placement import TensorKind, place
 from memstrata.runtime.swap import ExtentSwapHandle, LockedPool, SwapCounters
 from memstrata.runtime.tokens import IoTokens
 
-__all__ = ["SwapSettings", "SwapLayer", "active", "activate"]
+__all__ = ["SwapSettings", "SwapLayer", "active", "activate", "release_free_heap"]
 
 
 class SwapSettings(BaseModel):
@@ -81,6 +82,24 @@ def activate(layer: SwapLayer) -> Iterator[SwapLayer]:
         yield layer
     finally:
         _active = None
+
+
+def release_free_heap() -> None:
+    """Return malloc's free pages to the kernel (glibc `malloc_trim(0)`; a no-op elsewhere).
+
+    Tensors under glibc's dynamic mmap threshold (up to 32 MiB) come from the
+    heap, and what they free stays resident until trimmed."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def _cpu_nodes() -> list[int]:
@@ -154,6 +173,7 @@ class SwapLayer:
         """Unmap every locked region nothing is using (after an optimizer step); the bytes given back."""
         released = self.pool.trim() + self.param_pool.trim()
         self.trimmed_bytes += released
+        release_free_heap()
         return released
 
     def status(self) -> dict[str, Any]:
