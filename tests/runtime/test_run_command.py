@@ -127,12 +127,15 @@ def test_nvme_path_on_tmpfs_is_refused_and_left_clean() -> None:
 
 @pytest.mark.slow
 def test_tiny_example_fine_tunes_through_nvme(tmp_path: Path) -> None:
+    """The tiny example on stock ZeRO-Infinity (`memory.engine: deepspeed`), the baseline path: its swap
+    files must appear on the NVMe stratum while it runs (tests/offload covers the memstrata engine)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: run `make install`")
+    job = _job(tmp_path, memory__engine="deepspeed")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     report_path = tmp_path / "report.json"
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "memstrata.cli", "run", str(TINY), "--nvme-path", str(nvme),
+    proc = subprocess.Popen([sys.executable, "-m", "memstrata.cli", "run", str(job), "--nvme-path", str(nvme),
                              "--report-json", str(report_path)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     # Watch the swap directory from outside while the run goes on.

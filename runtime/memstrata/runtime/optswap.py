@@ -46,7 +46,9 @@ class ExactBuffers:
     def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
         if dtype != self.dtype:
             raise TypeError(f"optimizer swap buffers are {self.dtype}, asked for {dtype}")
-        out = [self.pool.tensor(int(num_elems), dtype).zero_() for _ in range(count)]
+        # Not zeroed: every user overwrites what it reads (a swap-in, a widen, a copy), as with DeepSpeed's
+        # reused pool; a memset here cost a full pass over each sub-group's state every update.
+        out = [self.pool.tensor(int(num_elems), dtype) for _ in range(count)]
         for t in out:
             self._live[id(t)] = t
         return out

@@ -170,8 +170,11 @@ class SwapLayer:
         return h
 
     def trim(self) -> int:
-        """Unmap every locked region nothing is using (after an optimizer step); the bytes given back."""
-        released = self.pool.trim() + self.param_pool.trim()
+        """Unmap every optimizer-pool region nothing is using (after an optimizer step); the bytes given back.
+
+        Only the optimizer pool: its working set exists in the update alone. The parameter staging pool
+        is refilled by every forward and backward, so trimming it would only add page faults."""
+        released = self.pool.trim()
         self.trimmed_bytes += released
         release_free_heap()
         return released
