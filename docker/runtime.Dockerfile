@@ -34,6 +34,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin memstrata
 USER 1000:1000
 WORKDIR /home/memstrata
-# The operator mounts the RuntimeConfig and sets $MEMSTRATA_RUNTIME_CONFIG; a FineTuneJob's
-# spec.command overrides this entrypoint.
+# The operator mounts the RuntimeConfig and sets $MEMSTRATA_RUNTIME_CONFIG; `memstrata pod` trains
+# from it and patches the job's status. A FineTuneJob's spec.command overrides both.
+ENV MEMSTRATA_SCRATCH=/var/tmp/memstrata
 ENTRYPOINT ["memstrata"]
+CMD ["pod"]

@@ -1,4 +1,4 @@
-"""The `memstrata` command: crd, plan, run, operator, nodeagent.
+"""The `memstrata` command: crd, plan, run, pod, operator, nodeagent.
 
 User errors (a bad manifest, an impossible plan, an unusable path) print one
 line naming what is wrong and exit with status 2 before anything is written.
@@ -78,6 +78,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 args.nvme_path.rmdir()
 
 
+def _cmd_pod(args: argparse.Namespace) -> int:
+    import logging
+
+    from memstrata.runtime.pod import run_pod
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args.nvme_path.mkdir(parents=True, exist_ok=True)
+    return run_pod(args.nvme_path)
+
+
 def _operator(argv: list[str]) -> int:
     from memstrata.operator.main import main as operator_main
 
@@ -115,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, help="override spec.training.steps")
     s.add_argument("--report-json", type=Path, help="also write the final report as JSON here")
     s.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("pod", help="the job pod's entrypoint: train from $MEMSTRATA_RUNTIME_CONFIG and patch the "
+                                   "FineTuneJob's status")
+    s.add_argument("--nvme-path", type=Path, default=Path(os.environ.get("MEMSTRATA_SCRATCH", "/var/tmp/memstrata")),
+                   help="scratch directory on a disk filesystem, for DeepSpeed's (empty) swap folder and file-backed "
+                        "namespaces where the pod was given no NVMe device ($MEMSTRATA_SCRATCH; default: %(default)s)")
+    s.set_defaults(func=_cmd_pod)
 
     # Listed for --help; main() hands their arguments over before argparse sees them.
     sub.add_parser("operator", help="run the FineTuneJob operator (memstrata operator --help)", add_help=False)

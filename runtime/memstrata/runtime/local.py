@@ -1,7 +1,8 @@
 """`memstrata run FILE`: fine-tune a job on this machine, no cluster.
 
 The CLI has loaded the job, checked its paths and built a feasible plan for
-this machine; here the recipe runs it on stock DeepSpeed ZeRO-Infinity while
+this machine (or `memstrata pod` has read what the operator planned); here the
+recipe runs it, with memstrata's swap layer or on stock ZeRO-Infinity, while
 `MemWatch` measures the process tree from the side, and the final report is
 printed (and written as JSON when asked). Errors the user can fix print one
 line and return 2 with nothing left behind.
@@ -12,6 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from memstrata.api.finetunejob import FineTuneJob
@@ -32,7 +34,11 @@ def _check_report_path(path: Path | None) -> None:
         raise RecipeError(f"--report-json: {path.parent}: no such directory")
 
 
-def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None) -> int:
+def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None,
+              on_report: Callable[[RuntimeReport], None] | None = None) -> int:
+    """Train `job` here; `on_report` (the pod's status patches) gets every step's RuntimeReport, one when
+    initialization starts, and a final one (stage finished or failed)."""
+    report_to = on_report or (lambda _r: None)
     try:
         _check_report_path(report_json)
         recipe = FineTuneRecipe(job, plan, nvme_path)
@@ -44,6 +50,8 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     training = job.spec.training
     watch = MemWatch(recipe.ds_swap_dir).start()  # DeepSpeed's swap folder (with memstrata: must stay empty)
     bar = ProgressBar(training.steps)
+    last = RuntimeReport(stage="initializing", total_steps=training.steps)
+    report_to(last)
     try:
         bar.message(f"memstrata: {job.metadata.name}: initializing DeepSpeed ZeRO-3 with the "
                     f"{recipe.engine_name} swap layer "
@@ -55,22 +63,27 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         started = time.perf_counter()  # the ETA extrapolates training steps, not initialization
 
         def on_step(s: StepResult) -> None:
-            bar.update(_status(watch, recipe.memstrata_status(), s, training.steps,
-                               time.perf_counter() - started))
+            nonlocal last
+            last = _status(watch, recipe.memstrata_status(), s, training.steps, time.perf_counter() - started)
+            bar.update(last)
+            report_to(last)
 
         with bar:
             result = recipe.train(on_step)
     except (RecipeError, DatasetError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
+        report_to(last.model_copy(update={"stage": "failed", "message": str(exc)}))
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 — a failed run still reports what it measured, then fails
         print(f"memstrata: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report_to(last.model_copy(update={"stage": "failed", "message": f"{type(exc).__name__}: {exc}"}))
         return EXIT_FAILED
     finally:
         recipe.cleanup()
         watch.stop()
 
     report = build_report(job, plan, recipe, result, watch, after_init)
+    report_to(last.model_copy(update={"stage": "finished", "strata": report.strata}))
     render_report(report)
     if report_json is not None:
         report_json.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")

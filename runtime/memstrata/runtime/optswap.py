@@ -16,7 +16,10 @@ memory or bypass memstrata:
   order is reversed every step and the K walked last are kept (`keep_ids`),
   MLP-Offload's policy; without it, the first K cacheable ones stay for good.
 - fast_init: fp32 master weights are built sub-group by sub-group from the
-  16-bit partitions on NVMe, with buffers of that sub-group's size only.
+  16-bit partitions on NVMe, with buffers of that sub-group's size only;
+- gradients: with memstrata.runtime.gradients installed, none are swapped; a
+  sub-group's fp32 gradients are widened from DRAM into one exact buffer when
+  its state is swapped in, and freed with it.
 """
 from __future__ import annotations
 

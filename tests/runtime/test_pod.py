@@ -1,0 +1,123 @@
+"""`memstrata pod`: what the operator renders is what the runtime reads; bad configs are named; status
+patches are paced and never stop training (the real API server is in e2e/operator/test_pod_runtime.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from memstrata.api import load_job
+from memstrata.api.report import RuntimeReport
+from memstrata.operator.observe import job_view
+from memstrata.operator.render import attempt_objects
+from memstrata.plan import plan_job
+from memstrata.runtime.localnode import local_inventory
+from memstrata.runtime.pod import PodConfigError, StatusReporter, job_and_plan, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "finetune-tiny.yaml"
+
+
+def rendered_config(tmp_path: Path) -> Path:
+    """The runtime config exactly as the operator renders it into the job's ConfigMap."""
+    job = load_job(TINY)
+    plan = plan_job(job.spec, local_inventory(tmp_path / "nvme"))
+    body = {"metadata": {"name": job.metadata.name, "namespace": "team-a", "uid": "u-1"},
+            "spec": job.spec.wire()}
+    companions, _ = attempt_objects(job_view(body), "node-1", plan, attempt=0, report_interval_seconds=3)
+    cm = next(o for o in companions if o["kind"] == "ConfigMap")
+    path = tmp_path / "runtime-config.json"
+    path.write_text(cm["data"]["runtime-config.json"])
+    return path
+
+
+def test_the_operators_config_becomes_the_same_job_and_plan(tmp_path: Path) -> None:
+    cfg = load_config(rendered_config(tmp_path))
+    assert (cfg.job.name, cfg.job.namespace, cfg.report_interval_seconds) == ("finetune-tiny", "team-a", 3)
+    job, plan = job_and_plan(cfg)
+    original = load_job(TINY)
+    assert job.spec.training == original.spec.training and job.spec.memory == original.spec.memory
+    assert job.spec.memory.engine == "memstrata"
+    assert plan.feasible and plan.parameters == 527_872
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda d: d.update(version="memstrata.dev/runtime-config/v2"),
+     r"version 'memstrata.dev/runtime-config/v2' is not 'memstrata.dev/runtime-config/v1'"),
+    (lambda d: d["training"].update(steps=-1), r"training.steps: Input should be greater than 0"),
+    (lambda d: d.pop("plan"), r": plan: Field required"),
+])
+def test_a_wrong_config_is_named_with_the_file_and_field(tmp_path: Path, edit: Any, expected: str) -> None:
+    path = rendered_config(tmp_path)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(PodConfigError, match=rf"^{path}.*{expected}"):
+        load_config(path)
+
+
+def test_missing_unset_and_non_json_configs(tmp_path: Path) -> None:
+    with pytest.raises(PodConfigError, match=r"\$MEMSTRATA_RUNTIME_CONFIG is not set"):
+        load_config(None)
+    with pytest.raises(PodConfigError, match=rf"{tmp_path}/nope.json: cannot read the runtime config"):
+        load_config(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("steps: 3\n")
+    with pytest.raises(PodConfigError, match=rf"{bad}: not JSON"):
+        load_config(bad)
+
+
+def test_the_pod_command_refuses_a_bad_config_with_exit_2(tmp_path: Path) -> None:
+    path = rendered_config(tmp_path)
+    data = json.loads(path.read_text())
+    data["version"] = "memstrata.dev/runtime-config/v0"
+    path.write_text(json.dumps(data))
+    env = {**os.environ, "MEMSTRATA_RUNTIME_CONFIG": str(path), "MEMSTRATA_SCRATCH": str(tmp_path / "scratch")}
+    proc = subprocess.run([sys.executable, "-m", "memstrata.cli", "pod"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{path}: version 'memstrata.dev/runtime-config/v0'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _report(stage: str, step: int) -> RuntimeReport:
+    return RuntimeReport(stage=stage, step=step, total_steps=10, loss=2.0, elapsed_seconds=step)  # type: ignore[arg-type]
+
+
+def test_reports_are_paced_but_the_last_one_always_goes() -> None:
+    sent: list[dict[str, Any]] = []
+    now = [0.0]
+    reporter = StatusReporter(sent.append, interval=10, clock=lambda: now[0])
+    for step in range(1, 10):
+        now[0] = step * 3.0  # a step every 3 s: a patch every 10 s at most
+        reporter(_report("training", step))
+    reporter(_report("finished", 10))
+    steps = [p["status"]["progress"]["step"] for p in sent]
+    assert steps == [1, 5, 9, 10]  # t=3, 15, 27: never two within 10 s; then the final one
+    assert sent[-1]["status"]["progress"]["summary"] == "10/10 (100%)"
+
+
+def test_a_failing_api_server_is_counted_not_raised() -> None:
+    calls = []
+
+    def patch(body: dict[str, Any]) -> None:
+        calls.append(body)
+        raise ConnectionRefusedError("api server away")
+
+    reporter = StatusReporter(patch, interval=0)
+    reporter(_report("training", 1))
+    reporter(_report("failed", 1))
+    assert (len(calls), reporter.failed, reporter.sent) == (2, 2, 0)
+
+
+def test_the_runtime_image_runs_the_pod_command() -> None:
+    text = (REPO / "docker" / "runtime.Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert 'ENTRYPOINT ["memstrata"]' in lines and 'CMD ["pod"]' in lines
+    assert yaml.safe_load(TINY.read_text())["kind"] == "FineTuneJob"
