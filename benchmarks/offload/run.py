@@ -102,6 +102,8 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float, cap_bytes: int
         sampler.join()
         capped = {"dram_cap_bytes": cap.limit_bytes, "cgroup_peak_bytes": cap.peak_bytes(),
                   "oom_killed": cap.oom_killed()} if cap else {"dram_cap_bytes": None, "dram_cap_missing": why}
+        if capped.get("oom_killed"):  # the last line is what the table shows
+            err = f"{err}\nkilled by the OOM killer under the {cap_bytes / (1 << 30):.1f} GiB DRAM cap"
     finally:
         if cap:
             cap.close()
@@ -197,6 +199,7 @@ def main() -> int:
                     help="the same cgroup memory cap for every contender (0: none)")
     ap.add_argument("--no-failure-demo", dest="failure_demo", action="store_false",
                     help="skip the run of stock's literal defaults on a model they cannot hold")
+    ap.add_argument("--name", default="offload", help="results file name under benchmarks/results/")
     ap.add_argument("--from-json", type=Path, help="rebuild offload.json/.md from an earlier run's records, "
                                                    "running nothing")
     args = ap.parse_args()
@@ -213,7 +216,7 @@ def main() -> int:
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                                            "python": platform.python_version(), "scratch": str(scratch),
                                            "scratch_fs_magic": hex(_fs_magic(scratch))},
-                               "seq": args.seq, "batch": args.batch, "steps": args.steps,
+                               "name": args.name, "seq": args.seq, "batch": args.batch, "steps": args.steps,
                                "dram_cap": dram_cap_record(cap_bytes),
                                "statistic": "median over steps 2..N (step 1 includes warm-up)",
                                "loadavg_start": [round(x, 2) for x in os.getloadavg()],
@@ -235,8 +238,9 @@ def main() -> int:
 
 def _write(results: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "offload.json").write_text(json.dumps(results, indent=1))
-    (RESULTS / "offload.md").write_text(markdown(results))
+    name = results.get("name", "offload")
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{name}.md").write_text(markdown(results))
 
 
 def dram_cap_record(cap_bytes: int) -> dict[str, Any]:
