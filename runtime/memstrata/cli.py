@@ -84,7 +84,11 @@ def _cmd_pod(args: argparse.Namespace) -> int:
     from memstrata.runtime.pod import run_pod
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args.nvme_path.mkdir(parents=True, exist_ok=True)
+    try:
+        args.nvme_path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--nvme-path / $MEMSTRATA_SCRATCH: {args.nvme_path}: cannot create it: "
+                        f"{exc.strerror or exc}") from None
     return run_pod(args.nvme_path)
 
 

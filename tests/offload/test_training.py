@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -165,3 +166,18 @@ def test_gradients_stay_in_dram_in_16_bit(loopdev, tmp_path: Path) -> None:
              for d in ("written", "read")}
     fp32_grads = 4 * on["params"] * steps
     assert saved["written"] >= 0.9 * fp32_grads and saved["read"] >= 0.9 * 4 * on["params"] * (steps - 1), saved
+
+
+def test_a_gradient_set_through_deepspeed_is_the_one_read_back(loopdev, tmp_path: Path) -> None:
+    """`safe_set_full_grad` on an NVMe sub-group writes the gradient back; memstrata keeps gradients in DRAM, so
+    the edit must land there (not on NVMe, where nothing of the gradient is), or the update would use the old one."""
+    out = tmp_path / "edit.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO / 'runtime'}:{REPO / 'operator'}:"
+           + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "grad_edit_worker.py"),
+                           loopdev(512 << 20), str(tmp_path / "swap"), str(out)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["params"] > 0 and r["before_nonzero"], r
+    assert r["after_all_half"], r

@@ -121,3 +121,22 @@ def test_the_runtime_image_runs_the_pod_command() -> None:
     lines = [ln.strip() for ln in text.splitlines()]
     assert 'ENTRYPOINT ["memstrata"]' in lines and 'CMD ["pod"]' in lines
     assert yaml.safe_load(TINY.read_text())["kind"] == "FineTuneJob"
+
+
+def test_no_credentials_and_an_unusable_scratch_are_named(tmp_path: Path) -> None:
+    path = rendered_config(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
+    env.update(MEMSTRATA_RUNTIME_CONFIG=str(path), KUBECONFIG=str(tmp_path / "no-kubeconfig"),
+               HOME=str(tmp_path), MEMSTRATA_SCRATCH=str(tmp_path / "scratch"))
+    proc = subprocess.run([sys.executable, "-m", "memstrata.cli", "pod"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no Kubernetes credentials to report into FineTuneJob team-a/finetune-tiny" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env["MEMSTRATA_SCRATCH"] = str(blocker / "scratch")
+    proc = subprocess.run([sys.executable, "-m", "memstrata.cli", "pod"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and f"{blocker}/scratch: cannot create it" in proc.stderr, proc.stderr

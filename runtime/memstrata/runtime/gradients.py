@@ -25,6 +25,7 @@ import copy
 import json
 import os
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,7 +75,6 @@ class DramGradients:
 
     def __init__(self, optimizer: Any) -> None:
         self.opt = optimizer
-        self._views: dict[int, Any] = getattr(optimizer, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
         # fp32 flat sub-group parameter (what the swapper is handed) -> sub-group index
         self._group_of = {id(p): i for i, p in enumerate(optimizer.fp32_partitioned_groups_flat)}
         self.bytes_widened = 0
@@ -88,14 +88,26 @@ class DramGradients:
         i = self._group_of.get(id(fp32_param))
         return i is not None and bool(self.opt._swappable_optimizer_subgroup(i))
 
+    def _pieces(self, fp32_param: Any) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(offset in the sub-group, numel, the parameter's view of the flat buffer), per parameter.
+        Looked up on every call: `offload_states`/`reload_states` rebuild the views over new storage."""
+        opt = self.opt
+        views = getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+        for param in opt.fp16_groups[self._group_of[id(fp32_param)]]:
+            _, offset, numel = opt.grad_position[opt.get_param_id(param)]
+            yield offset, numel, views[param.ds_id].narrow(0, 0, numel)
+
     def fill_fp32_gradients(self, fp32_param: Any, dest: torch.Tensor) -> None:
         """Widen sub-group `fp32_param`'s gradients into `dest` (fp32, at least the sub-group's size)."""
-        i = self._group_of[id(fp32_param)]
-        opt = self.opt
-        for param in opt.fp16_groups[i]:
-            _, offset, numel = opt.grad_position[opt.get_param_id(param)]
-            dest.narrow(0, offset, numel).copy_(self._views[param.ds_id].narrow(0, 0, numel))
-        self.bytes_widened += int(opt.fp16_partitioned_groups_flat_numel[i]) * dest.element_size()
+        for offset, numel, view in self._pieces(fp32_param):
+            dest.narrow(0, offset, numel).copy_(view)
+            self.bytes_widened += numel * dest.element_size()
+
+    def store_fp32_gradients(self, fp32_param: Any, src: torch.Tensor) -> None:
+        """Write an fp32 gradient that was changed in place (DeepSpeed's `safe_set_full_grad`, Muon) back to
+        the flat buffer, where the next swap-in widens it from; in a 16-bit buffer it is rounded to that dtype."""
+        for offset, numel, view in self._pieces(fp32_param):
+            view.copy_(src.narrow(0, offset, numel))
 
 
 def install_dram_gradients(optimizer: Any, swapper: Any) -> DramGradients:
@@ -121,4 +133,7 @@ def install_dram_gradients(optimizer: Any, swapper: Any) -> DramGradients:
 
     optimizer._offload_grad_partition_at_boundary = at_boundary
     swapper.dram_gradients = grads
+    # Every byte of a sub-group's gradient buffer is now written by fill_fp32_gradients before use,
+    # so new buffers need no memset (stock's gradient path leaves holes, hence zeroing until now).
+    swapper.swap_buffer_manager.zero_new = False
     return grads

@@ -44,14 +44,19 @@ class ExactBuffers:
     def __init__(self, pool: LockedPool, dtype: torch.dtype, spare_count: int) -> None:
         self.pool, self.dtype = pool, dtype
         self.spare_count = spare_count  # what allocate_all hands out (gradient staging, init)
+        # Stock's swapped-gradient path fills only the fragments it swapped: the rest of a gradient buffer
+        # must read as zero, as in DeepSpeed's pool. memstrata.runtime.gradients fills every byte and turns
+        # this off, saving a memset of each sub-group's state per update.
+        self.zero_new = True
         self._live: dict[int, torch.Tensor] = {}
 
     def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
         if dtype != self.dtype:
             raise TypeError(f"optimizer swap buffers are {self.dtype}, asked for {dtype}")
-        # Not zeroed: every user overwrites what it reads (a swap-in, a widen, a copy), as with DeepSpeed's
-        # reused pool; a memset here cost a full pass over each sub-group's state every update.
         out = [self.pool.tensor(int(num_elems), dtype) for _ in range(count)]
+        if self.zero_new:
+            for t in out:
+                t.zero_()
         for t in out:
             self._live[id(t)] = t
         return out
@@ -191,6 +196,11 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
     def writeback_optimizer_state_and_gradients(self, parameter: Any, write_opt_state: bool,
                                                 write_gradients: bool) -> None:
         info = self._get_param_swap_info(parameter)
+        grads = self.dram_gradients
+        if (write_gradients and info is not None and grads is not None and grads.holds(parameter)
+                and not info.has_gradients() and parameter.grad is not None):
+            # Nothing of this gradient is on NVMe for stock's write-back to update: it lives in DRAM.
+            grads.store_fp32_gradients(parameter, parameter.grad)
         if info is not None and info.param_id in self._cached:
             # The cached copy is the truth; a state write-back must reach NVMe, so uncache it.
             if write_opt_state:

@@ -68,11 +68,15 @@ def load_config(path: str | os.PathLike[str] | None) -> RuntimeConfig:
 
 def job_and_plan(cfg: RuntimeConfig) -> tuple[FineTuneJob, Plan]:
     """The FineTuneJob and Plan a local run takes, from what the operator decided."""
-    job = FineTuneJob.model_validate({
-        "metadata": {"name": cfg.job.name, "namespace": cfg.job.namespace},
-        "spec": {"model": cfg.model.wire(), "dataset": cfg.dataset.wire(), "training": cfg.training.wire(),
-                 "resources": cfg.resources.wire(), "memory": cfg.memory.wire()},
-    })
+    try:
+        job = FineTuneJob.model_validate({
+            "metadata": {"name": cfg.job.name, "namespace": cfg.job.namespace},
+            "spec": {"model": cfg.model.wire(), "dataset": cfg.dataset.wire(), "training": cfg.training.wire(),
+                     "resources": cfg.resources.wire(), "memory": cfg.memory.wire()},
+        })
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise PodConfigError(f"runtime config: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
     try:
         plan = Plan.model_validate(cfg.plan)
     except ValidationError as exc:
@@ -113,7 +117,11 @@ def kubernetes_patcher(ref: JobRef) -> Callable[[dict[str, Any]], None]:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as exc:
+            raise PodConfigError(f"no Kubernetes credentials to report into FineTuneJob {ref.namespace}/{ref.name}: "
+                                 f"no service-account token is mounted and no kubeconfig works ({exc})") from None
     api = client.CustomObjectsApi()
 
     def patch(body: dict[str, Any]) -> None:
@@ -138,10 +146,10 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
     try:
         cfg = load_config(config_path if config_path is not None else os.environ.get(ENV_RUNTIME_CONFIG))
         job, plan = job_and_plan(cfg)
+        reporter = StatusReporter(patcher(cfg.job), cfg.report_interval_seconds)
     except PodConfigError as exc:
         _say_why(f"error: {exc}")
         return EXIT_USAGE
-    reporter = StatusReporter(patcher(cfg.job), cfg.report_interval_seconds)
     rc = run_local(job, plan, nvme_path=nvme_path, on_report=reporter)
     if rc != 0:
         _say_why(f"{job.metadata.name}: training failed (exit {rc}); the lines above say why")
