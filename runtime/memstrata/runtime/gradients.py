@@ -2,14 +2,15 @@
 
 Stock ZeRO-3 with `offload_optimizer.device: nvme` (DeepSpeed 0.19.8,
 stage3.py) keeps every gradient partition in `grad_partitions_flat_buffer`,
-a DRAM buffer the size of the whole partition in fp32, *and* at each
+a DRAM buffer of the whole partition in the accumulation dtype (the model's
+dtype unless `data_types.grad_accum_dtype` says otherwise), *and* at each
 accumulation boundary converts each partition to an fp32 copy and writes it to
 NVMe (`_offload_grad_partition_at_boundary` -> `swap_out_gradients`), only to
 read it back in the update. With this hook:
 
-- the flat buffer holds the training dtype (bf16/fp16) when one micro-step
-  makes a step (`accumulation_config`): the values are the same as stock's,
-  which are 16-bit gradients widened to fp32, at half the bytes;
+- the flat buffer stays as it is; `accumulation_config` only pins its dtype
+  to the training dtype when one micro-step makes a step (DeepSpeed 0.19.8's
+  own default, made explicit so a later default cannot silently widen it);
 - at the boundary only the gradient norm is recorded (as stock does); nothing
   is copied or written, so no gradient staging buffers are pinned;
 - when the update swaps a sub-group in, the optimizer swapper widens that
@@ -50,7 +51,8 @@ def accumulation_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict
 
     Only when one micro-step makes a step (nothing is accumulated, so a 16-bit
     gradient widened later equals one widened now) and the user set no
-    accumulation dtype. Pure: returns a new dict, or the argument unchanged."""
+    accumulation dtype; DeepSpeed 0.19.8 defaults to the same, this pins it.
+    Pure: returns a new dict, or the argument unchanged."""
     if isinstance(config, (str, os.PathLike)):
         try:
             cfg = json.loads(Path(config).read_text())

@@ -56,9 +56,8 @@ class SwapSettings(BaseModel):
                           "update's working set and the activations never count together in the peak (each update "
                           "locks them again).")
     dram_gradients: bool = Field(
-        True, description="Keep gradients in DRAM (in the 16-bit training dtype when one micro-step makes a step) "
-                          "until the update widens them, instead of writing fp32 copies to NVMe "
-                          "(memstrata.runtime.gradients).")
+        True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "
+                          "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.gradients).")
 
 
 _active: SwapLayer | None = None
