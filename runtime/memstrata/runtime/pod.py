@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memstrata.api.finetunejob import GROUP, PLURAL, VERSION, FineTuneJob
+from memstrata.api.manifest import describe_validation_error
 from memstrata.api.report import RuntimeReport
 from memstrata.api.runtimeconfig import ENV_RUNTIME_CONFIG, RUNTIME_CONFIG_VERSION, JobRef, RuntimeConfig
 from memstrata.plan import Plan
@@ -61,9 +62,7 @@ def load_config(path: str | os.PathLike[str] | None) -> RuntimeConfig:
     try:
         return RuntimeConfig.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise PodConfigError(f"{p}: {where}: {err['msg']}") from None
+        raise PodConfigError(f"{p}: {describe_validation_error(exc)}") from None
 
 
 def job_and_plan(cfg: RuntimeConfig) -> tuple[FineTuneJob, Plan]:
@@ -75,12 +74,11 @@ def job_and_plan(cfg: RuntimeConfig) -> tuple[FineTuneJob, Plan]:
                      "resources": cfg.resources.wire(), "memory": cfg.memory.wire()},
         })
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise PodConfigError(f"runtime config: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+        raise PodConfigError(f"runtime config: {describe_validation_error(exc)}") from None
     try:
         plan = Plan.model_validate(cfg.plan)
     except ValidationError as exc:
-        raise PodConfigError(f"runtime config: plan: {exc.errors()[0]['msg']}") from None
+        raise PodConfigError(f"runtime config: {describe_validation_error(exc, 'plan')}") from None
     return job, plan
 
 
