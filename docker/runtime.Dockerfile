@@ -15,11 +15,11 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" numpy ninja setuptools 
 RUN DS_BUILD_OPS=0 DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 \
     pip wheel --no-cache-dir --no-build-isolation --no-deps --wheel-dir /wheels "deepspeed==${DS_VERSION}"
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY native/ native/
+# Both floors: the runtime imports the operator floor's contracts and planner.
 COPY operator/ operator/
 COPY runtime/ runtime/
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+COPY native/ native/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./operator ./runtime
 
 FROM python:3.11-slim-bookworm
 ARG TORCH_VERSION
@@ -28,7 +28,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends liburing2 libnu
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir "torch==${TORCH_VERSION}" /wheels/deepspeed-*.whl \
-        "$(ls /wheels/memstrata-*.whl)[runtime]" kubernetes==37.0.2
+        /wheels/memstrata-0*.whl /wheels/memstrata_runtime-*.whl
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # uid 1000 matches the operator's pod securityContext (memstrata.operator.render.RUNTIME_UID).
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin memstrata

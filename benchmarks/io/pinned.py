@@ -50,7 +50,7 @@ def param_numels(preset: str) -> list[tuple[str, int]]:
     """(name, numel) of every parameter tensor, in registration order (the order ZeRO-3 packs sub-groups)."""
     import torch
 
-    from memstrata.runtime.model import Decoder
+    from memstrata.runtime.train.model import Decoder
 
     with torch.device("meta"):
         model = Decoder(PRESETS[preset])
@@ -92,7 +92,7 @@ def deepspeed_sizes(preset: str, params: list[tuple[str, int]]) -> dict[str, Any
 
 
 def memstrata_sizes(preset: str, params: list[tuple[str, int]], opt_count: int) -> dict[str, Any]:
-    from memstrata.runtime.pinned import buffer_sets_for, layout, shape_class
+    from memstrata.runtime.strata.pinned import buffer_sets_for, layout, shape_class
 
     arch = PRESETS[preset]
     sets = buffer_sets_for(dict(params), dtype_bytes=2, count=param_buffer_count(arch))
@@ -129,7 +129,7 @@ def _allocate(who: str, preset: str) -> None:
     before = _vm_lck()
     keep: list[Any] = []
     if who == "memstrata":
-        from memstrata.runtime.pinned import BufferSet, PinnedArena, ShapeClass, buffer_sets_for
+        from memstrata.runtime.strata.pinned import BufferSet, PinnedArena, ShapeClass, buffer_sets_for
 
         m = memstrata_sizes(preset, params, OPTIMIZER_BUFFER_COUNT)
         sets = buffer_sets_for(dict(params), dtype_bytes=2, count=param_buffer_count(PRESETS[preset]))

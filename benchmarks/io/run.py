@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator")]
 
 from memstrata.runtime import _native  # noqa: E402
-from memstrata.runtime.header import DATA_OFFSET  # noqa: E402
-from memstrata.runtime.nvme import NvmeEngine  # noqa: E402
+from memstrata.node.header import DATA_OFFSET  # noqa: E402
+from memstrata.runtime.strata.nvme import NvmeEngine  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import render  # noqa: E402

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepspeed
     from memstrata.api.architecture import PRESETS
-    from memstrata.runtime.model import build_model
+    from memstrata.runtime.train.model import build_model
 
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.ERROR)

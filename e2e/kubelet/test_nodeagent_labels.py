@@ -15,8 +15,8 @@ import pytest
 
 from e2e.cluster.controlplane import ControlPlane
 from e2e.conftest import FakeNodes
-from memstrata.api.node import LABEL_NVME_FREE, read_node
-from memstrata.nodeagent.discovery import dev_heads, discover
+from memstrata.api.inventory import LABEL_NVME_FREE, read_node
+from memstrata.node.discovery import dev_heads, discover
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.guest, pytest.mark.slow]
 SCRIPT = r'''
 import glob, json, os, sys
 from memstrata.runtime import nvme, numa
-from memstrata.runtime.errors import DeviceUnsafeError
+from memstrata.node.safety import DeviceUnsafeError
 
 out = {"refused": {}, "roundtrip": None}
 by_nsid = {}

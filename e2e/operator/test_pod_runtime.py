@@ -26,7 +26,7 @@ from memstrata.operator import names
 from memstrata.operator.observe import job_view
 from memstrata.operator.render import attempt_objects
 from memstrata.plan import plan_job
-from memstrata.runtime.localnode import local_inventory
+from memstrata.node.local import local_inventory
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from memstrata.api.manifest import load_node
-from memstrata.api.node import (
+from memstrata.api.inventory import (
     ANNOTATION_INVENTORY, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory, NodeNotManagedError, NvmeNamespace,
     read_node, render_node,
 )

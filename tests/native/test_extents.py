@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from memstrata.runtime.extents import ExtentAllocator, ExtentError, per_device_bytes, stripe_chunks
+from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError, per_device_bytes, stripe_chunks
 
 MiB = 1 << 20
 

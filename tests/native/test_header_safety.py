@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from native_helpers import need_tool, run
 
-from memstrata.runtime.errors import DeviceUnsafeError, StrataError
-from memstrata.runtime.header import HEADER_BYTES, MAGIC, Header, HeaderError, State, parse_header, render_header
-from memstrata.runtime.safety import PROBE_BYTES, check_device, probe_signature, read_head, sysfs_problems
+from memstrata.node.safety import DeviceUnsafeError
+from memstrata.node.header import HEADER_BYTES, MAGIC, Header, HeaderError, State, parse_header, render_header
+from memstrata.node.safety import PROBE_BYTES, check_device, probe_signature, read_head, sysfs_problems
 
 
 def _header(**kw: object) -> Header:
@@ -78,7 +78,7 @@ def test_check_device_refuses_a_file_with_a_filesystem_unless_forced(tmp_path: P
     run("mkfs.ext4", "-q", "-F", str(img))
     with pytest.raises(DeviceUnsafeError, match=r"ext4\.img.*carries a ext4 signature") as info:
         check_device(str(img))
-    assert isinstance(info.value, StrataError) and info.value.device == str(img)
+    assert info.value.device == str(img)
     check_device(str(img), force=True)  # force overrides only the signature check
     check_device(str(_image(tmp_path, "blank.img")))
 

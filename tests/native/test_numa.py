@@ -10,7 +10,7 @@ import errno
 
 import pytest
 
-from memstrata.runtime.numa import NumaArena, NumaError, Policy, memory_nodes, online_nodes, parse_nodelist
+from memstrata.runtime.strata.numa import NumaArena, NumaError, Policy, memory_nodes, online_nodes, parse_nodelist
 
 MiB = 1 << 20
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from memstrata.runtime import _native
-from memstrata.runtime.header import DATA_OFFSET, State, parse_header
-from memstrata.runtime.nvme import NvmeEngine
-from memstrata.runtime.safety import read_head
+from memstrata.node.header import DATA_OFFSET, State, parse_header
+from memstrata.runtime.strata.nvme import NvmeEngine
+from memstrata.node.safety import read_head
 
 MiB = 1 << 20
 AWKWARD = [1, 511, 512, 513, 4095, 4097, MiB - 1, MiB + 3, 3 * MiB + 1234, 5 * MiB]

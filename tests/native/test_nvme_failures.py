@@ -15,16 +15,17 @@ import pytest
 from native_helpers import child_env, need_tool, run
 
 from memstrata.runtime import _native
-from memstrata.runtime.errors import DeviceUnsafeError, NvmeError
-from memstrata.runtime.header import State, parse_header
-from memstrata.runtime.nvme import NvmeEngine
-from memstrata.runtime.safety import read_head
+from memstrata.node.safety import DeviceUnsafeError
+from memstrata.runtime.strata.errors import NvmeError
+from memstrata.node.header import State, parse_header
+from memstrata.runtime.strata.nvme import NvmeEngine
+from memstrata.node.safety import read_head
 
 MiB = 1 << 20
 
 KILLED_WRITER = textwrap.dedent("""
     import os, sys
-    from memstrata.runtime.nvme import NvmeEngine
+    from memstrata.runtime.strata.nvme import NvmeEngine
     eng = NvmeEngine.open([sys.argv[1]], job="t/killed", queue_depth=8)
     exts = [eng.allocate(4 << 20) for _ in range(12)]
     buf = os.urandom(4 << 20)

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from memstrata.runtime import _native
-from memstrata.runtime.overflow import check_overflow, has_overflow
+from memstrata.runtime.strata.overflow import check_overflow, has_overflow
 
 FORMATS = {"float16": ("e", 2), "float32": ("f", 4), "float64": ("d", 8)}
 

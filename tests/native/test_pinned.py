@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from native_helpers import child_env
 
-from memstrata.runtime.pinned import (
+from memstrata.runtime.strata.pinned import (
     ALIGN, BufferSet, PinnedArena, PinnedMemoryError, ShapeClass, buffer_sets_for, layout, locked_bytes_total,
     shape_class, vm_locked_bytes,
 )
@@ -79,7 +79,7 @@ def test_arena_really_locks_its_bytes_and_unlocks_on_close() -> None:
 
 
 LOW_LIMIT_CHILD = textwrap.dedent("""
-    from memstrata.runtime.pinned import BufferSet, PinnedArena, PinnedMemoryError, ShapeClass
+    from memstrata.runtime.strata.pinned import BufferSet, PinnedArena, PinnedMemoryError, ShapeClass
     small = PinnedArena.create([BufferSet(ShapeClass.OTHER, 256 * 1024, 1)])  # fits under the limit
     try:
         PinnedArena.create([BufferSet(ShapeClass.MLP, 16 << 20, 1)])

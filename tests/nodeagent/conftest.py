@@ -41,4 +41,4 @@ def grpc_code() -> None:
         from memstrata.nodeagent.proto import deviceplugin_pb2, deviceplugin_pb2_grpc  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"DEVICE-PLUGIN gRPC CODE UNAVAILABLE — {exc}: install memstrata[operator] "
-                    "and build it (`make install`, or `python3 build_proto.py` by hand)")
+                    "and build it (`make install`, or `python3 operator/build_proto.py` by hand)")

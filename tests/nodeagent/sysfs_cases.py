@@ -17,7 +17,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from memstrata.runtime.header import Header, State, render_header
+from memstrata.node.header import Header, State, render_header
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
 GiB = 1 << 30

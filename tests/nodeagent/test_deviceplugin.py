@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from memstrata.api.node import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME
+from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME
 from kubelet_stub import REPO, KubeletStub
 from sysfs_cases import ext4_head
 

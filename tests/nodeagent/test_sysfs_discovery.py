@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from memstrata.api.node import (
+from memstrata.api.inventory import (
     LABEL_CXL, LABEL_CXL_GIB, LABEL_CXL_NODES, LABEL_DRAM_GIB, LABEL_NVME_FREE, LABEL_NVME_FREE_GIB,
     RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory, read_node, render_node,
 )
 from memstrata.api.units import GiB
 from memstrata.nodeagent.devices import cxl_devices, nvme_devices
-from memstrata.nodeagent.discovery import SysfsError, dev_heads, discover
+from memstrata.node.discovery import SysfsError, dev_heads, discover
 from memstrata.nodeagent.labels import nfd_features
 from sysfs_cases import ext4_head
 

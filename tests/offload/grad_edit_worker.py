@@ -30,7 +30,7 @@ def main() -> None:
 
     from memstrata.api.architecture import PRESETS
     from memstrata.runtime import initialize
-    from memstrata.runtime.model import build_model
+    from memstrata.runtime.train.model import build_model
 
     arch = PRESETS["gpt-tiny"]
     model = build_model(arch, 1234)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from memstrata.runtime.gradients import accumulation_config
+from memstrata.runtime.swap.gradients import accumulation_config
 
 BF16 = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
 

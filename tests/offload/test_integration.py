@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from memstrata.runtime.deepspeed import SUPPORTED_DEEPSPEED, UnsupportedDeepSpeed, check_version
+from memstrata.runtime.swap.integration import SUPPORTED_DEEPSPEED, UnsupportedDeepSpeed, check_version
 
 
 def test_another_deepspeed_is_refused_with_both_versions() -> None:
@@ -16,9 +16,9 @@ def test_another_deepspeed_is_refused_with_both_versions() -> None:
 def test_swappers_are_replaced_only_inside_the_call() -> None:
     from deepspeed.runtime.zero import partition_parameters, stage3
 
-    from memstrata.runtime.deepspeed import _swappers_installed
-    from memstrata.runtime.optswap import MemstrataOptimizerSwapper
-    from memstrata.runtime.paramswap import MemstrataParamSwapper
+    from memstrata.runtime.swap.integration import _swappers_installed
+    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
+    from memstrata.runtime.swap.parameters import MemstrataParamSwapper
 
     stock = (partition_parameters.AsyncPartitionedParameterSwapper, stage3.PartitionedOptimizerSwapper,
              stage3.PipelinedOptimizerSwapper)
@@ -34,7 +34,7 @@ def test_swappers_are_replaced_only_inside_the_call() -> None:
 def test_swap_settings_reject_bad_values() -> None:
     from pydantic import ValidationError
 
-    from memstrata.runtime.swaplayer import SwapSettings
+    from memstrata.runtime.swap.layer import SwapSettings
 
     with pytest.raises(ValidationError, match="io_token_limit"):
         SwapSettings(io_token_limit=0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from offload_helpers import REPO
 
-from memstrata.runtime.tokens import IoTokens
+from memstrata.runtime.swap.tokens import IoTokens
 
 pytest.importorskip("torch", reason="the 2-rank test uses torch.distributed (gloo); run with the venv")
 
@@ -61,7 +61,7 @@ def test_two_tokens_let_both_ranks_in(loopdev, tmp_path: Path) -> None:
 
 
 def test_a_killed_holder_never_strands_its_token(tmp_path: Path) -> None:
-    code = ("import sys, os; from memstrata.runtime.tokens import IoTokens; t = IoTokens('kill', 1, root=sys.argv[1]);"
+    code = ("import sys, os; from memstrata.runtime.swap.tokens import IoTokens; t = IoTokens('kill', 1, root=sys.argv[1]);"
             " t.acquire(); os.kill(os.getpid(), 9)")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'runtime'}:{REPO / 'operator'}"}
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, timeout=60)

@@ -11,9 +11,9 @@ from offload_helpers import REPO
 
 torch = pytest.importorskip("torch", reason="torch is needed for the swap layer (run the tests with the venv)")
 
-from memstrata.runtime.nvme import NvmeEngine  # noqa: E402
-from memstrata.runtime.swap import ExtentSwapHandle, LockedPool, SwapCounters, SwapError  # noqa: E402
-from memstrata.runtime.tokens import IoTokens  # noqa: E402
+from memstrata.runtime.strata.nvme import NvmeEngine  # noqa: E402
+from memstrata.runtime.swap.handle import ExtentSwapHandle, LockedPool, SwapCounters, SwapError  # noqa: E402
+from memstrata.runtime.swap.tokens import IoTokens  # noqa: E402
 
 pytestmark = pytest.mark.loopdev
 
@@ -79,7 +79,7 @@ def test_importing_the_runtime_does_not_import_torch() -> None:
 
 def test_trim_gives_back_idle_locked_regions_only() -> None:
     """After an update the pool unmaps what nothing uses: the kernel's locked count falls, live buffers stay."""
-    from memstrata.runtime.pinned import vm_locked_bytes
+    from memstrata.runtime.strata.pinned import vm_locked_bytes
 
     pool = LockedPool(4 << 20)
     before = vm_locked_bytes()

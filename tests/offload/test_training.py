@@ -89,7 +89,7 @@ def test_two_namespaces_and_the_dram_cache(loopdev, tmp_path: Path) -> None:
 
 
 def test_kill_mid_step_leaks_no_extents(loopdev, tmp_path: Path) -> None:
-    from memstrata.runtime.nvme import NvmeEngine
+    from memstrata.runtime.strata.nvme import NvmeEngine
 
     dev = loopdev(512 << 20)
     out = tmp_path / "killed.json"

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from memstrata.runtime.nvme import NvmeEngine
-from memstrata.runtime.swap import ExtentSwapHandle, LockedPool, SwapCounters
-from memstrata.runtime.tokens import IoTokens
+from memstrata.runtime.strata.nvme import NvmeEngine
+from memstrata.runtime.swap.handle import ExtentSwapHandle, LockedPool, SwapCounters
+from memstrata.runtime.swap.tokens import IoTokens
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from memstrata.operator.actions import (
 from memstrata.operator.lifecycle import Decision, LifecyclePolicy, decide
 from memstrata.operator.nodes import node_view
 from memstrata.operator.observe import job_view, pod_view
-from memstrata.operator.placement import place
+from memstrata.operator.scheduling import place
 
 POLICY = LifecyclePolicy(backoff_base_seconds=10, backoff_max_seconds=40, unschedulable_retry_seconds=30)
 

@@ -6,7 +6,7 @@ from ftj_factories import inventory, job_dict, node_dict, pod_dict
 
 from memstrata.operator.nodes import node_view, pod_use, quantity, usage_by_node
 from memstrata.operator.observe import job_view
-from memstrata.operator.placement import PlanCache, place
+from memstrata.operator.scheduling import PlanCache, place
 
 SPEC = job_view(job_dict()).spec  # Llama-3-8B, 32K context, 1 GPU, memstrata engine, 2 NVMe namespaces
 

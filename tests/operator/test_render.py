@@ -9,7 +9,7 @@ from memstrata.api.runtimeconfig import CONFIGMAP_KEY, RuntimeConfig
 from memstrata.operator import names
 from memstrata.operator.nodes import node_view, pod_requests
 from memstrata.operator.observe import job_view
-from memstrata.operator.placement import place
+from memstrata.operator.scheduling import place
 from memstrata.operator.render import attempt_objects
 
 JOB = job_view(job_dict("llama", labels={"team": "nlp"}))
@@ -64,7 +64,7 @@ def test_configmap_carries_a_runtime_config_the_runtime_can_read():
     config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
     assert config.job.name == "llama" and config.job.uid == "uid-1" and config.node == "cxl-1"
     assert config.attempt == 2 and config.report_interval_seconds == 5
-    assert config.plan == PLACED.plan.model_dump(mode="json")
+    assert config.plan == PLACED.plan
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["MEMSTRATA_RUNTIME_CONFIG"] == f"/etc/memstrata/{CONFIGMAP_KEY}"
     assert pod["spec"]["volumes"][0]["configMap"]["name"] == cm["metadata"]["name"]

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
-from memstrata.runtime.data import ByteTokenizer, DatasetError, build_dataset, load_text_blocks  # noqa: E402
+from memstrata.runtime.train.data import ByteTokenizer, DatasetError, build_dataset, load_text_blocks  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["copy", "arithmetic"])
@@ -45,7 +45,7 @@ def test_synthetic_sets_are_learnable(kind: str) -> None:
     """A tiny transformer trained in plain torch (no DeepSpeed) for 40 steps loses >= 30% of its
     loss: the structure is real, not noise a model cannot fit."""
     from memstrata.api.architecture import ModelArchitecture
-    from memstrata.runtime.model import build_model
+    from memstrata.runtime.train.model import build_model
 
     arch = ModelArchitecture(family="gpt", layers=1, hidden=32, intermediate=128, heads=2, kv_heads=2,
                              vocab=ByteTokenizer.VOCAB, tied=True, max_positions=64)

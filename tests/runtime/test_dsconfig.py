@@ -5,11 +5,11 @@ from pathlib import Path
 
 from memstrata.api.architecture import PRESETS
 from memstrata.api.finetunejob import MemoryPolicy, Training
-from memstrata.api.node import NodeInventory, NumaNode, NvmeNamespace
+from memstrata.api.inventory import NodeInventory, NumaNode, NvmeNamespace
 from memstrata.api.units import GiB
 from memstrata.plan import JobShape, Plan, plan_for_node
 from memstrata.plan.stock import DS_MIN_AIO_BYTES, largest_param, param_tensors
-from memstrata.runtime.dsconfig import build_ds_config
+from memstrata.runtime.train.dsconfig import build_ds_config
 
 SWAP = Path("/scratch/run-1")
 TINY = PRESETS["gpt-tiny"]

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from memstrata.runtime.memwatch import MemWatch, dir_usage, process_io, tree_rss
+from memstrata.runtime.train.memwatch import MemWatch, dir_usage, process_io, tree_rss
 
 MiB = 1 << 20
 

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: run `make i
 
 from memstrata.api.architecture import PRESETS, ModelArchitecture  # noqa: E402
 from memstrata.plan.stock import largest_param, param_tensors  # noqa: E402
-from memstrata.runtime.model import build_model, count_parameters, largest_parameter  # noqa: E402
+from memstrata.runtime.train.model import build_model, count_parameters, largest_parameter  # noqa: E402
 
 SHAPES = {
     "gpt-tiny": PRESETS["gpt-tiny"],

@@ -17,8 +17,8 @@ from memstrata.api.report import RuntimeReport
 from memstrata.operator.observe import job_view
 from memstrata.operator.render import attempt_objects
 from memstrata.plan import plan_job
-from memstrata.runtime.localnode import local_inventory
-from memstrata.runtime.pod import PodConfigError, StatusReporter, job_and_plan, load_config
+from memstrata.node.local import local_inventory
+from memstrata.runtime.train.pod import PodConfigError, StatusReporter, job_and_plan, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "finetune-tiny.yaml"

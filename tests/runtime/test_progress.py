@@ -7,7 +7,7 @@ import pytest
 from rich.console import Console
 
 from memstrata.api.report import RuntimeReport, StratumCounters
-from memstrata.runtime.progress import LossSummary, ProgressBar, RunReport, render_report
+from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, render_report
 
 
 def test_loss_summary_compares_first_and_last_five() -> None:

@@ -5,14 +5,15 @@ from memstrata.api.finetunejob import (
     API_VERSION, GROUP, KIND, PLURAL, VERSION, Condition, FineTuneJob, FineTuneJobSpec, FineTuneJobStatus, Progress,
 )
 from memstrata.api.manifest import ManifestError, load_job, load_node
-from memstrata.api.node import (
+from memstrata.api.inventory import (
     NodeInventory, NodeNotManagedError, read_node, render_node,
 )
 from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.runtimeconfig import RuntimeConfig
+from memstrata.api.strataplan import Plan
 
 __all__ = [
     "API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "PRESETS", "Condition", "FineTuneJob", "FineTuneJobSpec",
-    "FineTuneJobStatus", "ManifestError", "ModelArchitecture", "NodeInventory", "NodeNotManagedError", "Progress",
+    "FineTuneJobStatus", "ManifestError", "ModelArchitecture", "NodeInventory", "NodeNotManagedError", "Plan", "Progress",
     "RuntimeConfig", "RuntimeReport", "StratumCounters", "load_job", "load_node", "read_node", "render_node",
 ]

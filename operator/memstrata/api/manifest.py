@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
     from memstrata.api.finetunejob import FineTuneJob
-    from memstrata.api.node import NodeInventory
+    from memstrata.api.inventory import NodeInventory
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -92,7 +92,7 @@ def load_job(path: str | Path) -> "FineTuneJob":
 
 def load_node(path: str | Path) -> "NodeInventory":
     """A node file: either a NodeInventory (kind: NodeInventory) or a Kubernetes Node object."""
-    from memstrata.api.node import NodeInventory, NodeNotManagedError, read_node
+    from memstrata.api.inventory import NodeInventory, NodeNotManagedError, read_node
 
     doc = load_yaml_mapping(path)
     kind = doc.pop("kind", "NodeInventory")

@@ -6,12 +6,13 @@ config with a clear message instead of misreading it.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
 from memstrata.api.finetunejob import Dataset, MemoryPolicy, ModelSource, Resources, Training
+from memstrata.api.strataplan import Plan
 
 RUNTIME_CONFIG_VERSION = "memstrata.dev/runtime-config/v1"
 CONFIGMAP_KEY = "runtime-config.json"
@@ -34,7 +35,7 @@ class RuntimeConfig(ApiModel):
     training: Training
     resources: Resources = Resources()
     memory: MemoryPolicy = MemoryPolicy()
-    plan: dict[str, Any] = Field(description="memstrata.plan.Plan for the chosen node, as JSON.")
+    plan: Plan = Field(description="The plan for the chosen node: what the runtime sizes its strata from.")
     node: str = ""
     attempt: int = Field(0, ge=0, description="Which pod attempt this is (0-based).")
     report_interval_seconds: float = Field(10.0, gt=0, description="How often the runtime patches job status.")

@@ -1,6 +1,6 @@
 """What the device plugin offers, and what a container gets: pure functions of the inventory.
 
-Two resources (names from memstrata.api.node):
+Two resources (names from memstrata.api.inventory):
 
 - `memstrata.dev/nvme-ns`: one device per free NVMe namespace, on its
   controller's NUMA node. Its ID is the namespace's WWID when the kernel
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from memstrata.api.node import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory
+from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory
 from memstrata.api.units import GiB
 
 HEALTHY = "Healthy"

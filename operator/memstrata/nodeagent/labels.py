@@ -1,6 +1,6 @@
 """The node's labels and annotation, and a Node Feature Discovery feature file.
 
-The names come from `memstrata.api.node.render_node`, the one place they are
+The names come from `memstrata.api.inventory.render_node`, the one place they are
 spelt, so the operator that reads them back can never disagree. The node's
 extended-resource capacity is not patched here: the kubelet sets it from the
 device plugin's device lists.
@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from memstrata.api.node import PREFIX, NodeInventory, render_node
+from memstrata.api.inventory import PREFIX, NodeInventory, render_node
 
 NFD_FEATURES_DIR = Path("/etc/kubernetes/node-feature-discovery/features.d")
 NFD_FILE = "memstrata"

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memstrata.api.node import NodeInventory, render_node
-from memstrata.nodeagent.discovery import SysfsError, dev_heads, discover
+from memstrata.api.inventory import NodeInventory, render_node
+from memstrata.node.discovery import SysfsError, dev_heads, discover
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
 
 log = logging.getLogger("memstrata.nodeagent")

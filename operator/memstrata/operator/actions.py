@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from memstrata.plan import Plan
+from memstrata.api.strataplan import Plan
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from memstrata.operator.actions import (
 from memstrata.operator.conditions import StatusBuilder
 from memstrata.operator.names import FINALIZER, pod_name
 from memstrata.operator.observe import JobView, PodView, format_time, parse_time
-from memstrata.operator.placement import Placement
+from memstrata.operator.scheduling import Placement
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from memstrata.api.node import (
+from memstrata.api.inventory import (
     RESOURCE_CXL_GIB, RESOURCE_GPU, RESOURCE_NVME, NodeInventory, NodeNotManagedError, read_node,
 )
 from memstrata.operator.names import LABEL_JOB_UID

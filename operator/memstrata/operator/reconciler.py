@@ -26,7 +26,7 @@ from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, api_pat
 from memstrata.operator.lifecycle import LifecyclePolicy, decide
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
 from memstrata.operator.observe import JobView, format_time, job_view, pod_view
-from memstrata.operator.placement import PlanCache, Placement, place
+from memstrata.operator.scheduling import PlanCache, Placement, place
 
 log = logging.getLogger("memstrata.operator")
 JobKey = tuple[str, str]

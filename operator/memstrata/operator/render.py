@@ -11,11 +11,11 @@ import json
 from typing import Any
 
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
-from memstrata.api.node import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU
+from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU
 from memstrata.api.runtimeconfig import CONFIGMAP_KEY, ENV_RUNTIME_CONFIG, JobRef, RuntimeConfig
 from memstrata.operator import names
 from memstrata.operator.observe import JobView
-from memstrata.plan import Plan
+from memstrata.api.strataplan import Plan
 
 RUNTIME_UID = 1000  # the runtime image's non-root user (docker/runtime.Dockerfile)
 
@@ -41,7 +41,7 @@ def runtime_config(job: JobView, node: str, plan: Plan, attempt: int,
     return RuntimeConfig(
         job=JobRef(name=job.name, namespace=job.namespace, uid=job.uid),
         model=spec.model, dataset=spec.dataset, training=spec.training, resources=spec.resources,
-        memory=spec.memory, plan=plan.model_dump(mode="json"), node=node, attempt=attempt,
+        memory=spec.memory, plan=plan, node=node, attempt=attempt,
         report_interval_seconds=report_interval_seconds,
     )
 

@@ -7,7 +7,7 @@ __all__ = ["initialize"]
 
 def __getattr__(name: str) -> Any:
     if name == "initialize":
-        from memstrata.runtime.deepspeed import initialize
+        from memstrata.runtime.swap.integration import initialize
 
         return initialize
     raise AttributeError(f"module 'memstrata.runtime' has no attribute {name!r}")

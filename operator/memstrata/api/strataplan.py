@@ -1,0 +1,75 @@
+"""The plan: where every byte of a job lives on one node, per category and stratum.
+
+The planner (`memstrata.plan`) produces it; the operator renders it into the
+runtime config, and the runtime sizes its strata from it. Its home is the API
+because it is a contract that crosses from the operator to the pod.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+__all__ = ["STRATA", "STRATUM_NAMES", "Allocation", "CategoryPlan", "Plan", "Shortfall", "StratumUse"]
+
+STRATA = ("hbm", "dram", "cxl", "nvme")
+STRATUM_NAMES = {"hbm": "HBM", "dram": "DRAM", "cxl": "CXL", "nvme": "NVMe"}
+
+
+class Allocation(BaseModel):
+    stratum: str
+    bytes: int = Field(ge=0)
+
+
+class CategoryPlan(BaseModel):
+    category: str
+    description: str
+    bytes: int = Field(ge=0)
+    placement: list[Allocation] = []
+
+    def on(self, stratum: str) -> int:
+        return sum(a.bytes for a in self.placement if a.stratum == stratum)
+
+
+class Shortfall(BaseModel):
+    stratum: str
+    category: str
+    missing_bytes: int = Field(ge=0)
+    message: str
+
+
+class StratumUse(BaseModel):
+    stratum: str
+    capacity: int = Field(ge=0)
+    used: int = Field(ge=0)
+    detail: str = ""
+
+
+class Plan(BaseModel):
+    parameters: int
+    engine: str
+    feasible: bool
+    categories: list[CategoryPlan]
+    strata: list[StratumUse]
+    shortfalls: list[Shortfall] = []
+    nvme_namespaces: list[str] = []
+    cxl_nodes: list[int] = []
+    requests: dict[str, int] = Field(default_factory=dict, description="Extended resources the pod must request.")
+    update_io_seconds: float = Field(0.0, description="Estimated NVMe time per optimizer step.")
+
+    def category(self, name: str) -> CategoryPlan:
+        return next(c for c in self.categories if c.category == name)
+
+    def bytes_on(self, stratum: str) -> int:
+        return sum(c.on(stratum) for c in self.categories)
+
+    def slow_bytes(self) -> tuple[int, int]:
+        """(bytes on NVMe, bytes on CXL): the operator prefers nodes where these are smallest."""
+        return self.bytes_on("nvme"), self.bytes_on("cxl")
+
+    def offload_device(self, *categories: str) -> str:
+        """How stock DeepSpeed must be configured for these categories: nvme if any byte is there."""
+        return "nvme" if any(self.category(c).on("nvme") for c in categories) else "cpu"
+
+    def verdict(self) -> str:
+        if self.feasible:
+            return "fits"
+        return "; ".join(s.message for s in self.shortfalls)

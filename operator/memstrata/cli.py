@@ -1,0 +1,175 @@
+"""The `memstrata` command: crd, plan, run, pod, operator, nodeagent.
+
+User errors (a bad manifest, an impossible plan, an unusable path) print one
+line naming what is wrong and exit with status 2 before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+EXIT_USAGE = 2
+DEFAULT_NVME_PATH = Path(os.environ.get("MEMSTRATA_NVME_PATH", Path.home() / ".cache/memstrata/nvme-scratch"))
+
+
+class UserError(Exception):
+    """Raised for input the user can fix; main() prints it and exits 2."""
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    from memstrata.api.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from memstrata.api import load_job, load_node
+    from memstrata.plan import plan_job
+    from memstrata.plan.table import render_plan
+
+    job = load_job(args.file)
+    if args.node:
+        node, where = load_node(args.node), str(args.node)
+    else:
+        from memstrata.node.local import local_inventory
+
+        node, where = local_inventory(args.nvme_path), "this machine"
+    plan = plan_job(job.spec, node)
+    if args.json:
+        print(json.dumps(plan.model_dump(mode="json"), indent=2))
+    else:
+        print(render_plan(plan, f"{job.metadata.name} on {node.hostname or where}"))
+    return 0 if plan.feasible else EXIT_USAGE
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from memstrata.api import load_job
+    from memstrata.plan import plan_job
+    from memstrata.node.local import local_inventory
+
+    job = load_job(args.file)
+    spec = job.spec
+    if spec.model.path is not None and not Path(spec.model.path).is_dir():
+        raise UserError(f"spec.model.path: {spec.model.path}: no such directory")
+    if spec.dataset.path is not None and not Path(spec.dataset.path).is_file():
+        raise UserError(f"spec.dataset.path: {spec.dataset.path}: no such file")
+    if args.steps is not None:
+        spec.training.steps = args.steps
+    created = not args.nvme_path.exists()
+    rc = EXIT_USAGE
+    try:
+        node = local_inventory(args.nvme_path)
+        plan = plan_job(spec, node)
+        if not plan.feasible:
+            raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
+        from memstrata.runtime.train.local import run_local
+
+        rc = run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json)
+        return rc
+    finally:
+        if created and rc == EXIT_USAGE:
+            with contextlib.suppress(OSError):  # a refused job leaves nothing behind; rmdir only if empty
+                args.nvme_path.rmdir()
+
+
+def _cmd_pod(args: argparse.Namespace) -> int:
+    import logging
+
+    from memstrata.runtime.train.pod import run_pod
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        args.nvme_path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--nvme-path / $MEMSTRATA_SCRATCH: {args.nvme_path}: cannot create it: "
+                        f"{exc.strerror or exc}") from None
+    return run_pod(args.nvme_path)
+
+
+def _operator(argv: list[str]) -> int:
+    from memstrata.operator.main import main as operator_main
+
+    return operator_main(argv)
+
+
+def _nodeagent(argv: list[str]) -> int:
+    from memstrata.nodeagent.main import main as nodeagent_main
+
+    return nodeagent_main(argv)
+
+
+LONG_RUNNING: dict[str, Callable[[list[str]], int]] = {"operator": _operator, "nodeagent": _nodeagent}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memstrata", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("crd", help="print the FineTuneJob CustomResourceDefinition")
+    s.set_defaults(func=_cmd_crd)
+
+    s = sub.add_parser("plan", help="show where every byte of a job would live")
+    s.add_argument("file", type=Path, help="a FineTuneJob manifest")
+    s.add_argument("--node", type=Path, help="a NodeInventory or Node YAML (default: this machine)")
+    s.add_argument("--nvme-path", type=Path, default=DEFAULT_NVME_PATH,
+                   help="scratch directory standing in for NVMe on this machine (default: %(default)s)")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.set_defaults(func=_cmd_plan)
+
+    s = sub.add_parser("run", help="fine-tune locally, no cluster needed")
+    s.add_argument("file", type=Path, help="a FineTuneJob manifest")
+    s.add_argument("--nvme-path", type=Path, default=DEFAULT_NVME_PATH,
+                   help="scratch directory on a disk filesystem for offloaded state (default: %(default)s)")
+    s.add_argument("--steps", type=int, help="override spec.training.steps")
+    s.add_argument("--report-json", type=Path, help="also write the final report as JSON here")
+    s.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("pod", help="the job pod's entrypoint: train from $MEMSTRATA_RUNTIME_CONFIG and patch the "
+                                   "FineTuneJob's status")
+    s.add_argument("--nvme-path", type=Path, default=Path(os.environ.get("MEMSTRATA_SCRATCH", "/var/tmp/memstrata")),
+                   help="scratch directory on a disk filesystem, for DeepSpeed's (empty) swap folder and file-backed "
+                        "namespaces where the pod was given no NVMe device ($MEMSTRATA_SCRATCH; default: %(default)s)")
+    s.set_defaults(func=_cmd_pod)
+
+    # Listed for --help; main() hands their arguments over before argparse sees them.
+    sub.add_parser("operator", help="run the FineTuneJob operator (memstrata operator --help)", add_help=False)
+    sub.add_parser("nodeagent", help="run the node agent: discovery, labels, device plugin", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from memstrata.api.manifest import ManifestError
+    from memstrata.node.local import ScratchError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LONG_RUNNING:
+        # Services parse their own flags (and keep a leading `--` optional).
+        return LONG_RUNNING[argv[0]](argv[1:])
+    args = build_parser().parse_args(argv)
+    if getattr(args, "steps", None) is not None and args.steps <= 0:
+        print(f"memstrata: error: --steps must be a positive integer, got {args.steps}", file=sys.stderr)
+        return EXIT_USAGE
+    handler: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return handler(args)
+    except (ManifestError, ScratchError, UserError) as exc:
+        print(f"memstrata: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("memstrata: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `memstrata plan ... | head`: the reader left early, which is not an error; keep
+        # Python from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

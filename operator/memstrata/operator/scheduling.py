@@ -1,0 +1,149 @@
+"""Choosing the node for a job. Pure: (spec, nodes, usage) in, a Placement out.
+
+Three answers, because a user acts differently on each:
+- chosen: a node whose strata hold the job and that has room now;
+- no room: some node could hold it, none has room now — wait (Pending/Unschedulable);
+- impossible: no node could ever hold it — fail now, naming what is missing per stratum.
+
+Among nodes with room the order is: fewest bytes on NVMe, then on CXL (Plan.slow_bytes:
+slower strata cost step time), then fewest memstrata pods (spread), then the name (so the
+same inputs give the same answer).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping, Sequence
+
+from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.api.units import format_bytes
+from memstrata.operator.nodes import NodeView, Usage, free_now
+from memstrata.plan import Plan, plan_job
+from memstrata.api.strataplan import STRATA, STRATUM_NAMES
+
+Outcome = Literal["chosen", "no-room", "impossible"]
+Planner = Callable[[FineTuneJobSpec, NodeView], Plan]
+
+
+@dataclass(frozen=True)
+class StratumShortfall:
+    stratum: str
+    missing_bytes: int
+    message: str
+
+    def wire(self) -> dict[str, object]:
+        return {"stratum": self.stratum, "missingBytes": self.missing_bytes, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Placement:
+    outcome: Outcome
+    message: str
+    node: str | None = None
+    plan: Plan | None = None
+    shortfalls: tuple[StratumShortfall, ...] = field(default_factory=tuple)  # for "impossible", per stratum
+
+
+def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, Usage],
+          planner: Planner | None = None) -> Placement:
+    plan_for = planner or (lambda s, n: plan_job(s, n.inventory))  # type: ignore[arg-type]
+    managed = [n for n in nodes if n.inventory is not None]
+    if not managed:
+        return Placement("no-room", f"no node publishes a memstrata inventory yet ({len(nodes)} nodes seen); "
+                                    "is the memstrata node agent running?")
+    ever: list[tuple[NodeView, Plan]] = []
+    never: list[tuple[NodeView, Plan]] = []
+    for node in sorted(managed, key=lambda n: n.name):
+        plan = plan_for(spec, node)
+        (ever if plan.feasible and not _over_capacity(plan, node) else never).append((node, plan))
+    if not ever:
+        return _impossible(never)
+
+    ready: list[tuple[tuple[int, int, int, str], NodeView, Plan]] = []
+    waiting: list[str] = []
+    for node, plan in ever:
+        if not node.schedulable:
+            waiting.append(f"{node.name}: {node.why_not}")
+            continue
+        free = free_now(node, usage.get(node.name))
+        lacking = [f"{r} needs {n}, {max(free[r], 0)} free" for r, n in sorted(plan.requests.items()) if n > free[r]]
+        if lacking:
+            waiting.append(f"{node.name}: {', '.join(lacking)}")
+            continue
+        nvme, cxl = plan.slow_bytes()
+        spread = usage[node.name].memstrata_pods if node.name in usage else 0
+        ready.append(((nvme, cxl, spread, node.name), node, plan))
+    if not ready:
+        shown = "; ".join(waiting[:5]) + (f"; and {len(waiting) - 5} more" if len(waiting) > 5 else "")
+        return Placement("no-room", f"{len(ever)} node(s) can hold this job but none has room now: {shown}")
+    _, node, plan = min(ready, key=lambda r: r[0])
+    nvme, cxl = plan.slow_bytes()
+    return Placement("chosen", f"placed on {node.name} ({format_bytes(nvme)} on NVMe, {format_bytes(cxl)} on CXL)",
+                     node=node.name, plan=plan)
+
+
+def _over_capacity(plan: Plan, node: NodeView) -> bool:
+    """A plan asking for more of a resource than the node advertises can never be scheduled there."""
+    return any(n > node.allocatable.get(r, 0) for r, n in plan.requests.items())
+
+
+def _impossible(never: list[tuple[NodeView, Plan]]) -> Placement:
+    """Fail with the shortfall of the closest node, one entry per stratum."""
+    def missing(item: tuple[NodeView, Plan]) -> tuple[int, int, str]:
+        node, plan = item
+        return (len({s.stratum for s in plan.shortfalls}), sum(s.missing_bytes for s in plan.shortfalls), node.name)
+
+    node, plan = min(never, key=missing)
+    per: dict[str, list[str]] = OrderedDict()
+    lost: dict[str, int] = {}
+    for s in plan.shortfalls:
+        per.setdefault(s.stratum, []).append(s.message)
+        lost[s.stratum] = lost.get(s.stratum, 0) + s.missing_bytes
+    for resource, n in sorted(plan.requests.items()):
+        if n > node.allocatable.get(resource, 0):
+            per.setdefault("resources", []).append(
+                f"{resource}: needs {n}, node advertises {node.allocatable.get(resource, 0)}")
+    order = [s for s in STRATA if s in per] + [s for s in per if s not in STRATA]
+    shortfalls = tuple(
+        StratumShortfall(s, lost.get(s, 0), "; ".join(dict.fromkeys(per[s]))) for s in order
+    )
+    detail = "; ".join(
+        f"{STRATUM_NAMES.get(s.stratum, s.stratum)}"
+        + (f" short by {format_bytes(s.missing_bytes)}" if s.missing_bytes else "") + f" [{s.message}]"
+        for s in shortfalls)
+    others = f" (and {len(never) - 1} other node(s) fit even less)" if len(never) > 1 else ""
+    return Placement("impossible", f"no node can ever hold this job; closest is {node.name}{others}: {detail}",
+                     node=None, plan=plan, shortfalls=shortfalls)
+
+
+class PlanCache:
+    """Plans keyed by (what the planner reads from the spec, the node's inventory minus its hostname).
+
+    Nodes of one hardware type share an inventory, so 500 jobs on 50 identical nodes plan 1 time,
+    not 25,000; bounded so a long-running operator does not grow without limit.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._plans: OrderedDict[tuple[str, str], Plan] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(self, spec: FineTuneJobSpec, node: NodeView) -> Plan:
+        assert node.inventory is not None  # place() only plans managed nodes
+        key = (spec_key(spec), node.inventory_key)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self.hits += 1
+            self._plans.move_to_end(key)
+            return plan
+        self.misses += 1
+        plan = plan_job(spec, node.inventory)
+        self._plans[key] = plan
+        if len(self._plans) > self._size:
+            self._plans.popitem(last=False)
+        return plan
+
+
+def spec_key(spec: FineTuneJobSpec) -> str:
+    return spec.model_dump_json(include={"model", "training", "resources", "memory"})

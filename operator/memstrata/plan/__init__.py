@@ -1,0 +1,30 @@
+"""memstrata.plan: the pure planner. No I/O, no torch; same inputs, same plan.
+
+`plan_job(spec, node)` is what the operator, the runtime and the CLI call.
+"""
+from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.api.inventory import NodeInventory
+from memstrata.plan.accounting import JobShape, category_bytes, pinned_buffers, working_set
+from memstrata.plan.assignment import STRATA, Allocation, CategoryPlan, Plan, Shortfall, StratumUse, plan_for_node
+
+
+def job_shape(spec: FineTuneJobSpec) -> JobShape:
+    return JobShape(
+        model=spec.model.shape(),
+        sequence_length=spec.training.sequence_length,
+        micro_batch=spec.training.micro_batch,
+        precision=spec.training.precision,
+        gpus=spec.resources.gpus,
+        engine=spec.memory.engine,
+    )
+
+
+def plan_job(spec: FineTuneJobSpec, node: NodeInventory) -> Plan:
+    """The plan for running `spec` on `node`."""
+    return plan_for_node(job_shape(spec), node, spec.memory)
+
+
+__all__ = [
+    "STRATA", "Allocation", "CategoryPlan", "JobShape", "Plan", "Shortfall", "StratumUse", "category_bytes",
+    "job_shape", "pinned_buffers", "plan_for_node", "plan_job", "working_set",
+]

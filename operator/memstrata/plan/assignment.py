@@ -1,0 +1,191 @@
+"""Where every byte of a job lives on one node. Pure: same inputs, same plan.
+
+The rule comes from the CXL study (arXiv 2507.03305): the operands of the CPU
+optimizer (gradients, fp32 master weights, Adam moments) stay in local DRAM,
+because the optimizer step is latency-bound and ~4x slower on CXL; data that is
+only ever moved by DMA (16-bit weights being staged, activation checkpoints) may
+live on CXL, interleaved over its nodes; whatever DRAM cannot hold spills to NVMe,
+streamed by sub-group. Categories are placed in that order, each into the first
+stratum of its preference list that has room, splitting across strata if needed.
+"""
+from __future__ import annotations
+
+from memstrata.api.finetunejob import MemoryPolicy
+from memstrata.api.inventory import NodeInventory
+from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
+from memstrata.api.units import GiB, format_bytes
+from memstrata.plan.accounting import DESCRIPTIONS, JobShape, category_bytes, pinned_buffers, working_set
+
+# Placement order and each category's allowed strata, fastest first.
+PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
+    ("gradients", ("dram",)),
+    # Checkpoints cannot go to NVMe and the optimizer state can, so they claim DRAM first.
+    ("checkpoints", ("cxl", "dram")),
+    ("master", ("dram", "nvme")),
+    ("optimizer", ("dram", "nvme")),
+    ("weights", ("cxl", "dram", "nvme")),
+]
+
+
+# Categories stock DeepSpeed places together: offload_optimizer moves master and
+# moments as one; offload_param moves all weights.
+STOCK_GROUPS = {"master": ("master", "optimizer"), "optimizer": ("master", "optimizer"), "weights": ("weights",)}
+
+
+def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
+    """Assign each category of `job` to the strata of `node`, or say precisely what is missing."""
+    spills = (False, False)
+    for _ in range(3):  # pinned buffers grow once state spills to NVMe; settle in ≤ 3 passes
+        plan = _place(job, node, policy, *spills)
+        now = (plan.category("weights").on("nvme") > 0,
+               plan.category("optimizer").on("nvme") + plan.category("master").on("nvme") > 0)
+        if now == spills:
+            return plan
+        spills = (spills[0] or now[0], spills[1] or now[1])
+    return plan
+
+
+def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme: bool, optim_nvme: bool) -> Plan:
+    shortfalls: list[Shortfall] = []
+    ranks = job.ranks
+
+    def short(stratum: str, category: str, missing: int, message: str) -> None:
+        shortfalls.append(Shortfall(stratum=stratum, category=category, missing_bytes=missing, message=message))
+
+    # --- capacities -------------------------------------------------------------------------------
+    free: dict[str, int] = {s: 0 for s in STRATA}
+    detail: dict[str, str] = {}
+    hbm_per_gpu = 0
+    if job.gpus:
+        if len(node.gpus) < job.gpus:
+            short("hbm", "working", 0, f"GPUs: needs {job.gpus}, node has {len(node.gpus)}")
+        usable = node.gpus[: job.gpus]
+        hbm_per_gpu = min((g.hbm_bytes for g in usable), default=0)
+        free["hbm"] = hbm_per_gpu * job.gpus
+        detail["hbm"] = f"{job.gpus} x {format_bytes(hbm_per_gpu)}"
+    free["dram"] = int(node.dram_bytes * (1 - policy.dram_reserve_fraction))
+    detail["dram"] = f"{format_bytes(node.dram_bytes)} less {policy.dram_reserve_fraction:.0%} reserve"
+
+    cxl_nodes: list[int] = []
+    if policy.require_cxl and not node.cxl_nodes:
+        short("cxl", "checkpoints", 0, "CXL: memory.requireCxl is set and the node has no CXL memory")
+    if node.cxl_nodes and job.engine == "memstrata":  # stock DeepSpeed cannot place per tensor
+        cxl_nodes = [c.numa_node for c in node.cxl_nodes]
+        free["cxl"] = node.cxl_bytes
+        detail["cxl"] = f"interleaved over NUMA nodes {','.join(map(str, cxl_nodes))}"
+
+    namespaces: list[str] = []
+    if policy.nvme_namespaces:
+        candidates = sorted(node.free_namespaces, key=lambda ns: (-ns.size_bytes, ns.name))
+        if len(candidates) < policy.nvme_namespaces:
+            short("nvme", "optimizer", 0,
+                  f"NVMe: memory.nvmeNamespaces wants {policy.nvme_namespaces} free namespaces, "
+                  f"node has {len(candidates)}")
+        chosen = candidates[: policy.nvme_namespaces]
+        namespaces = [ns.name for ns in chosen]
+        # Striping spreads bytes evenly, so the smallest namespace bounds each share.
+        free["nvme"] = len(chosen) * min((ns.size_bytes for ns in chosen), default=0)
+        detail["nvme"] = f"striped over {', '.join(namespaces)}" if namespaces else ""
+    capacity = dict(free)
+
+    # --- the working set sits next to the compute -------------------------------------------------
+    work = working_set(job)
+    categories: dict[str, CategoryPlan] = {}
+    compute = "hbm" if job.gpus else "dram"
+    if job.gpus and work > hbm_per_gpu and node.gpus:
+        short("hbm", "working", work - hbm_per_gpu,
+              f"HBM: each GPU needs {format_bytes(work)} for its working set and has {format_bytes(hbm_per_gpu)} "
+              f"(short by {format_bytes(work - hbm_per_gpu)}); lower training.sequenceLength or microBatch")
+    total_work = work * ranks
+    categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)])
+    free[compute] -= total_work
+    if compute == "hbm":
+        free["hbm"] = max(free["hbm"], 0)  # already reported per GPU above
+    if policy.dram_budget is not None and free["dram"] > policy.dram_budget:
+        # The budget bounds the offloaded state, not the compute itself.
+        capacity["dram"] -= free["dram"] - policy.dram_budget
+        free["dram"] = policy.dram_budget
+        detail["dram"] += f", memory.dramBudget {format_bytes(policy.dram_budget)}"
+
+    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme)
+    if policy.pinned_memory_cap is not None and pinned > policy.pinned_memory_cap:
+        short("dram", "pinned", pinned - policy.pinned_memory_cap,
+              f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "
+              f"{format_bytes(policy.pinned_memory_cap)}")
+    categories["pinned"] = _cat("pinned", pinned, [Allocation(stratum="dram", bytes=pinned)] if pinned else [])
+    offload_dram = free["dram"]
+    free["dram"] -= pinned
+    if free["dram"] < 0:
+        short("dram", "pinned", -free["dram"],
+              f"DRAM: short by {format_bytes(-free['dram'])} before any model state is placed "
+              f"(page-locked buffers of {format_bytes(pinned)} exceed the {format_bytes(offload_dram)} "
+              f"of DRAM left for offloaded state)")
+        free["dram"] = 0
+
+    # --- model state, in preference order ---------------------------------------------------------
+    sizes = category_bytes(job)
+    for name, preferred in PREFERENCES:
+        allowed = preferred
+        if job.engine == "deepspeed" and name in STOCK_GROUPS:
+            allowed = _stock_stratum(name, preferred, sizes, categories, free)
+        need, placed = sizes[name], []
+        for stratum in allowed:
+            take = min(need, max(free[stratum], 0))
+            if take:
+                placed.append(Allocation(stratum=stratum, bytes=take))
+                free[stratum] -= take
+                need -= take
+        if need:
+            where = " or ".join(STRATUM_NAMES[s] for s in preferred)
+            short(allowed[-1], name, need,
+                  f"{where}: short by {format_bytes(need)} for {DESCRIPTIONS[name]} "
+                  f"(needs {format_bytes(sizes[name])})")
+        categories[name] = _cat(name, sizes[name], placed)
+
+
+    strata = [
+        StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s], detail=detail.get(s, ""))
+        for s in STRATA
+    ]
+    nvme_bytes = sum(c.on("nvme") for c in categories.values())
+    requests = {"nvidia.com/gpu": job.gpus, "memstrata.dev/nvme-ns": len(namespaces) if nvme_bytes else 0,
+                "memstrata.dev/cxl-gib": -(-sum(c.on("cxl") for c in categories.values()) // GiB)}
+    return Plan(
+        parameters=job.model.parameters(),
+        engine=job.engine,
+        feasible=not any(s.missing_bytes or s.message for s in shortfalls),
+        categories=list(categories.values()),
+        strata=strata,
+        shortfalls=shortfalls,
+        nvme_namespaces=namespaces if nvme_bytes else [],
+        cxl_nodes=cxl_nodes if requests["memstrata.dev/cxl-gib"] else [],
+        requests={k: v for k, v in requests.items() if v},
+        update_io_seconds=_update_io_seconds(categories, node, max(len(namespaces), 1)),
+    )
+
+
+def _cat(name: str, size: int, placement: list[Allocation]) -> CategoryPlan:
+    return CategoryPlan(category=name, description=DESCRIPTIONS[name], bytes=size, placement=placement)
+
+
+def _stock_stratum(name: str, allowed: tuple[str, ...], sizes: dict[str, int],
+                   placed: dict[str, CategoryPlan], free: dict[str, int]) -> tuple[str, ...]:
+    """Stock DeepSpeed offloads a whole group to one device (cpu or nvme): keep a group's
+    categories together, in the first stratum that holds all of it, so the plan is honest."""
+    group = STOCK_GROUPS[name]
+    for sibling in group:
+        if sibling in placed and placed[sibling].placement:
+            return (placed[sibling].placement[0].stratum,)
+    whole = sum(sizes[g] for g in group)
+    return (next((s for s in allowed if free[s] >= whole), allowed[-1]),)
+
+
+def _update_io_seconds(categories: dict[str, CategoryPlan], node: NodeInventory, paths: int) -> float:
+    """NVMe seconds per optimizer step: state on NVMe is read and written once per update,
+    16-bit weights on NVMe are read in forward and again in backward, then written."""
+    bw = node.bw("nvme")
+    state = categories["master"].on("nvme") + categories["optimizer"].on("nvme")
+    weights = categories["weights"].on("nvme")
+    read = state + 2 * weights
+    write = state + weights
+    return (read / bw.read + write / bw.write) / paths

@@ -1,0 +1,449 @@
+"""Raw-NVMe engine: O_DIRECT io_uring I/O on extents of one or more devices.
+
+One engine owns a set of devices (raw namespaces, loop devices, or regular
+files where no spare namespace exists). Opening a device checks it is safe
+(memstrata.node.safety), takes it exclusively (O_EXCL for block devices,
+flock for all), and stamps memstrata's header; a header left OPEN by a run
+that was killed is simply superseded, and the allocator starts empty, so
+`kill -9` mid-write never leaks space. Tensors larger than one stripe are
+striped round-robin over the engine's devices (multi-path).
+
+Single-threaded by design: one engine per rank, driven by its swap layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno as E
+import fcntl
+import itertools
+import mmap
+import os
+import stat
+import struct
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from memstrata.runtime import _native
+from memstrata.runtime.strata.buffers import as_byte_view
+from memstrata.runtime.strata.errors import NvmeError
+from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError, FreeStats, per_device_bytes, round_up, stripe_chunks
+from memstrata.node.header import DATA_OFFSET, HEADER_BYTES, Header, HeaderError, State, parse_header, render_header
+from memstrata.node.safety import check_device
+
+__all__ = ["NvmeEngine", "NvmeError", "Extent", "Handle", "DeviceStats"]
+
+_BLKSSZGET = 0x1268
+_BLKGETSIZE64 = 0x80081272
+# O_DIRECT on regular files must be aligned to the filesystem block; 4 KiB
+# covers every filesystem in use.
+_FILE_BLOCK = 4096
+_PAGE = _native.PAGE_SIZE
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where one tensor's bytes live: a run on each device of `slots`."""
+
+    nbytes: int
+    padded: int  # nbytes rounded up to `align`; what is really transferred
+    align: int
+    stripe_bytes: int
+    slots: tuple[int, ...]  # engine device indices
+    bases: tuple[int, ...]  # absolute byte offset of this extent's run on each slot
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    path: str
+    logical_block_size: int
+    space: FreeStats
+    bytes_read: int
+    bytes_written: int
+    reads: int
+    writes: int
+    fixed_buffer_ios: int
+    errors: int
+
+
+@dataclass
+class _Device:
+    path: str
+    fd: int
+    lbs: int
+    alloc: ExtentAllocator
+    header: Header
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    fixed_ios: int = 0
+    errors: int = 0
+
+
+class Handle:
+    """An asynchronous read or write of one extent; pass it to NvmeEngine.wait."""
+
+    def __init__(self, kind: str, extent: Extent) -> None:
+        self.kind = kind
+        self.extent = extent
+        self.pending = 0
+        self.done = False
+        self.error: NvmeError | None = None
+        self._copy_back: tuple[memoryview, memoryview, int] | None = None
+        self._keep: list[Any] = []  # bounce regions and views alive until completion
+
+
+def _aligned_io(fd: int, path: str, offset: int, data: bytes | None, nbytes: int) -> bytes:
+    """One synchronous O_DIRECT pread/pwrite through a page-aligned buffer."""
+    buf = mmap.mmap(-1, round_up(nbytes, _PAGE))
+    try:
+        if data is not None:
+            buf[: len(data)] = data
+            done = os.pwritev(fd, [memoryview(buf)[:nbytes]], offset)
+        else:
+            done = os.preadv(fd, [memoryview(buf)[:nbytes]], offset)
+        if done != nbytes:
+            raise NvmeError(f"short {'write' if data else 'read'} of {done} bytes", device=path,
+                            offset=offset, length=nbytes, errno=E.EIO)
+        return bytes(buf[:nbytes])
+    except OSError as exc:
+        raise NvmeError(f"header {'write' if data else 'read'} failed", device=path, offset=offset,
+                        length=nbytes, errno=exc.errno) from None
+    finally:
+        buf.close()
+
+
+def _open_excl(path: str, is_block: bool) -> int:
+    """Open and take the device exclusively, or raise BlockingIOError/OSError(EBUSY)."""
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | (os.O_EXCL if is_block else 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_fd(path: str, force: bool, busy_timeout_s: float) -> tuple[int, int, int]:
+    """(fd, logical block size, size in bytes) of a safe, exclusively held device.
+
+    A process killed with I/O in flight keeps its files referenced until the
+    kernel has torn its io_uring down (asynchronously, after the exit), so
+    "busy" is retried for `busy_timeout_s` before it is reported."""
+    check_device(path, force=force)
+    is_block = stat.S_ISBLK(os.stat(path).st_mode)
+    deadline = time.monotonic() + busy_timeout_s
+    while True:
+        try:
+            fd = _open_excl(path, is_block)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise NvmeError("in use by another memstrata engine", device=path, errno=E.EBUSY) from None
+        except OSError as exc:
+            if exc.errno == E.EBUSY and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            why = {E.EBUSY: "busy: mounted or held exclusively by another process",
+                   E.EINVAL: "its filesystem does not support O_DIRECT"}.get(exc.errno or 0, "cannot open")
+            raise NvmeError(why, device=path, errno=exc.errno) from None
+        time.sleep(0.05)
+    try:
+        if is_block:
+            lbs = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4))[0]
+            size = struct.unpack("Q", fcntl.ioctl(fd, _BLKGETSIZE64, b"\0" * 8))[0]
+        else:
+            lbs, size = _FILE_BLOCK, os.fstat(fd).st_size
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, lbs, size
+
+
+def _claim(path: str, fd: int, lbs: int, size: int, job: str, set_id: uuid.UUID, index: int,
+           count: int) -> tuple[Header, Header | None]:
+    """Stamp a fresh OPEN header; returns it and the stale one it replaced (if any)."""
+    capacity = (size - DATA_OFFSET) // lbs * lbs if size > DATA_OFFSET else 0
+    if capacity < lbs:
+        raise NvmeError(f"too small: {size} bytes, memstrata needs more than {DATA_OFFSET}", device=path)
+    head = _aligned_io(fd, path, 0, None, HEADER_BYTES)
+    try:
+        old = parse_header(head)
+    except HeaderError:
+        old = None  # ours but damaged (killed mid header write): nothing to keep
+    header = Header(owner_job=job, generation=(old.generation + 1) if old else 1, state=State.OPEN,
+                    set_id=set_id, set_index=index, set_size=count, logical_block_size=lbs,
+                    capacity_bytes=capacity, owner_pid=os.getpid(), updated_ns=time.time_ns())
+    _aligned_io(fd, path, 0, render_header(header), HEADER_BYTES)
+    os.fsync(fd)
+    return header, old if old is not None and old.state == State.OPEN else None
+
+
+class NvmeEngine:
+    """Extents, asynchronous I/O and statistics over a set of opened devices."""
+
+    def __init__(self, devices: list[_Device], ring: Any, *, stripe_bytes: int, max_io_bytes: int,
+                 recovered: list[tuple[str, Header]]) -> None:
+        self._devices = devices
+        self._ring = ring
+        self.stripe_bytes = stripe_bytes
+        self.max_io_bytes = max_io_bytes
+        self.recovered = recovered  # stale headers of killed runs that open() reset
+        self._tags = itertools.count(1)
+        self._inflight: dict[int, tuple[Handle, int, int, int]] = {}
+        self._busy: dict[Extent, int] = {}
+        self._live: set[Extent] = set()
+        self._closed = False
+
+    @classmethod
+    def open(cls, paths: Sequence[str], *, job: str, queue_depth: int = 32, stripe_bytes: int = 1 << 20,
+             max_io_bytes: int = 1 << 20, force: bool = False, busy_timeout_s: float = 5.0) -> NvmeEngine:
+        """Open `paths` for job `job`; `force` overrides only the signature check."""
+        if not paths:
+            raise ValueError("NvmeEngine.open needs at least one device path")
+        if len(set(map(os.path.realpath, paths))) != len(paths):
+            raise ValueError(f"device list names the same device twice: {list(paths)}")
+        set_id = uuid.uuid4()
+        devices: list[_Device] = []
+        recovered: list[tuple[str, Header]] = []
+        try:
+            for i, path in enumerate(paths):
+                fd, lbs, size = _open_fd(path, force, busy_timeout_s)
+                try:
+                    header, stale = _claim(path, fd, lbs, size, job, set_id, i, len(paths))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                devices.append(_Device(path, fd, lbs, ExtentAllocator(DATA_OFFSET, header.capacity_bytes, lbs),
+                                       header))
+                if stale is not None:
+                    recovered.append((path, stale))
+            align = max(d.lbs for d in devices)
+            for name, value in (("stripe_bytes", stripe_bytes), ("max_io_bytes", max_io_bytes)):
+                if value <= 0 or value % align:
+                    raise ValueError(f"{name}={value} must be a positive multiple of the block size {align}")
+            try:
+                ring = _native.Ring(queue_depth, [d.fd for d in devices])
+            except OSError as exc:
+                raise NvmeError("cannot set up io_uring", device=paths[0], errno=exc.errno) from None
+        except BaseException:
+            for d in devices:
+                os.close(d.fd)
+            raise
+        return cls(devices, ring, stripe_bytes=stripe_bytes, max_io_bytes=max_io_bytes, recovered=recovered)
+
+    # -- extents -------------------------------------------------------------------------------
+    def allocate(self, nbytes: int, *, devices: Iterable[int] | None = None) -> Extent:
+        """An extent for `nbytes`, striped over `devices` (default: all). All or nothing."""
+        self._check_open()
+        slots = tuple(range(len(self._devices))) if devices is None else tuple(devices)
+        if not slots or any(not 0 <= s < len(self._devices) for s in slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"devices {slots} must be distinct indices below {len(self._devices)}")
+        align = max(self._devices[s].lbs for s in slots)
+        padded = round_up(nbytes, align) if nbytes > 0 else 0
+        if padded == 0:
+            raise ValueError(f"extent size must be positive, got {nbytes}")
+        # A tensor smaller than the stripe set touches only the first devices.
+        slots = slots[: -(-padded // self.stripe_bytes)]
+        sizes = per_device_bytes(padded, self.stripe_bytes, len(slots))
+        bases: list[int] = []
+        try:
+            for slot, size in zip(slots, sizes):
+                dev = self._devices[slot]
+                try:
+                    bases.append(dev.alloc.allocate(size)[0])
+                except ExtentError as exc:
+                    raise NvmeError(str(exc), device=dev.path, length=size,
+                                    errno=E.ENOSPC if exc.no_space else E.EINVAL) from None
+        except NvmeError:
+            for slot, base in zip(slots, bases):
+                self._devices[slot].alloc.free(base)
+            raise
+        extent = Extent(nbytes, padded, align, self.stripe_bytes, slots, tuple(bases))
+        self._live.add(extent)
+        return extent
+
+    def free(self, extent: Extent) -> None:
+        self._check_open()
+        if extent not in self._live:
+            raise ValueError("extent is not live in this engine (freed twice, or from another engine)")
+        if self._busy.get(extent):
+            raise ValueError("extent still has I/O in flight; wait for its handles first")
+        self._live.discard(extent)
+        for slot, base in zip(extent.slots, extent.bases):
+            self._devices[slot].alloc.free(base)
+
+    # -- I/O -----------------------------------------------------------------------------------
+    def register_buffers(self, buffers: Sequence[Any]) -> None:
+        """Register long-lived host buffers (arenas) as io_uring fixed buffers.
+
+        I/O whose memory lies inside one of them skips the per-op page pinning."""
+        self._check_open()
+        try:
+            self._ring.register_buffers([as_byte_view(b, writable=True) for b in buffers])
+        except OSError as exc:
+            raise NvmeError("cannot register buffers", device=self._devices[0].path, errno=exc.errno) from None
+
+    def write(self, extent: Extent, data: Any) -> Handle:
+        """Start writing `data` (exactly extent.nbytes) to `extent`."""
+        return self._start("write", extent, as_byte_view(data, writable=False, what="write source"))
+
+    def read(self, extent: Extent, out: Any) -> Handle:
+        """Start reading `extent` into `out` (exactly extent.nbytes, writable)."""
+        return self._start("read", extent, as_byte_view(out, writable=True, what="read destination"))
+
+    def wait(self, handle: Handle) -> None:
+        """Block until `handle` completes; raise its NvmeError if it failed."""
+        while not handle.done:
+            self._dispatch(self._ring.wait(1))
+        if handle.error is not None:
+            raise handle.error
+
+    def wait_all(self) -> None:
+        """Complete everything in flight (errors stay on their handles)."""
+        while self._inflight:
+            self._dispatch(self._ring.wait(-1))
+
+    def poll(self) -> None:
+        """Account completions that are ready, without blocking."""
+        self._dispatch(self._ring.wait(0))
+
+    def _start(self, kind: str, extent: Extent, mv: memoryview) -> Handle:
+        self._check_open()
+        if extent not in self._live:
+            raise ValueError("extent is not live in this engine")
+        if mv.nbytes != extent.nbytes:
+            raise ValueError(f"{kind} buffer has {mv.nbytes} bytes, extent holds {extent.nbytes}")
+        handle = Handle(kind, extent)
+        # O_DIRECT needs aligned memory and lengths: an aligned buffer is used in
+        # place up to its last whole block; the rest goes through a bounce region.
+        aligned = _native.buffer_address(mv)[0] % extent.align == 0
+        prefix = extent.nbytes // extent.align * extent.align if aligned else 0
+        bounce: memoryview | None = None
+        if prefix < extent.padded:
+            region = _native.Region(round_up(extent.padded - prefix, _PAGE))
+            bounce = memoryview(region)
+            handle._keep.append(region)
+            if kind == "write":
+                bounce[: extent.nbytes - prefix] = mv[prefix:]
+            else:
+                handle._copy_back = (bounce, mv, prefix)
+        handle._keep.append(mv)
+        self._busy[extent] = self._busy.get(extent, 0) + 1
+        try:
+            for chunk in stripe_chunks(extent.padded, extent.stripe_bytes, len(extent.slots)):
+                slot = extent.slots[chunk.slot]
+                dev_base = extent.bases[chunk.slot] + chunk.device_offset - chunk.logical
+                lo, hi = chunk.logical, chunk.logical + chunk.length
+                if lo < prefix:
+                    self._queue(handle, slot, mv, 0, lo, min(hi, prefix), dev_base)
+                if hi > prefix and bounce is not None:
+                    self._queue(handle, slot, bounce, prefix, max(lo, prefix), hi, dev_base)
+        except OSError as exc:
+            handle.error = NvmeError(f"{kind} submission failed", device=self._devices[extent.slots[0]].path,
+                                     errno=exc.errno)
+            if handle.pending == 0:
+                self._finish(handle)
+        return handle
+
+    def _queue(self, handle: Handle, slot: int, src: memoryview, src_origin: int, lo: int, hi: int,
+               dev_base: int) -> None:
+        """Submit logical bytes [lo, hi) of `src` (which starts at logical `src_origin`)."""
+        for start in range(lo, hi, self.max_io_bytes):
+            n = min(self.max_io_bytes, hi - start)
+            tag = next(self._tags)
+            self._inflight[tag] = (handle, slot, dev_base + start, n)
+            view = src[start - src_origin : start - src_origin + n]
+            try:
+                fixed = self._ring.submit(handle.kind == "write", slot, view, dev_base + start, tag)
+            except BaseException:
+                del self._inflight[tag]
+                raise
+            handle.pending += 1
+            self._devices[slot].fixed_ios += bool(fixed)
+
+    def _dispatch(self, results: list[tuple[int, int]]) -> None:
+        for tag, res in results:
+            handle, slot, offset, n = self._inflight.pop(tag)
+            dev = self._devices[slot]
+            if res == n:
+                if handle.kind == "write":
+                    dev.bytes_written += n
+                    dev.writes += 1
+                else:
+                    dev.bytes_read += n
+                    dev.reads += 1
+            else:
+                dev.errors += 1
+                if handle.error is None:
+                    reason = (f"{handle.kind} failed" if res < 0
+                              else f"short {handle.kind}: {res} of {n} bytes (past the end of the device?)")
+                    handle.error = NvmeError(reason, device=dev.path, offset=offset, length=n,
+                                             errno=-res if res < 0 else E.EIO)
+            handle.pending -= 1
+            if handle.pending == 0:
+                self._finish(handle)
+
+    def _finish(self, handle: Handle) -> None:
+        if handle._copy_back is not None and handle.error is None:
+            bounce, mv, prefix = handle._copy_back
+            mv[prefix:] = bounce[: mv.nbytes - prefix]
+        handle._copy_back = None
+        for obj in handle._keep:
+            if isinstance(obj, memoryview):
+                try:
+                    obj.release()
+                except BufferError:
+                    pass  # a caller's own export of it is still alive; GC frees it later
+        handle._keep.clear()
+        left = self._busy[handle.extent] - 1
+        if left:
+            self._busy[handle.extent] = left
+        else:
+            del self._busy[handle.extent]
+        handle.done = True
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def paths(self) -> list[str]:
+        return [d.path for d in self._devices]
+
+    def stats(self) -> list[DeviceStats]:
+        return [DeviceStats(d.path, d.lbs, d.alloc.stats(), d.bytes_read, d.bytes_written, d.reads, d.writes,
+                            d.fixed_ios, d.errors) for d in self._devices]
+
+    def close(self) -> None:
+        """Finish in-flight I/O, mark every header CLOSED, release the devices."""
+        if self._closed:
+            return
+        self._closed = True
+        first: BaseException | None = None
+        try:
+            self.wait_all()
+        except BaseException as exc:  # the ring must still be torn down
+            first = exc
+        self._ring.close()
+        for d in self._devices:
+            try:
+                closed = dataclasses.replace(d.header, state=State.CLOSED, updated_ns=time.time_ns())
+                _aligned_io(d.fd, d.path, 0, render_header(closed), HEADER_BYTES)
+                os.fsync(d.fd)
+            except (NvmeError, OSError) as exc:
+                first = first or exc
+            finally:
+                os.close(d.fd)
+        if first is not None:
+            raise first
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("NvmeEngine is closed")
+
+    def __enter__(self) -> NvmeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,296 @@
+"""Tensors swapped to extents of the raw-NVMe engine, behind DeepSpeed's aio-handle interface.
+
+DeepSpeed's swappers do every byte of I/O through an aio handle with
+`async_pwrite(buffer, path, offset)`, `async_pread(...)` and `wait()`; the
+path is only a name for the tensor. `ExtentSwapHandle` keeps that interface,
+so DeepSpeed's swap bookkeeping is reused, but each name maps to an extent
+on memstrata's NVMe stratum (striped over all of its namespaces) instead of a
+file: nothing is written to DeepSpeed's swap folder. Host buffers it hands
+out (`new_cpu_locked_tensor`) come from `LockedPool`, carved exactly from
+locked regions rather than pinned by torch (power-of-two rounding) or by the
+aio op (posix_memalign per buffer).
+
+Counters (bytes per direction, extents live, peak concurrency) feed the
+runtime's status payload and the tests that prove no silent fallback.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memstrata.runtime import _native
+from memstrata.runtime.strata.buffers import as_byte_view
+from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError
+from memstrata.runtime.strata.nvme import Extent, Handle, NvmeEngine
+from memstrata.runtime.strata.pinned import vm_locked_bytes
+from memstrata.runtime.strata.affinity import Placement
+from memstrata.runtime.swap.tokens import IoTokens
+
+__all__ = ["SwapCounters", "LockedPool", "ExtentSwapHandle", "SwapError"]
+
+_ALIGN = 4096
+
+
+class SwapError(RuntimeError):
+    """A swap request that cannot be served; the message names the tensor and why."""
+
+
+@dataclass
+class SwapCounters:
+    """What moved through the NVMe stratum (one per rank)."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    writes: int = 0
+    reads: int = 0
+    extents_live: int = 0
+    extent_bytes_live: int = 0
+    extent_bytes_peak: int = 0  # the most state held on the stratum at once: its peak use
+    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [written, read]
+
+    def add(self, kind: str, nbytes: int, write: bool) -> None:
+        w_r = self.by_kind.setdefault(kind, [0, 0])
+        if write:
+            self.bytes_written += nbytes
+            self.writes += 1
+            w_r[0] += nbytes
+        else:
+            self.bytes_read += nbytes
+            self.reads += 1
+            w_r[1] += nbytes
+
+
+class LockedPool:
+    """Exact-size page-locked host buffers, carved from locked regions of `chunk_bytes`.
+
+    A request gets exactly its size rounded to 4 KiB (no power-of-two rounding,
+    no buffer sized for the largest tensor); freed space is reused first-fit.
+    Regions are mlock'ed when the pool grows, so `locked_bytes` is what the
+    kernel counts (VmLck), and a region is only added when no free run fits."""
+
+    def __init__(self, chunk_bytes: int = 64 << 20, lock: bool = True, placement: Placement | None = None) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.lock = lock
+        self.placement = placement
+        self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
+        self._region_use: dict[int, int] = {}  # id -> bytes handed out
+        self._next_region = 0
+        self._owner: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (region index, offset, bytes)
+        self.locked_bytes = 0
+        self.peak_in_use = 0
+        self.in_use = 0
+
+    def tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
+        for idx, (region, alloc) in self._regions.items():
+            try:
+                off, size = alloc.allocate(nbytes)
+            except ExtentError:
+                continue
+            return self._view(idx, region, off, size, numel, dtype)
+        size = max(self.chunk_bytes, -(-nbytes // _ALIGN) * _ALIGN)
+        region = _native.Region(size)
+        if self.placement is not None and self.placement.nodes:
+            # mbind before the first touch, so every page lands where placement says.
+            region.bind(list(self.placement.nodes), int(self.placement.policy))
+        if self.lock:
+            region.lock()
+        self.locked_bytes += size
+        alloc = ExtentAllocator(0, size, _ALIGN)
+        idx, self._next_region = self._next_region, self._next_region + 1
+        self._regions[idx], self._region_use[idx] = (region, alloc), 0
+        off, got = alloc.allocate(nbytes)
+        return self._view(idx, region, off, got, numel, dtype)
+
+    def _view(self, idx: int, region: Any, off: int, size: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raw = torch.frombuffer(memoryview(region)[off:off + size], dtype=torch.uint8)
+        t = raw.view(dtype)[:numel] if numel else raw.view(dtype)[:0]
+        self._owner[t.data_ptr()] = (idx, off, size)
+        self._region_use[idx] += size
+        self.in_use += size
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return t
+
+    def owns(self, t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        return any(region.address <= ptr < region.address + region.size for region, _ in self._regions.values())
+
+    def free(self, t: torch.Tensor) -> None:
+        key = t.data_ptr()
+        if key not in self._owner:
+            raise SwapError("buffer was not handed out by this pool (or was freed twice)")
+        idx, off, size = self._owner.pop(key)
+        self._regions[idx][1].free(off)
+        self._region_use[idx] -= size
+        self.in_use -= size
+
+    def trim(self) -> int:
+        """Give back every region with nothing handed out; the bytes released.
+
+        Called between phases (after the update): the update's working set and
+        the activations of forward/backward then never count together in the
+        peak. A region unmaps (and unlocks) once its last view is gone."""
+        released = 0
+        for idx in [i for i, used in self._region_use.items() if used == 0]:
+            region, _ = self._regions.pop(idx)
+            del self._region_use[idx]
+            released += region.size
+        self.locked_bytes -= released
+        return released
+
+    def close(self) -> None:
+        self._owner.clear()
+        self._regions.clear()  # regions unmap (and unlock) when their last view is gone
+        self._region_use.clear()
+        self.locked_bytes = 0
+
+
+class ExtentSwapHandle:
+    """DeepSpeed's aio-handle interface over extents of an NvmeEngine.
+
+    One handle per swapper, like DeepSpeed's; all handles of a rank share one
+    engine (single-threaded by design), one counter set and one I/O token."""
+
+    def __init__(self, engine: NvmeEngine, pool: LockedPool, counters: SwapCounters, *, kind: str,
+                 tokens: IoTokens | None = None, checksums: dict[str, str] | None = None,
+                 lock: threading.Lock | None = None) -> None:
+        self.engine = engine
+        self.pool = pool
+        self.counters = counters
+        self.kind = kind
+        self.tokens = tokens
+        self.checksums = checksums  # name -> sha256 of what was last written (tests turn this on)
+        names = getattr(engine, "_memstrata_names", None)
+        if names is None:
+            names = engine._memstrata_names = {}  # type: ignore[attr-defined]  # shared by the rank's handles
+        self._extents: dict[str, Extent] = names
+        self._pending: list[tuple[Handle, str, Any, bool]] = []
+        self._token_held = False
+        self.on_io: Callable[[str, float, float], None] | None = None  # (kind, start, end) for tests
+        self._t0 = 0.0
+
+    # -- the interface DeepSpeed's swappers call -----------------------------------------------
+    def async_pwrite(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+        if offset:
+            raise SwapError(f"{path}: memstrata stores whole tensors; offset {offset} is not supported")
+        nbytes = buffer.numel() * buffer.element_size()
+        extent = self._extents.get(path)
+        if extent is not None and extent.nbytes != nbytes:
+            # DeepSpeed rewrites a name only with the same aligned size; anything else is a new tensor.
+            self.engine.free(extent)
+            self.counters.extents_live -= 1
+            self.counters.extent_bytes_live -= extent.padded
+            extent = None
+        if extent is None:
+            extent = self.engine.allocate(nbytes)
+            self._extents[path] = extent
+            self.counters.extents_live += 1
+            self.counters.extent_bytes_live += extent.padded
+            self.counters.extent_bytes_peak = max(self.counters.extent_bytes_peak,
+                                                  self.counters.extent_bytes_live)
+        self._begin()
+        src = buffer.detach().contiguous()
+        if self.checksums is not None:
+            self.checksums[path] = _digest(src)
+        self._pending.append((self.engine.write(extent, src), path, src, True))
+        self.counters.add(self.kind, nbytes, write=True)
+        return 0
+
+    def async_pread(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+        if offset:
+            raise SwapError(f"{path}: memstrata stores whole tensors; offset {offset} is not supported")
+        extent = self._extents.get(path)
+        if extent is None:
+            raise SwapError(f"{path}: read of a tensor that was never written to the NVMe stratum")
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes < extent.nbytes:
+            raise SwapError(f"{path}: read buffer of {nbytes} bytes is smaller than the stored {extent.nbytes}")
+        if not buffer.is_contiguous():
+            raise SwapError(f"{path}: read buffer is not contiguous")
+        dst = buffer.view(-1).view(torch.uint8)[:extent.nbytes]
+        self._begin()
+        self._pending.append((self.engine.read(extent, dst), path, dst, False))
+        self.counters.add(self.kind, extent.nbytes, write=False)
+        return 0
+
+    def wait(self) -> int:
+        """Complete every I/O this handle started; the count, as DeepSpeed asserts on it."""
+        done, first = len(self._pending), None
+        try:
+            for handle, path, buf, write in self._pending:
+                try:
+                    self.engine.wait(handle)
+                except Exception as exc:  # keep draining: every buffer must be quiescent
+                    first = first or exc
+                    continue
+                if not write and self.checksums is not None and path in self.checksums:
+                    if _digest(buf) != self.checksums[path]:
+                        first = first or SwapError(f"{path}: data read back differs from what was written")
+        finally:
+            self._pending.clear()
+            self._end()
+        if first is not None:
+            raise first
+        return done
+
+    def sync_pwrite(self, buffer: torch.Tensor, path: str) -> int:
+        self.async_pwrite(buffer, path)
+        return self.wait()
+
+    def sync_pread(self, buffer: torch.Tensor, path: str) -> int:
+        self.async_pread(buffer, path)
+        return self.wait()
+
+    def new_cpu_locked_tensor(self, numel: int, example: torch.Tensor) -> torch.Tensor:
+        return self.pool.tensor(int(numel), example.dtype)
+
+    def free_cpu_locked_tensor(self, t: torch.Tensor) -> bool:
+        self.pool.free(t)
+        return True
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return self.pool.owns(t)
+
+    def get_block_size(self) -> int:
+        return self.engine.max_io_bytes
+
+    def get_queue_depth(self) -> int:
+        return 32
+
+    # -- memstrata additions ---------------------------------------------------------------------
+    def forget(self, path: str) -> None:
+        extent = self._extents.pop(path, None)
+        if extent is not None:
+            self.engine.free(extent)
+            self.counters.extents_live -= 1
+            self.counters.extent_bytes_live -= extent.padded
+
+    def _begin(self) -> None:
+        if not self._token_held:
+            if self.tokens is not None:
+                self.tokens.acquire()
+            self._token_held = True
+            self._t0 = time.monotonic()
+
+    def _end(self) -> None:
+        if self._token_held:
+            t1 = time.monotonic()
+            if self.on_io is not None:
+                self.on_io(self.kind, self._t0, t1)
+            if self.tokens is not None:
+                self.tokens.release()
+            self._token_held = False
+
+
+def _digest(t: Any) -> str:
+    return hashlib.sha256(as_byte_view(t, writable=False)).hexdigest()
+
+
+def locked_now() -> int:
+    return vm_locked_bytes()

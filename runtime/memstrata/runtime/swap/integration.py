@@ -1,0 +1,193 @@
+"""The one place memstrata touches DeepSpeed: `initialize`, a drop-in for `deepspeed.initialize`.
+
+Hook points (DeepSpeed 0.19.8 only; any other version is refused with a clear
+message, because each is an internal name):
+
+1. `deepspeed.runtime.zero.partition_parameters.AsyncPartitionedParameterSwapper`
+   - the class `zero.Init` instantiates for `offload_param.device: nvme`;
+2. `deepspeed.runtime.zero.stage3.PartitionedOptimizerSwapper` and
+   `...stage3.PipelinedOptimizerSwapper` - the classes ZeRO-3 instantiates for
+   `offload_optimizer.device: nvme`.
+   Both are rebound to memstrata's subclasses only for the duration of the
+   `deepspeed.initialize` call (and restored after, even on error), so a plain
+   `deepspeed.initialize` in the same process still gets stock DeepSpeed.
+3. The ZeRO-3 optimizer *instance*'s `has_overflow` (fp16 only): one pass of
+   memstrata.runtime.strata.overflow instead of `isinf().any()` + `isnan().any()`.
+4. The same instance's `step` and the per-sub-group methods its loop calls
+   (memstrata.runtime.swap.suborder): the sub-group order reversed every step, the
+   last K kept in DRAM.
+5. The same instance's `_offload_grad_partition_at_boundary`
+   (memstrata.runtime.swap.gradients): gradients stay in DRAM, 16-bit where that
+   changes no value (`data_types.grad_accum_dtype` set when the user did not),
+   and are widened to fp32 by the optimizer swapper in the update.
+6. The same instance's `step`, once more: after it, locked regions nothing
+   uses are given back (`SwapSettings.trim_after_step`).
+
+Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, release_free_heap
+
+__all__ = ["SUPPORTED_DEEPSPEED", "UnsupportedDeepSpeed", "check_version", "initialize", "swap_layer_of"]
+
+SUPPORTED_DEEPSPEED = "0.19.8"
+
+
+class UnsupportedDeepSpeed(RuntimeError):
+    pass
+
+
+def check_version(version: str | None = None) -> str:
+    """The installed DeepSpeed version, or UnsupportedDeepSpeed naming both versions."""
+    if version is None:
+        import deepspeed
+
+        version = str(deepspeed.__version__)
+    version = version.strip()
+    if version.split("+")[0] != SUPPORTED_DEEPSPEED:
+        raise UnsupportedDeepSpeed(
+            f"memstrata's swap layer replaces DeepSpeed internals and supports DeepSpeed {SUPPORTED_DEEPSPEED} only; "
+            f"found {version}. Install deepspeed=={SUPPORTED_DEEPSPEED} or set memory.engine: deepspeed")
+    return version
+
+
+@contextlib.contextmanager
+def _swappers_installed() -> Iterator[None]:
+    from deepspeed.runtime.zero import partition_parameters, stage3
+
+    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
+    from memstrata.runtime.swap.parameters import MemstrataParamSwapper
+
+    slots = [(partition_parameters, "AsyncPartitionedParameterSwapper", MemstrataParamSwapper),
+             (stage3, "PartitionedOptimizerSwapper", MemstrataOptimizerSwapper),
+             (stage3, "PipelinedOptimizerSwapper", MemstrataOptimizerSwapper)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in slots]
+    try:
+        for mod, name, cls in slots:
+            setattr(mod, name, cls)
+        yield
+    finally:
+        for mod, name, orig in saved:
+            setattr(mod, name, orig)
+
+
+def _one_pass_has_overflow(layer: SwapLayer) -> Any:
+    import torch
+    from deepspeed import comm as dist
+
+    from memstrata.runtime.strata.overflow import has_overflow as scan
+
+    def has_overflow(self: Any, partition_gradients: bool = True) -> bool:
+        if not partition_gradients:
+            return type(self).has_overflow(self, partition_gradients)
+        layer.overflow_checks += 1
+        flag = torch.tensor([1 if scan(self.grad_partitions_flat_buffer) else 0], dtype=torch.uint8,
+                            device=self.grad_partitions_flat_buffer.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=flag, op=dist.ReduceOp.MAX)
+        return bool(flag[0].item())
+
+    return has_overflow
+
+
+def _trim_after_step(optimizer: Any, layer: SwapLayer) -> None:
+    step = optimizer.step
+
+    def step_then_trim(*args: Any, **kwargs: Any) -> Any:
+        # The activations freed by backward and the update's temporaries sit in malloc's free lists;
+        # returning them between phases keeps one phase's garbage out of the next one's peak.
+        release_free_heap()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            layer.trim()
+
+    optimizer.step = step_then_trim
+
+
+def _needed_bytes(model: Any) -> int:
+    """NVMe bytes for one rank: 16-bit weights, fp32 master + 2 moments + fp32 gradients, with slack."""
+    numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    return int(numel * (2 + 4 * 4) * 1.5) + (256 << 20)
+
+
+def _nvme_path(config: Any) -> Path:
+    cfg = config if isinstance(config, dict) else {}
+    if isinstance(config, (str, os.PathLike)):
+        import json
+
+        cfg = json.loads(Path(config).read_text())
+    zero = cfg.get("zero_optimization", {})
+    for key in ("offload_optimizer", "offload_param"):
+        path = (zero.get(key) or {}).get("nvme_path")
+        if path:
+            return Path(path)
+    raise ValueError("memstrata.runtime.initialize: the DeepSpeed config has no zero_optimization.offload_*"
+                     ".nvme_path; memstrata's swap layer replaces ZeRO-3's NVMe offload, so one must be set")
+
+
+def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, ...]:
+    """`deepspeed.initialize(...)` with memstrata's swap layer; same arguments, same 4-tuple.
+
+    `swap` (or the MEMSTRATA_SWAP environment variable, JSON) configures the layer. The
+    returned engine carries the layer as `engine.memstrata` (see `swap_layer_of`)."""
+    check_version()
+    import deepspeed
+    from deepspeed import comm as dist
+
+    if swap is None:
+        env = os.environ.get("MEMSTRATA_SWAP")
+        settings = SwapSettings.model_validate_json(env) if env else SwapSettings()
+    else:
+        settings = swap if isinstance(swap, SwapSettings) else SwapSettings.model_validate(swap)
+    config = kwargs.get("config", kwargs.get("config_params"))
+    if config is None and len(args) >= 9:
+        config = args[8]
+    if settings.dram_gradients:
+        from memstrata.runtime.swap.gradients import accumulation_config
+
+        key = "config" if "config" in kwargs else "config_params" if "config_params" in kwargs else None
+        if key is not None:
+            kwargs[key] = config = accumulation_config(config)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    rank = dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    layer = SwapLayer.open(settings, rank=rank, local_rank=local_rank, local_world=local_world,
+                           fallback_dir=_nvme_path(config), needed_bytes=_needed_bytes(kwargs.get("model")))
+    try:
+        with activate(layer), _swappers_installed():
+            result = deepspeed.initialize(*args, **kwargs)
+    except BaseException:
+        layer.close()
+        raise
+    engine = result[0]
+    engine.memstrata = layer
+    opt = getattr(engine, "optimizer", None)
+    swapper = getattr(opt, "optimizer_swapper", None)
+    if settings.cache_subgroups > 0 and swapper is not None and hasattr(swapper, "keep_ids"):
+        from memstrata.runtime.swap.suborder import install_reversing_order
+
+        layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
+    if settings.dram_gradients and swapper is not None and hasattr(swapper, "dram_gradients"):
+        from memstrata.runtime.swap.gradients import install_dram_gradients
+
+        layer.dram_gradients = install_dram_gradients(opt, swapper)
+    if settings.trim_after_step and opt is not None:
+        _trim_after_step(opt, layer)
+    if settings.one_pass_overflow and engine.fp16_enabled() and hasattr(opt, "grad_partitions_flat_buffer"):
+        opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
+    return result
+
+
+def swap_layer_of(engine: Any) -> SwapLayer | None:
+    return getattr(engine, "memstrata", None)

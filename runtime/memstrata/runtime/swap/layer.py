@@ -1,0 +1,221 @@
+"""One rank's swap layer: the NVMe stratum, the locked pool, the I/O token and what moved.
+
+Built once per `memstrata.runtime.initialize` call from `SwapSettings`, and
+made *active* while DeepSpeed constructs its swappers, so memstrata's swapper
+classes (which DeepSpeed instantiates with its own fixed arguments) find it.
+`status()` is the small payload the runtime reports per stratum.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from memstrata.runtime.strata.nvme import NvmeEngine
+from memstrata.runtime.strata.numa import online_nodes
+from memstrata.runtime.strata.pinned import vm_locked_bytes
+from memstrata.runtime.strata.affinity import TensorKind, place
+from memstrata.runtime.swap.handle import ExtentSwapHandle, LockedPool, SwapCounters
+from memstrata.runtime.swap.tokens import IoTokens
+
+__all__ = ["SwapSettings", "SwapLayer", "active", "activate", "release_free_heap"]
+
+
+class SwapSettings(BaseModel):
+    """How memstrata's swap layer runs on one node. Every field has a safe default."""
+
+    nvme: list[str] = Field(
+        default_factory=list,
+        description="NVMe-stratum namespaces (raw block devices, or regular files where none is spare) shared by "
+                    "the node's ranks: rank r of a node uses every path i with i % local_world_size == r. Empty: one "
+                    "file per rank next to DeepSpeed's nvme_path, sized from the model.")
+    job: str = Field("memstrata", description="Owner written into each namespace's header.")
+    queue_depth: int = Field(32, ge=1, le=4096, description="io_uring entries per rank.")
+    stripe_bytes: int = Field(1 << 20, ge=4096, description="Stripe unit over namespaces (multi-path).")
+    io_token_limit: int = Field(1, ge=1, description="Ranks of one node doing I/O on the stratum at once.")
+    cache_subgroups: int = Field(1, ge=0, description="Optimizer sub-groups whose state stays in DRAM.")
+    min_swap_bytes: int = Field(64 << 10, ge=4096, description="Smaller tensors stay in DRAM (DeepSpeed: 1 MiB).")
+    param_staging_bytes: int = Field(256 << 20, ge=0,
+                                     description="Locked bytes the parameter prefetcher may fill ahead of use.")
+    pool_chunk_bytes: int = Field(32 << 20, ge=1 << 20, description="Growth step of the locked pool.")
+    lock_memory: bool = Field(True, description="mlock the pool (pinned); off only where RLIMIT_MEMLOCK is tiny.")
+    checksums: bool = Field(False, description="Verify every read against a hash of what was written (tests).")
+    file_bytes: int = Field(0, ge=0, description="Size of a file-backed namespace created here; 0: from the model.")
+    force: bool = Field(False, description="Override only the foreign-signature check of a namespace.")
+    dram_nodes: list[int] = Field(default_factory=list, description="DRAM NUMA nodes; empty: every node with CPUs.")
+    cxl_nodes: list[int] = Field(default_factory=list, description="CPU-less CXL NUMA nodes (the plan's cxl_nodes).")
+    one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
+    trim_after_step: bool = Field(
+        True, description="Give back the locked regions the update no longer uses before the next forward, so the "
+                          "update's working set and the activations never count together in the peak (each update "
+                          "locks them again).")
+    dram_gradients: bool = Field(
+        True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "
+                          "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.swap.gradients).")
+
+
+_active: SwapLayer | None = None
+_lock = threading.Lock()
+
+
+def active() -> SwapLayer:
+    if _active is None:
+        raise RuntimeError("memstrata's swappers are only constructed inside memstrata.runtime.initialize")
+    return _active
+
+
+@contextlib.contextmanager
+def activate(layer: SwapLayer) -> Iterator[SwapLayer]:
+    global _active
+    with _lock:
+        if _active is not None:
+            raise RuntimeError("memstrata.runtime.initialize is already running in this process")
+        _active = layer
+    try:
+        yield layer
+    finally:
+        _active = None
+
+
+def release_free_heap() -> None:
+    """Return malloc's free pages to the kernel (glibc `malloc_trim(0)`; a no-op elsewhere).
+
+    Tensors under glibc's dynamic mmap threshold (up to 32 MiB) come from the
+    heap, and what they free stays resident until trimmed."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+def _cpu_nodes() -> list[int]:
+    """Online nodes that have CPUs: DRAM. CXL expanders show up as CPU-less nodes."""
+    try:
+        text = Path("/sys/devices/system/node/has_cpu").read_text()
+    except OSError:
+        return online_nodes()
+    from memstrata.runtime.strata.numa import parse_nodelist
+
+    return parse_nodelist(text)
+
+
+class SwapLayer:
+    def __init__(self, settings: SwapSettings, engine: NvmeEngine, *, rank: int, local_rank: int,
+                 created_files: list[str]) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.rank, self.local_rank = rank, local_rank
+        self.created_files = created_files
+        dram = settings.dram_nodes or _cpu_nodes()
+        # Optimizer operands in DRAM; parameter staging (DMA only) over CXL when there is any.
+        self.pool = LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory,
+                               placement=place(TensorKind.OPTIMIZER, dram_nodes=dram, cxl_nodes=settings.cxl_nodes))
+        self.param_pool = LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory,
+                                     placement=place(TensorKind.PARAM_STAGING, dram_nodes=dram,
+                                                     cxl_nodes=settings.cxl_nodes))
+        self.counters = SwapCounters()
+        self.tokens = IoTokens("nvme", settings.io_token_limit, rank=local_rank)
+        self.checksums: dict[str, str] | None = {} if settings.checksums else None
+        self.handles: list[ExtentSwapHandle] = []
+        self.param_bytes_in_use = 0
+        self.cache_bytes = 0
+        self.cache_hits = 0
+        self.overflow_checks = 0
+        self.trimmed_bytes = 0
+        self.subgroup_order: Any = None  # memstrata.runtime.swap.suborder.SubGroupOrder, once installed
+        self.dram_gradients: Any = None  # memstrata.runtime.swap.gradients.DramGradients, once installed
+        self.io_log: list[tuple[str, float, float]] | None = None  # tests: (kind, start, end) per I/O batch
+
+    @classmethod
+    def open(cls, settings: SwapSettings, *, rank: int, local_rank: int, local_world: int, fallback_dir: Path,
+             needed_bytes: int) -> SwapLayer:
+        paths = [p for i, p in enumerate(settings.nvme) if i % local_world == local_rank]
+        created: list[str] = []
+        if settings.nvme and not paths:
+            raise ValueError(f"memstrata nvme: {len(settings.nvme)} namespaces cannot serve {local_world} ranks "
+                             f"of this node; give at least one per rank")
+        if not paths:
+            path = fallback_dir / f"memstrata-nvme-rank{rank}.img"
+            size = settings.file_bytes or needed_bytes
+            fallback_dir.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.truncate(size)
+            paths, created = [str(path)], [str(path)]
+        engine = NvmeEngine.open(paths, job=settings.job, queue_depth=settings.queue_depth,
+                                 stripe_bytes=settings.stripe_bytes, force=settings.force)
+        return cls(settings, engine, rank=rank, local_rank=local_rank, created_files=created)
+
+    def handle(self, kind: str) -> ExtentSwapHandle:
+        pool = self.param_pool if kind == "param" else self.pool
+        h = ExtentSwapHandle(self.engine, pool, self.counters, kind=kind, tokens=self.tokens,
+                             checksums=self.checksums)
+        if self.io_log is not None:
+            log = self.io_log
+            h.on_io = lambda k, t0, t1: log.append((k, t0, t1))
+        self.handles.append(h)
+        return h
+
+    def trim(self) -> int:
+        """Unmap every optimizer-pool region nothing is using (after an optimizer step); the bytes given back.
+
+        Only the optimizer pool: its working set exists in the update alone. The parameter staging pool
+        is refilled by every forward and backward, so trimming it would only add page faults."""
+        released = self.pool.trim()
+        self.trimmed_bytes += released
+        release_free_heap()
+        return released
+
+    def status(self) -> dict[str, Any]:
+        """Per-stratum bytes for the progress report and the job status (JSON-ready, camelCase like the API).
+
+        nvme: namespaces, bytesWritten/bytesRead (device counters), bytesLive/extentsLive (state
+        held now), bytesLivePeak, byKind {param|optimizer: {written, read}}, ioTokenWaitSeconds.
+        dram: lockedBytes (pool regions, mlock'ed), lockedPeakInUse, trimmedBytes (given back after
+        updates, in all), optimizerCacheBytes/Hits,
+        gradients {dtype, bytes, widenedBytes} when they stay in DRAM (else null),
+        vmLockedBytes (the kernel's VmLck for this process)."""
+        dev = self.engine.stats()
+        return {
+            "nvme": {
+                "namespaces": [d.path for d in dev],
+                "bytesWritten": sum(d.bytes_written for d in dev),
+                "bytesRead": sum(d.bytes_read for d in dev),
+                "bytesLive": self.counters.extent_bytes_live,
+                "bytesLivePeak": self.counters.extent_bytes_peak,
+                "extentsLive": self.counters.extents_live,
+                "byKind": {k: {"written": w, "read": r} for k, (w, r) in self.counters.by_kind.items()},
+                "ioTokenWaitSeconds": round(self.tokens.wait_seconds, 3),
+            },
+            "dram": {
+                "lockedBytes": self.pool.locked_bytes + self.param_pool.locked_bytes,
+                "lockedPeakInUse": self.pool.peak_in_use + self.param_pool.peak_in_use,
+                "trimmedBytes": self.trimmed_bytes,
+                "optimizerCacheBytes": self.cache_bytes,
+                "optimizerCacheHits": self.cache_hits,
+                "subGroupOrders": self.subgroup_order.history[-8:] if self.subgroup_order is not None else [],
+                "gradients": self.dram_gradients.status() if self.dram_gradients is not None else None,
+                "vmLockedBytes": vm_locked_bytes(),
+            },
+        }
+
+    def close(self) -> None:
+        try:
+            self.engine.close()
+        finally:
+            self.tokens.close()
+            for path in self.created_files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)

@@ -1,0 +1,243 @@
+"""memstrata's optimizer-state swapper: sub-groups streamed to NVMe extents, exact buffers, a DRAM cache.
+
+DeepSpeed's PartitionedOptimizerSwapper pins `buffer_count` x the largest
+sub-group of fp32 at construction (4 x 1e9 x 4 B by default) and swaps through
+files. This subclass keeps its bookkeeping (which tensors of a sub-group are
+state, where gradient fragments go) and replaces the three things that cost
+memory or bypass memstrata:
+
+- I/O: the aio handle is an `ExtentSwapHandle` (extents striped over every
+  namespace of the NVMe stratum, one I/O token per stratum per node);
+- buffers: `ExactBuffers` hands out exactly `count` buffers of the requested
+  size from the rank's locked pool, and takes them back after the swap-out;
+- the cache: `cache_subgroups` (K) sub-groups whose state is fully in locked
+  buffers stay in DRAM across steps: their swap-out writes nothing and their
+  next swap-in reads only the gradients. With memstrata.runtime.swap.suborder the
+  order is reversed every step and the K walked last are kept (`keep_ids`),
+  MLP-Offload's policy; without it, the first K cacheable ones stay for good.
+- fast_init: fp32 master weights are built sub-group by sub-group from the
+  16-bit partitions on NVMe, with buffers of that sub-group's size only;
+- gradients: with memstrata.runtime.swap.gradients installed, none are swapped; a
+  sub-group's fp32 gradients are widened from DRAM into one exact buffer when
+  its state is swapped in, and freed with it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.swap_tensor.async_swapper import AsyncTensorSwapper
+from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
+
+from memstrata.runtime.swap import layer as swaplayer
+from memstrata.runtime.swap.handle import LockedPool
+
+__all__ = ["MemstrataOptimizerSwapper", "ExactBuffers"]
+
+
+class ExactBuffers:
+    """SwapBufferManager's interface over a LockedPool: buffers of exactly the size asked for."""
+
+    def __init__(self, pool: LockedPool, dtype: torch.dtype, spare_count: int) -> None:
+        self.pool, self.dtype = pool, dtype
+        self.spare_count = spare_count  # what allocate_all hands out (gradient staging, init)
+        # Stock's swapped-gradient path fills only the fragments it swapped: the rest of a gradient buffer
+        # must read as zero, as in DeepSpeed's pool. memstrata.runtime.swap.gradients fills every byte and turns
+        # this off, saving a memset of each sub-group's state per update.
+        self.zero_new = True
+        self._live: dict[int, torch.Tensor] = {}
+
+    def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        if dtype != self.dtype:
+            raise TypeError(f"optimizer swap buffers are {self.dtype}, asked for {dtype}")
+        out = [self.pool.tensor(int(num_elems), dtype) for _ in range(count)]
+        if self.zero_new:
+            for t in out:
+                t.zero_()
+        for t in out:
+            self._live[id(t)] = t
+        return out
+
+    def allocate_all(self, num_elems: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        return self.allocate(num_elems, self.spare_count, dtype)
+
+    def free(self, buffers: list[torch.Tensor]) -> None:
+        for t in buffers:
+            if self._live.pop(id(t), None) is None:
+                raise RuntimeError("optimizer swap buffer freed twice or not from this manager")
+            self.pool.free(t)
+
+
+class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
+    def __init__(self, swap_config: Any, aio_config: Any, base_folder: str, optimizer: Any, largest_numel: int,
+                 device: Any, dtype: torch.dtype, timers: Any) -> None:
+        # Deliberately not super().__init__: that loads the aio op, creates the swap
+        # folder and pins buffer_count x largest sub-group. Same attributes, no side effects.
+        layer = swaplayer.active()
+        self.layer = layer
+        self.swap_config, self.aio_config = swap_config, aio_config
+        self.aio_handle = layer.handle("optimizer")
+        self.swap_params_info: dict[str, Any] = {}
+        self.swap_element_size = torch.tensor([], dtype=dtype).element_size()
+        self.swap_folder = os.path.join(f"memstrata:/optimizer/rank{dist.get_rank()}")
+        self.optimizer = optimizer
+        self.min_aio_bytes = layer.settings.min_swap_bytes
+        self.aligned_bytes = 4096
+        self.numel_alignment = self.aligned_bytes // self.swap_element_size
+        self.largest_numel = self._io_aligned_numel(largest_numel)
+        self.dtype = dtype
+        self.swap_buffer_manager = ExactBuffers(layer.pool, dtype, spare_count=2)
+        self.timers, self.timer_names = timers, set()
+        self.print_exclude_list = ["optimizer", "swap_buffer_manager", "swap_params_info", "timers",
+                                   "timer_names", "aio_handle", "gradient_swapper", "print_exclude_list", "layer"]
+        self.gradient_swapper = AsyncTensorSwapper(aio_handle=self.aio_handle, numel_alignment=self.numel_alignment,
+                                                   timers=self.timers)
+        self._cached: dict[str, list[torch.Tensor]] = {}  # param id -> its state buffers, kept in DRAM
+        self._cache_slots = layer.settings.cache_subgroups
+        # Set each step by memstrata.runtime.swap.suborder: the sub-groups walked last, which the next (reversed)
+        # step walks first. None without that hook: then the first K cacheable sub-groups stay for good.
+        self.keep_ids: set[str] | None = None
+        # Set by memstrata.runtime.swap.gradients: gradients of NVMe sub-groups stay in DRAM, never swapped.
+        self.dram_gradients: Any = None
+
+    # -- cache -------------------------------------------------------------------------------------
+    def swap_in_optimizer_state(self, parameter: Any, async_parameter: Any = None) -> None:
+        info = self._get_param_swap_info(parameter)
+        if info is None:
+            return
+        cached = self._cached.get(info.param_id)
+        if cached is None or len(cached) != info.num_tensors():
+            if cached is not None:  # state tensors appeared since it was cached: re-read everything
+                self._drop_cached(info.param_id)
+            super().swap_in_optimizer_state(parameter, async_parameter)
+            self._widen_dram_gradients(parameter, info)
+            return
+        self._flush_gradient_swapper(self.gradient_swapper)
+        self.layer.cache_hits += 1
+        aligned = self._io_aligned_numel(info.numel())
+        info.set_swap_buffers(cached, aligned)
+        info.swap_buffers = list(cached)
+        if info.has_gradients():
+            grad_buf = self.swap_buffer_manager.allocate(aligned, 1, parameter.dtype)
+            info.swap_buffers += grad_buf
+            self._swap_in_gradients(aio_handle=self.aio_handle, parameter=parameter, dest_buffer=grad_buf[0])
+        self._widen_dram_gradients(parameter, info)
+
+    def _widen_dram_gradients(self, parameter: Any, info: Any) -> None:
+        """With memstrata.runtime.swap.gradients installed: this sub-group's fp32 gradients, widened from DRAM
+        into one exact buffer that is released with the state buffers."""
+        grads = self.dram_gradients
+        if grads is None or not grads.holds(parameter) or info.has_gradients():
+            return
+        buf = self.swap_buffer_manager.allocate(self._io_aligned_numel(info.numel()), 1, parameter.dtype)[0]
+        grads.fill_fp32_gradients(parameter, buf)
+        info.swap_buffers.append(buf)
+        parameter.grad = buf.narrow(0, 0, parameter.numel())
+
+    def swap_out_optimizer_state(self, parameter: Any, async_swap: bool = False) -> None:
+        info = self._get_param_swap_info(parameter)
+        if info is None:
+            return
+        pid = info.param_id
+        n = info.num_tensors()
+        state_buffers = info.swap_buffers[:n]
+        cacheable = (info.has_state_tensors and len(state_buffers) == n
+                     and all(self.layer.pool.owns(t) for t in info.get_compute_tensors()))
+        if self.keep_ids is not None:
+            if pid in self.keep_ids and info.has_state_tensors and not cacheable:
+                # First step: Adam created its moments as ordinary tensors. Move them into exact pool
+                # buffers so this sub-group can be kept, instead of missing the cache for a whole step.
+                state_buffers, cacheable = self._adopt_into_pool(info), True
+            keep = cacheable and pid in self.keep_ids
+            if not keep and pid in self._cached:
+                # Evicted: the DRAM copy is the only current one, so write it back like any other sub-group.
+                self._drop_cached(pid, keep_buffers_for=info)
+        else:
+            keep = pid in self._cached or (cacheable and len(self._cached) < self._cache_slots)
+        if keep:
+            if pid not in self._cached:
+                self.layer.cache_bytes += sum(t.numel() * t.element_size() for t in state_buffers)
+            self._cached[pid] = state_buffers
+            # Free only what is not cached (the gradient buffer); the state stays in DRAM.
+            extra = info.swap_buffers[n:]
+            info.swap_buffers = []
+            info.release_memory()
+            self.swap_buffer_manager.free(extra)
+            info.release_unswapped_gradients()
+            return
+        super().swap_out_optimizer_state(parameter, async_swap)
+
+    def _adopt_into_pool(self, info: Any) -> list[torch.Tensor]:
+        """Copy every compute tensor of `info` into fresh pool buffers and rebind it there; the old swap
+        buffers stay in `info.swap_buffers` after the new ones, for the caller to free."""
+        aligned = self._io_aligned_numel(info.numel())
+        fresh = self.swap_buffer_manager.allocate(aligned, info.num_tensors(), self.dtype)
+        for buf, t in zip(fresh, info.get_compute_tensors()):
+            buf.narrow(0, 0, t.numel()).copy_(t.reshape(-1))
+        old = info.swap_buffers
+        info.set_swap_buffers(fresh, aligned)
+        info.swap_buffers = fresh + old
+        return fresh
+
+    def release_swap_buffers(self, parameter: Any) -> None:
+        info = self._get_param_swap_info(parameter)
+        if info is not None and info.param_id in self._cached:
+            n = info.num_tensors()
+            extra = info.swap_buffers[n:]
+            info.swap_buffers = []
+            info.release_memory()
+            self.swap_buffer_manager.free(extra)
+            return
+        super().release_swap_buffers(parameter)
+
+    def writeback_optimizer_state_and_gradients(self, parameter: Any, write_opt_state: bool,
+                                                write_gradients: bool) -> None:
+        info = self._get_param_swap_info(parameter)
+        grads = self.dram_gradients
+        if (write_gradients and info is not None and grads is not None and grads.holds(parameter)
+                and not info.has_gradients() and parameter.grad is not None):
+            # Nothing of this gradient is on NVMe for stock's write-back to update: it lives in DRAM.
+            grads.store_fp32_gradients(parameter, parameter.grad)
+        if info is not None and info.param_id in self._cached:
+            # The cached copy is the truth; a state write-back must reach NVMe, so uncache it.
+            if write_opt_state:
+                self._drop_cached(info.param_id, keep_buffers_for=info)
+        super().writeback_optimizer_state_and_gradients(parameter, write_opt_state, write_gradients)
+
+    def _drop_cached(self, pid: str, keep_buffers_for: Any = None) -> None:
+        bufs = self._cached.pop(pid)
+        self.layer.cache_bytes -= sum(t.numel() * t.element_size() for t in bufs)
+        if keep_buffers_for is None:
+            self.swap_buffer_manager.free(bufs)
+
+    # -- fast init -----------------------------------------------------------------------------------
+    def initialize_from_swapped_fp16_params(self, fp16_partitions_info: list[Any], fp16_num_elems: list[int],
+                                            fp16_pinned_buffers: list[torch.Tensor],
+                                            fp32_parameters: list[Any]) -> None:
+        paths = self._get_swap_paths(parameters=fp32_parameters, num_elems=fp16_num_elems)
+        for parts, numel, path in zip(fp16_partitions_info, fp16_num_elems, paths):
+            fp16 = None
+            reads, dsts = [], []
+            fp32 = self.swap_buffer_manager.allocate(self._io_aligned_numel(numel), 1, self.dtype)[0]
+            offset = 0
+            for tensor, part_numel, part_path in parts:
+                if fp16 is None:
+                    fp16 = self.layer.pool.tensor(self._io_aligned_numel(numel), tensor.dtype)
+                dst = fp16.narrow(0, offset, part_numel)
+                if part_path is None:
+                    dst.copy_(tensor.data)
+                else:
+                    reads.append(part_path)
+                    dsts.append(dst)
+                offset += part_numel
+            if reads:
+                swap_in_tensors(self.aio_handle, dsts, reads)
+                self.aio_handle.wait()
+            fp32.narrow(0, 0, numel).copy_(fp16.narrow(0, 0, numel))
+            self.layer.pool.free(fp16)
+            self.aio_handle.async_pwrite(fp32, path)
+            self.aio_handle.wait()
+            self.swap_buffer_manager.free([fp32])

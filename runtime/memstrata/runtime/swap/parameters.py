@@ -1,0 +1,134 @@
+"""memstrata's parameter swapper: DeepSpeed's AsyncPartitionedParameterSwapper on extents, with exact buffers.
+
+DeepSpeed's swapper pins `buffer_count` buffers of `buffer_size` elements up
+front, asserts "More elements than buffer size" for a larger parameter and
+"Not enough buffers" when more are live than it has slots. Here every
+partition gets a buffer of exactly its own (4 KiB-aligned) size from the
+rank's `LockedPool` when it is swapped in, returned when it is released; the
+prefetcher is told how many more fit in the staging budget, so it never
+over-commits, and a fetch that must happen is never refused. I/O goes through
+`ExtentSwapHandle`, so no swap folder is created and no file is written.
+
+Only buffer ownership and I/O are replaced; the status bookkeeping that
+ZeRO-3's coordinator reads (`ds_tensor.status`, `available_params`, ...) is
+DeepSpeed's own.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartitionedParameterSwapper,
+                                                                     PartitionedParamStatus)
+from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
+
+from memstrata.runtime.swap import layer as swaplayer
+
+__all__ = ["MemstrataParamSwapper"]
+
+
+class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
+    def _configure_aio(self, ds_config: Any) -> None:
+        layer = swaplayer.active()
+        self.layer = layer
+        self.swap_config = ds_config.zero_config.offload_param
+        dtype_name = str(self.dtype).split(".")[1]
+        # A name space for extents, not a directory: nothing is created on disk.
+        self.swap_folder = f"memstrata:/params/{dtype_name}/rank{dist.get_rank()}"
+        self.swap_element_size = torch.tensor([], dtype=self.dtype).element_size()
+        self.aio_config = ds_config.aio_config
+        self.use_gds = False
+        self.min_aio_bytes = layer.settings.min_swap_bytes
+        # 4 KiB-aligned lengths keep every transfer in place (no bounce region).
+        self.aligned_bytes = 4096
+        self.numel_alignment = self.aligned_bytes // self.swap_element_size
+        self.elements_per_buffer = 1 << 62  # no per-buffer ceiling: buffers are exact
+        self.aligned_elements_per_buffer = self.elements_per_buffer
+        self.param_buffer_count = 0
+        self.available_buffer_ids = []
+        self.reserved_buffer_ids = []
+        # Two handles, as DeepSpeed has: each wait() completes (and counts) only its own ops.
+        self.aio_read_handle = layer.handle("param")
+        self.aio_write_handle = layer.handle("param")
+        self.buffers = None
+        self.swap_out_params = []
+        self._reserved: list[torch.Tensor] = []
+
+    # -- buffers -----------------------------------------------------------------------------------
+    def available_swap_in_buffers(self) -> int:
+        """How many more partitions the prefetcher may bring in: what fits the staging budget."""
+        budget = self.layer.settings.param_staging_bytes
+        largest = max(self.param_id_to_numel.values(), default=1) * self.swap_element_size
+        return max(0, int((budget - self.layer.param_bytes_in_use) // max(largest, 1)))
+
+    def _new_buffer(self, param: Any, numel: int) -> torch.Tensor:
+        aligned = self._io_aligned_numel(numel)
+        buf = self.layer.param_pool.tensor(aligned, self.dtype)
+        self.param_id_to_buffer_id[param.ds_id] = buf.data_ptr()
+        self.param_id_to_swap_buffer[param.ds_id] = buf
+        self.layer.param_bytes_in_use += aligned * self.swap_element_size
+        return buf
+
+    def _allocate_and_return_buffers_for_swap_in(self, params: list[Any]) -> tuple[list[torch.Tensor],
+                                                                                  list[torch.Tensor]]:
+        compute, swap = [], []
+        for param in params:
+            if param.ds_id not in self.param_id_to_numel:
+                raise RuntimeError(f"parameter {param.ds_id} was never swapped out, its size is unknown")
+            if param.ds_id in self.param_id_to_swap_buffer:
+                raise RuntimeError(f"parameter {param.ds_id} already holds a swap buffer")
+            buf = self._new_buffer(param, self.param_id_to_numel[param.ds_id])
+            swap.append(buf)
+            compute.append(buf.narrow(0, 0, self.param_id_to_numel[param.ds_id]))
+        return compute, swap
+
+    def get_buffer(self, param: Any, numel: int) -> torch.Tensor:
+        self.param_id_to_numel[param.ds_id] = numel
+        return self._new_buffer(param, numel).narrow(0, 0, numel)
+
+    def remove_partition_and_release_buffers(self, params: list[Any]) -> None:
+        for param in params:
+            pid = param.ds_id
+            buf = self.param_id_to_swap_buffer.pop(pid, None)
+            if buf is not None:
+                del self.param_id_to_buffer_id[pid]
+                self.layer.param_bytes_in_use -= buf.numel() * self.swap_element_size
+                self.layer.param_pool.free(buf)
+                if pid in self.available_params:
+                    self.available_params.remove(pid)
+                    self.available_numel -= self.param_id_to_numel[pid]
+            param.ds_tensor.data = self.invalid_buffer.data
+            param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+
+    def reserve_available_buffers(self) -> list[torch.Tensor]:
+        # Only used by the optimizer's fast_init, which memstrata's optimizer swapper does
+        # without borrowing parameter buffers; ZeRO-3 asserts the list is non-empty.
+        self._reserved = [self.layer.param_pool.tensor(self.numel_alignment, self.dtype)]
+        return list(self._reserved)
+
+    def release_reserved_buffers(self) -> None:
+        for buf in self._reserved:
+            self.layer.param_pool.free(buf)
+        self._reserved = []
+
+    # -- swap in without the fixed-slot assertion ------------------------------------------------------
+    def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: list[torch.Tensor] | None = None
+                ) -> None:
+        if swap_in_buffers is None:
+            # The prefetcher walks the trace, where a tied weight (embedding = LM head) appears
+            # twice; DeepSpeed would assert on the second. One read serves both uses.
+            params = list({id(p): p for p in params}.values())
+        not_ready = [p.ds_id for p in params if p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE]
+        if not_ready:
+            raise RuntimeError(f"parameters {not_ready} are already available or in flight")
+        paths = self._get_swap_paths(params)
+        if swap_in_buffers is None:
+            compute, swap_in_buffers = self._allocate_and_return_buffers_for_swap_in(params)
+            inflight = sum(t.numel() for t in compute)
+        else:
+            inflight = sum(t.numel() for t in swap_in_buffers)
+        swap_in_tensors(self.aio_read_handle, swap_in_buffers, paths)
+        self._update_inflight_swap_in(params, swap_in_buffers, inflight)
+        if not async_op:
+            self.synchronize_reads()

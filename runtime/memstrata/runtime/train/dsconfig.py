@@ -1,0 +1,164 @@
+"""The DeepSpeed config of a stock ZeRO-Infinity run, derived from the plan and the job.
+
+Stock ZeRO-3 with NVMe offload does not run with its defaults (REFERENCE.md):
+its parameter swapper refuses tensors larger than `buffer_size`, runs out of
+swap buffers when parameters stay live, silently keeps small tensors in DRAM,
+and pins gigabytes of host memory for a model of any size. Every setting that
+differs from DeepSpeed 0.19.8's default is recorded as a `Setting` with the
+reason, so the report says exactly what the baseline was run with.
+
+Pure: no I/O, no torch import.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from memstrata.api.architecture import ModelArchitecture
+from memstrata.api.finetunejob import Training
+from memstrata.api.strataplan import Plan
+from memstrata.plan.stock import (
+    DS_ALIGN_ELEMENTS, OPTIMIZER_BUFFER_COUNT, align_elements, largest_param, param_buffer_count, param_tensors,
+    sub_group_size,
+)
+
+AIO_BLOCK_SIZE = 1 << 20
+AIO_QUEUE_DEPTH = 8
+
+class Setting(BaseModel):
+    """One non-default DeepSpeed setting and why it has the value it has."""
+
+    key: str
+    value: Any
+    default: Any
+    why: str
+
+
+class DsConfig(BaseModel):
+    config: dict[str, Any]
+    settings: list[Setting]
+    offload_param: str
+    offload_optimizer: str
+
+
+def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swap_dir: Path,
+                    on_gpu: bool) -> DsConfig:
+    """The ds_config for one process (world size 1) running `training` with `plan`'s offload devices."""
+    settings: list[Setting] = []
+
+    def note(key: str, value: Any, default: Any, why: str) -> Any:
+        settings.append(Setting(key=key, value=value, default=default, why=why))
+        return value
+
+    param_dev = plan.offload_device("weights")
+    optim_dev = plan.offload_device("master", "optimizer")
+    largest = largest_param(arch)
+    tensors = param_tensors(arch)
+    # torch's pin_memory() needs an accelerator; on a CPU-only node it raises.
+    pin = on_gpu
+
+    offload_param: dict[str, Any] = {
+        "device": note("zero_optimization.offload_param.device", param_dev, "none",
+                       "from the plan: nvme when any byte of the 16-bit weights is placed on NVMe, else cpu"),
+        "pin_memory": note("zero_optimization.offload_param.pin_memory", pin, True,
+                           "pinned host memory needs an accelerator; without a GPU torch refuses to pin"),
+    }
+    if param_dev == "nvme":
+        buffer_size = note(
+            "zero_optimization.offload_param.buffer_size", align_elements(largest), int(1e8),
+            f"every parameter is swapped in whole into one buffer, so it must hold the largest tensor "
+            f"({largest} elements, aligned to {DS_ALIGN_ELEMENTS}); 1e8 would pin 5 x 200 MB for nothing")
+        buffer_count = note(
+            "zero_optimization.offload_param.buffer_count", param_buffer_count(arch), 5,
+            f"one buffer per parameter tensor in flight; 5 ran gpt-tiny here, 8 leaves the prefetcher room "
+            f"(with too few the swapper asserts 'Not enough buffers', REFERENCE.md); never more than the "
+            f"model's {tensors} tensors")
+        offload_param.update(
+            nvme_path=str(swap_dir), buffer_size=buffer_size, buffer_count=buffer_count,
+            max_in_cpu=note("zero_optimization.offload_param.max_in_cpu", 0, int(1e9),
+                            "keep no parameter copies in DRAM beyond the swap buffers: the plan put them on NVMe"),
+        )
+
+    offload_optimizer: dict[str, Any] = {
+        "device": note("zero_optimization.offload_optimizer.device", optim_dev, "none",
+                       "from the plan: nvme when any byte of the fp32 master weights or Adam moments is on NVMe"),
+        "pin_memory": note("zero_optimization.offload_optimizer.pin_memory", pin, True,
+                           "pinned host memory needs an accelerator; without a GPU torch refuses to pin"),
+    }
+    if optim_dev == "nvme":
+        offload_optimizer.update(
+            nvme_path=str(swap_dir),
+            buffer_count=OPTIMIZER_BUFFER_COUNT,
+            pipeline_read=False,
+            pipeline_write=False,
+        )
+
+    # The planner's pinned-buffer estimate assumes one sub-group per layer (or the largest tensor).
+    sub_group = note(
+        "zero_optimization.sub_group_size", sub_group_size(arch), int(1e9),
+        "the optimizer swapper pins buffer_count x sub-group fp32 elements and streams one sub-group at a time: "
+        "one transformer layer per sub-group bounds that to the planner's estimate (1e9 pins 16 GB); at least the "
+        "largest tensor, and at least 1 MiB of fp32, because DeepSpeed never swaps a smaller tensor to NVMe")
+
+    zero = {
+        "stage": note("zero_optimization.stage", 3, 0,
+                      "ZeRO-3 is the only stage that offloads parameters; ZeRO-2 with offload_optimizer nvme "
+                      "silently falls back to CPU and writes no swap files"),
+        "offload_param": offload_param,
+        "offload_optimizer": offload_optimizer,
+        "sub_group_size": sub_group,
+        "stage3_param_persistence_threshold": note(
+            "zero_optimization.stage3_param_persistence_threshold", 0, int(1e5),
+            "tensors below the threshold are never partitioned or offloaded; 0 sends every tensor where the plan "
+            "says, so small models really exercise the NVMe path"),
+        "stage3_max_reuse_distance": note(
+            "zero_optimization.stage3_max_reuse_distance", 0, int(1e9),
+            "a parameter reused within this many elements stays gathered and keeps its swap buffer; 0 releases "
+            "it after use so the buffer pool bounds what is live (the 162M run in REFERENCE.md died with the "
+            "default). Cost measured on gpt-tiny: ~2x fewer tokens/s than the default, which re-reads nothing"),
+        "stage3_prefetch_bucket_size": note(
+            "zero_optimization.stage3_prefetch_bucket_size", align_elements(largest), int(5e7),
+            "prefetch about one largest tensor ahead: enough to overlap I/O, small enough to leave buffers free"),
+        "stage3_max_live_parameters": note(
+            "zero_optimization.stage3_max_live_parameters", max(2 * arch.layer_params(), 2 * largest), int(1e9),
+            "about two layers gathered at once, as the planner's working-set estimate assumes"),
+    }
+
+    precision = training.precision
+    fp16: dict[str, Any] = {"enabled": precision == "fp16"}
+    if precision == "fp16":
+        fp16["initial_scale_power"] = note("fp16.initial_scale_power", 12, 16,
+                                           "start the loss scale at 4096: fewer skipped overflow steps early on")
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": training.micro_batch,
+        "gradient_accumulation_steps": training.gradient_accumulation,
+        "train_batch_size": training.micro_batch * training.gradient_accumulation,
+        "steps_per_print": note("steps_per_print", 1 << 30, 10,
+                                "memstrata's progress bar reports every step; DeepSpeed's own lines would break it"),
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": training.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8,
+            "weight_decay": note("optimizer.params.weight_decay", 0.0, 0.01,
+                                 "full fine-tune of a short run: decay only fights the signal"),
+        }},
+        "gradient_clipping": note("gradient_clipping", 1.0, 0.0,
+                                  "clip the global norm at 1.0 so an early large gradient cannot derail a short run"),
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": fp16,
+        "zero_optimization": zero,
+        "aio": {
+            "block_size": note("aio.block_size", AIO_BLOCK_SIZE, AIO_BLOCK_SIZE,
+                               "1 MiB: the size at which this machine's NVMe reaches its bandwidth (REFERENCE.md)"),
+            "queue_depth": AIO_QUEUE_DEPTH,
+            "intra_op_parallelism": note("aio.intra_op_parallelism", 1, 1,
+                                         "one I/O thread per handle: the node has 2 cores, both busy with compute"),
+            "single_submit": False,
+            "overlap_events": True,
+            "use_gds": False,
+        },
+    }
+    # Keep only real differences from DeepSpeed's defaults in the record.
+    settings = [s for s in settings if s.value != s.default or s.key.startswith("aio.")]
+    return DsConfig(config=config, settings=settings, offload_param=param_dev, offload_optimizer=optim_dev)

@@ -1,0 +1,148 @@
+"""`memstrata run FILE`: fine-tune a job on this machine, no cluster.
+
+The CLI has loaded the job, checked its paths and built a feasible plan for
+this machine (or `memstrata pod` has read what the operator planned); here the
+recipe runs it, with memstrata's swap layer or on stock ZeRO-Infinity, while
+`MemWatch` measures the process tree from the side, and the final report is
+printed (and written as JSON when asked). Errors the user can fix print one
+line and return 2 with nothing left behind.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.report import RuntimeReport, StratumCounters
+from memstrata.api.strataplan import Plan
+from memstrata.runtime.train.data import DatasetError
+from memstrata.runtime.train.memwatch import MemWatch
+from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, render_report
+from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, StepResult, TrainResult
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def _check_report_path(path: Path | None) -> None:
+    """Refuse an unwritable report path before training, not after minutes of work."""
+    if path is not None and not path.parent.is_dir():
+        raise RecipeError(f"--report-json: {path.parent}: no such directory")
+
+
+def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None,
+              on_report: Callable[[RuntimeReport], None] | None = None) -> int:
+    """Train `job` here; `on_report` (the pod's status patches) gets every step's RuntimeReport, one when
+    initialization starts, and a final one (stage finished or failed)."""
+    report_to = on_report or (lambda _r: None)
+    try:
+        _check_report_path(report_json)
+        recipe = FineTuneRecipe(job, plan, nvme_path)
+        recipe.load_data()  # a bad dataset file fails here, before the swap directory exists
+    except (RecipeError, DatasetError) as exc:
+        print(f"memstrata: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    training = job.spec.training
+    watch = MemWatch(recipe.ds_swap_dir).start()  # DeepSpeed's swap folder (with memstrata: must stay empty)
+    bar = ProgressBar(training.steps)
+    last = RuntimeReport(stage="initializing", total_steps=training.steps)
+    report_to(last)
+    try:
+        bar.message(f"memstrata: {job.metadata.name}: initializing DeepSpeed ZeRO-3 with the "
+                    f"{recipe.engine_name} swap layer "
+                    f"(weights -> {plan.offload_device('weights')}, optimizer state -> "
+                    f"{plan.offload_device('master', 'optimizer')}) in {recipe.swap_dir}")
+        recipe.setup()
+        watch.sample()
+        after_init = watch.peak_swap.files
+        started = time.perf_counter()  # the ETA extrapolates training steps, not initialization
+
+        def on_step(s: StepResult) -> None:
+            nonlocal last
+            last = _status(watch, recipe.memstrata_status(), s, training.steps, time.perf_counter() - started)
+            bar.update(last)
+            report_to(last)
+
+        with bar:
+            result = recipe.train(on_step)
+    except (RecipeError, DatasetError) as exc:
+        print(f"memstrata: error: {exc}", file=sys.stderr)
+        report_to(last.model_copy(update={"stage": "failed", "message": str(exc)}))
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 — a failed run still reports what it measured, then fails
+        print(f"memstrata: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report_to(last.model_copy(update={"stage": "failed", "message": f"{type(exc).__name__}: {exc}"}))
+        return EXIT_FAILED
+    finally:
+        recipe.cleanup()
+        watch.stop()
+
+    report = build_report(job, plan, recipe, result, watch, after_init)
+    report_to(last.model_copy(update={"stage": "finished", "strata": report.strata}))
+    render_report(report)
+    if report_json is not None:
+        report_json.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+    return 0
+
+
+def _strata(watch: MemWatch, swap: dict[str, Any] | None) -> dict[str, StratumCounters]:
+    """Per stratum. Stock: the process tree's block I/O and the swap folder's size, watched from outside.
+    memstrata: its NVMe engine's own counters (bytes through its namespaces, state live on them)."""
+    if swap is not None:
+        nvme = swap["nvme"]
+        return {
+            "dram": StratumCounters(peak_bytes=watch.peak_rss),
+            "nvme": StratumCounters(peak_bytes=nvme["bytesLivePeak"], bytes_written=nvme["bytesWritten"],
+                                    bytes_read=nvme["bytesRead"]),
+        }
+    io = watch.io()
+    return {
+        "dram": StratumCounters(peak_bytes=watch.peak_rss),
+        "nvme": StratumCounters(peak_bytes=watch.peak_swap.bytes, bytes_written=io.write_bytes,
+                                bytes_read=io.read_bytes),
+    }
+
+
+def _status(watch: MemWatch, swap: dict[str, Any] | None, s: StepResult, total: int,
+            elapsed: float) -> RuntimeReport:
+    return RuntimeReport(stage="training", step=s.step, total_steps=total, loss=s.loss,
+                         tokens_per_second=s.tokens / s.seconds if s.seconds else None,
+                         elapsed_seconds=elapsed, strata=_strata(watch, swap))
+
+
+def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: TrainResult, watch: MemWatch,
+                 swap_files_after_init: int) -> RunReport:
+    spec, ds = job.spec, recipe.ds
+    if ds is None:
+        raise RuntimeError("build_report() before the recipe was set up")
+    losses = [s.loss for s in result.steps]
+    tokens = sum(s.tokens for s in result.steps)
+    train_seconds = sum(s.seconds for s in result.steps)
+    phases = vars(result.phases).copy()
+    phases["total"] = result.phases.init + train_seconds
+    return RunReport(
+        job=job.metadata.name,
+        model=spec.model.preset or str(spec.model.path),
+        parameters=plan.parameters,
+        precision=spec.training.precision,
+        engine=spec.memory.engine,
+        offload={"param": ds.offload_param, "optimizer": ds.offload_optimizer},
+        steps=len(result.steps),
+        tokens=tokens,
+        tokens_per_second=tokens / train_seconds if train_seconds else 0.0,
+        losses=losses,
+        loss=LossSummary.of(losses),
+        peak_rss_bytes=watch.peak_rss,
+        strata=_strata(watch, recipe.swap_status),
+        memstrata=recipe.swap_status,
+        swap_dir=str(recipe.swap_dir),
+        swap_files=watch.peak_swap.files,
+        swap_files_after_init=swap_files_after_init,
+        phases=phases,
+        deepspeed_settings=[s.model_dump(mode="json") for s in ds.settings],
+    )

@@ -1,0 +1,138 @@
+"""The placement rule of the CXL study, and refusals that say what is missing, where, and how much."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from memstrata.api.architecture import PRESETS
+from memstrata.api.finetunejob import MemoryPolicy
+from memstrata.api.manifest import load_node
+from memstrata.api.inventory import CxlNode, Gpu, NodeInventory, NumaNode, NvmeNamespace
+from memstrata.api.units import GiB
+from memstrata.plan import JobShape, plan_for_node
+
+OPTIMIZER_OPERANDS = ("gradients", "master", "optimizer")
+
+
+@pytest.fixture
+def cxl_node(repo) -> NodeInventory:
+    return load_node(repo / "examples/node-cxl.yaml")
+
+
+def test_8b_32k_keeps_optimizer_in_dram_and_dma_data_on_cxl(cxl_node: NodeInventory) -> None:
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=32768, micro_batch=1, gpus=1, engine="memstrata")
+    plan = plan_for_node(job, cxl_node, MemoryPolicy(engine="memstrata", nvme_namespaces=2))
+    assert plan.feasible, plan.verdict()
+    for name in OPTIMIZER_OPERANDS:
+        assert plan.category(name).on("dram") == plan.category(name).bytes
+    assert plan.category("checkpoints").on("cxl") == 8_589_934_592
+    assert plan.category("weights").on("cxl") == 16_060_522_496
+    assert plan.bytes_on("nvme") == 0
+    # ceil((8,589,934,592 + 16,060,522,496) / 2^30) = ceil(22.96) = 23
+    assert plan.requests == {"nvidia.com/gpu": 1, "memstrata.dev/cxl-gib": 23}
+    assert plan.cxl_nodes == [1]
+
+
+def test_70b_spills_optimizer_state_to_nvme_never_to_cxl(cxl_node: NodeInventory) -> None:
+    job = JobShape(model=PRESETS["llama3-70b"], sequence_length=8192, micro_batch=1, gpus=1, engine="memstrata")
+    plan = plan_for_node(job, cxl_node, MemoryPolicy(engine="memstrata", nvme_namespaces=2))
+    assert plan.feasible, plan.verdict()
+    for name in OPTIMIZER_OPERANDS:
+        assert plan.category(name).on("cxl") == 0
+    assert plan.category("optimizer").on("nvme") > 0
+    assert plan.category("gradients").on("dram") == plan.category("gradients").bytes
+    assert plan.nvme_namespaces == ["nvme0n1", "nvme1n1"]
+    assert plan.requests["memstrata.dev/nvme-ns"] == 2
+    assert plan.category("pinned").bytes > 0          # streaming state needs staging buffers
+    assert plan.update_io_seconds > 0
+
+
+def _small_node(dram: int, *, gpus: int = 1, cxl: int = 0, nvme: list[int] = ()) -> NodeInventory:
+    return NodeInventory(
+        numa_nodes=[NumaNode(id=0, cpus=[0, 1], memory_bytes=dram)],
+        cxl_nodes=[CxlNode(numa_node=1, memory_bytes=cxl)] if cxl else [],
+        nvme_namespaces=[NvmeNamespace(name=f"nvme{i}n1", size_bytes=s, free=True) for i, s in enumerate(nvme)],
+        gpus=[Gpu(index=i, hbm_bytes=80 * GiB) for i in range(gpus)],
+    )
+
+
+def test_impossible_job_names_each_shortfall_in_bytes() -> None:
+    """8B, bf16, seq 4096, 100 GiB DRAM (107,374,182,400 B, no reserve), no CXL, no NVMe:
+    gradients 16,060,522,496 -> 91,313,659,904 left; checkpoints 32*4096*4096*2 = 1,073,741,824
+    -> 90,239,918,080; master 32,121,044,992 -> 58,118,873,088 left; moments need 64,242,089,984:
+    short 6,123,216,896; weights 16,060,522,496 short."""
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=4096, micro_batch=1, gpus=1, engine="memstrata")
+    plan = plan_for_node(job, _small_node(100 * GiB),
+                         MemoryPolicy(engine="memstrata", nvme_namespaces=0, dram_reserve_fraction=0))
+    assert not plan.feasible
+    missing = {(s.category, s.stratum): s.missing_bytes for s in plan.shortfalls}
+    assert missing == {("optimizer", "nvme"): 6_123_216_896, ("weights", "nvme"): 16_060_522_496}
+    assert "DRAM or NVMe: short by 5.7 GiB for Adam moments" in plan.verdict()
+
+
+def test_hbm_too_small_for_working_set_says_what_to_change() -> None:
+    node = _small_node(512 * GiB)
+    node.gpus = [Gpu(hbm_bytes=24 * GiB)]
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=32768, micro_batch=1, gpus=1)
+    plan = plan_for_node(job, node, MemoryPolicy(nvme_namespaces=0))
+    assert not plan.feasible
+    assert plan.shortfalls[0].stratum == "hbm"
+    assert "lower training.sequenceLength" in plan.verdict()
+
+
+@pytest.mark.parametrize("policy,node,expect", [
+    (MemoryPolicy(require_cxl=True, nvme_namespaces=0), _small_node(512 * GiB), "requireCxl is set"),
+    (MemoryPolicy(nvme_namespaces=3), _small_node(512 * GiB, nvme=[GiB << 10] * 2), "wants 3 free namespaces, node has 2"),
+    (MemoryPolicy(nvme_namespaces=0), _small_node(512 * GiB, gpus=0), "GPUs: needs 1, node has 0"),
+    (MemoryPolicy(nvme_namespaces=1, pinned_memory_cap=GiB, dram_budget=40 * GiB),
+     _small_node(512 * GiB, nvme=[4 << 40]), "memory.pinnedMemoryCap allows 1.0 GiB"),
+])
+def test_constraints_refuse_with_a_named_reason(policy, node, expect) -> None:
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=2048, micro_batch=1, gpus=1)
+    plan = plan_for_node(job, node, policy)
+    assert not plan.feasible
+    assert expect in plan.verdict()
+
+
+def test_stock_deepspeed_gets_all_or_nothing_offload_and_no_cxl(cxl_node: NodeInventory) -> None:
+    job = JobShape(model=PRESETS["llama3-70b"], sequence_length=8192, micro_batch=1, gpus=1, engine="deepspeed")
+    plan = plan_for_node(job, cxl_node, MemoryPolicy(engine="deepspeed", nvme_namespaces=2))
+    assert plan.bytes_on("cxl") == 0
+    for name in ("master", "optimizer"):
+        assert plan.category(name).on("nvme") == plan.category(name).bytes
+    assert plan.offload_device("master", "optimizer") == "nvme"
+
+
+def test_dram_budget_spills_to_nvme() -> None:
+    """gpt-125m on the CPU under a 1 GiB budget (1,073,741,824 B). memstrata: pinned 275,734,528 ->
+    798,007,296 left; gradients 250,524,672, checkpoints 9,437,184 (12*512*768*2), master 501,049,344
+    -> 36,996,096 left for 1,002,098,688 B of moments: the rest and all weights spill to NVMe.
+    Stock DeepSpeed's pinned pools alone (1,854,406,656 B, see test_accounting) exceed the budget."""
+    shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0)
+    node = _small_node(64 * GiB, gpus=0, nvme=[100 * GiB])
+    roomy = plan_for_node(JobShape(**shape), node, MemoryPolicy())
+    assert roomy.bytes_on("nvme") == 0
+    tight = plan_for_node(JobShape(**shape, engine="memstrata"), node, MemoryPolicy(engine="memstrata", dram_budget=GiB))
+    assert tight.feasible, tight.verdict()
+    assert tight.category("optimizer").on("dram") == 36_996_096
+    assert tight.category("optimizer").on("nvme") == 1_002_098_688 - 36_996_096
+    assert tight.offload_device("weights") == "nvme"
+    stock = plan_for_node(JobShape(**shape), node, MemoryPolicy(dram_budget=GiB))
+    assert not stock.feasible
+    assert "page-locked buffers of 1.7 GiB exceed the 1.0 GiB" in stock.verdict()
+
+
+def test_same_inputs_same_plan(cxl_node: NodeInventory) -> None:
+    job = JobShape(model=PRESETS["qwen2.5-14b"], sequence_length=16384, micro_batch=2, gpus=1)
+    a = plan_for_node(job, cxl_node, MemoryPolicy(nvme_namespaces=2))
+    b = plan_for_node(job, cxl_node.model_copy(deep=True), MemoryPolicy(nvme_namespaces=2))
+    assert a.model_dump() == b.model_dump()
+
+
+def test_planner_imports_neither_torch_nor_io_modules() -> None:
+    code = ("import sys, memstrata.plan, memstrata.plan.table; "
+            "bad = [m for m in ('torch', 'deepspeed', 'kubernetes', 'kopf') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
