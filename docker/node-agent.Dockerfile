@@ -10,9 +10,9 @@ COPY operator/ operator/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./operator
 
 FROM python:3.11-slim-bookworm
-# grpcio (device plugin API) and the Kubernetes client come with the `operator` extra.
+# grpcio (device plugin API) and the Kubernetes client come with the `nodeagent` extra.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "$(ls /wheels/memstrata-*.whl)[operator]"
+    pip install --no-cache-dir "$(ls /wheels/memstrata-*.whl)[nodeagent]"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 ENTRYPOINT ["memstrata"]
 CMD ["nodeagent"]

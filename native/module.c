@@ -48,12 +48,12 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "memstrata.runtime._native",
+    PyModuleDef_HEAD_INIT, "memstrata.runtime._native._core",
     "io_uring raw-NVMe ring, NUMA/pinned memory regions, one-pass overflow scan.", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void)
+PyMODINIT_FUNC PyInit__core(void)
 {
     if (PyType_Ready(&Ring_Type) < 0 || PyType_Ready(&Region_Type) < 0)
         return NULL;

@@ -18,7 +18,7 @@ if not SOURCES:
 setup(
     ext_modules=[
         Extension(
-            "memstrata.runtime._native",
+            "memstrata.runtime._native._core",
             sources=SOURCES,
             include_dirs=[str(Path("..") / "native")],
             libraries=["uring", "numa"],

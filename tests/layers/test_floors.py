@@ -19,13 +19,14 @@ REPO = Path(__file__).resolve().parents[2]
 FLOOR_PACKAGES = ("api", "plan", "node", "operator", "nodeagent")
 
 
-def _tool(module: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+def _tool(command: str, *args: str) -> subprocess.CompletedProcess[str]:
+    # The venv's console scripts sit beside its python.
+    return subprocess.run([str(Path(sys.executable).parent / command), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
 
 
 def test_import_contracts_hold() -> None:
-    proc = _tool("importlinter.cli", "--no-cache")
+    proc = _tool("lint-imports", "--no-cache")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Contracts: 5 kept, 0 broken." in proc.stdout, proc.stdout
 
@@ -68,7 +69,7 @@ def test_the_operator_wheel_carries_no_runtime(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         meta = email.message_from_bytes(zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
-    assert "memstrata/cli.py" in names and "memstrata/nodeagent/proto/deviceplugin_pb2.py" in names
+    assert "memstrata/cli/__init__.py" in names and "memstrata/nodeagent/proto/deviceplugin_pb2.py" in names
     assert not [n for n in names if n.startswith("memstrata/runtime") or n.endswith(".so")], names
     requires = " ".join(meta.get_all("Requires-Dist") or [])
     assert "kopf" in requires and "torch" not in requires and "deepspeed" not in requires, requires

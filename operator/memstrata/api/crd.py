@@ -10,6 +10,8 @@ import copy
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import JsonDict
 
 from memstrata.api.architecture import PRESETS
 from memstrata.api.finetunejob import (
@@ -29,7 +31,7 @@ PRINTER_COLUMNS = [
 IMMUTABLE = ("model", "dataset", "training", "resources", "memory")
 
 
-def spec_rules() -> list[dict[str, str]]:
+def spec_rules() -> list[JsonDict]:
     """Cross-field rules on the whole spec, mirrored by FineTuneJobSpec's validators."""
     rules = [
         cel(" && ".join(f"self.{f} == oldSelf.{f}" for f in IMMUTABLE),
@@ -94,9 +96,10 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
-def openapi_schema(model: type) -> dict[str, Any]:
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True)
-    return _resolve(raw, raw.get("$defs", {}))
+    out: dict[str, Any] = _resolve(raw, raw.get("$defs", {}))
+    return out
 
 
 def generate_crd() -> dict[str, Any]:

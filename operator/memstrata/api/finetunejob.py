@@ -7,9 +7,10 @@ CEL `x-kubernetes-validations` for the API server — and tests hold them togeth
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.json_schema import JsonDict
 
 from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
 from memstrata.api.base import ApiModel
@@ -17,8 +18,8 @@ from memstrata.api.units import Bytes
 
 GROUP = "memstrata.dev"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "FineTuneJob"
+API_VERSION: Final = "memstrata.dev/v1alpha1"  # GROUP/VERSION, spelt out so its type is the Literal
+KIND: Final = "FineTuneJob"
 PLURAL = "finetunejobs"
 SINGULAR = "finetunejob"
 SHORT_NAMES = ["ftj"]
@@ -27,8 +28,8 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Engine = Literal["memstrata", "deepspeed"]
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    out = {"rule": rule, "message": message}
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
+    out: JsonDict = {"rule": rule, "message": message}
     if field_path:
         out["fieldPath"] = field_path
     return out
@@ -43,8 +44,8 @@ class ModelSource(ApiModel):
         None, description="The model's shape; required with `path`, because the operator cannot read the volume."
     )
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
+    model_config = ConfigDict(
+        json_schema_extra={
             "x-kubernetes-validations": [
                 cel("has(self.preset) != has(self.path)", "set exactly one of model.preset or model.path"),
                 cel("!has(self.path) || has(self.architecture)", "model.architecture is required with model.path"),
@@ -52,7 +53,7 @@ class ModelSource(ApiModel):
                     "model.architecture is only for model.path; a preset has a fixed shape"),
             ]
         }
-    }
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
@@ -80,13 +81,13 @@ class Dataset(ApiModel):
     path: str | None = Field(None, description="A JSONL file with one {\"text\": ...} object per line.")
     text_field: str = Field("text", min_length=1, description="The JSONL field that holds the text.")
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
+    model_config = ConfigDict(
+        json_schema_extra={
             "x-kubernetes-validations": [
                 cel("has(self.synthetic) != has(self.path)", "set exactly one of dataset.synthetic or dataset.path")
             ]
         }
-    }
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "Dataset":
@@ -163,7 +164,7 @@ class Metadata(ApiModel):
     namespace: str | None = None
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
-    model_config = ApiModel.model_config | {"extra": "ignore"}
+    model_config = ConfigDict(extra="ignore")
 
 
 class FineTuneJob(ApiModel):
@@ -210,7 +211,7 @@ class FineTuneJobStatus(ApiModel):
     completion_time: datetime | None = None
     restarts: int = 0
     message: str | None = None
-    model_config = ApiModel.model_config | {"extra": "allow"}
+    model_config = ConfigDict(extra="allow")
 
 
 FineTuneJob.model_rebuild()

@@ -6,7 +6,7 @@ config with a clear message instead of misreading it.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
 
@@ -14,7 +14,7 @@ from memstrata.api.base import ApiModel
 from memstrata.api.finetunejob import Dataset, MemoryPolicy, ModelSource, Resources, Training
 from memstrata.api.strataplan import Plan
 
-RUNTIME_CONFIG_VERSION = "memstrata.dev/runtime-config/v1"
+RUNTIME_CONFIG_VERSION: Final = "memstrata.dev/runtime-config/v1"
 CONFIGMAP_KEY = "runtime-config.json"
 ENV_RUNTIME_CONFIG = "MEMSTRATA_RUNTIME_CONFIG"
 

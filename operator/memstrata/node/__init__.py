@@ -1,0 +1,7 @@
+"""memstrata.node: what a node is, read from sysfs, and the rules that keep its disks safe.
+
+Discovery (`discovery`, `nvmescan`, `sysfs`) turns a sysfs tree into a NodeInventory;
+`safety` is the one home of the rule for which block devices may be written; `header`
+is the raw-NVMe engine's on-disk header format; `local` describes this machine for
+local runs. Pure Python, no torch: the node agent and the runtime both use it.
+"""

@@ -7,24 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 from memstrata.api.inventory import Gpu, NodeInventory, NumaNode, NvmeNamespace
+from memstrata.node.safety import parse_mounts
+from memstrata.node.sysfs import parse_list
 
 # Filesystems that live in RAM: swapping "to NVMe" there only moves bytes around DRAM.
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "overlay_tmpfs"}
 
 
-class ScratchError(ValueError):
+class LocalNodeError(ValueError):
+    """This machine cannot be described as a node; the message names what and why."""
+
+
+class ScratchError(LocalNodeError):
     """The NVMe scratch path cannot be used; the message names the path and why."""
-
-
-def _cpulist(text: str) -> list[int]:
-    cpus: list[int] = []
-    for part in filter(None, text.strip().split(",")):
-        lo, _, hi = part.partition("-")
-        cpus += range(int(lo), int(hi or lo) + 1)
-    return cpus
 
 
 def numa_nodes(sysfs: Path = Path("/sys")) -> list[NumaNode]:
@@ -33,7 +32,7 @@ def numa_nodes(sysfs: Path = Path("/sys")) -> list[NumaNode]:
     for d in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
         meminfo = (d / "meminfo").read_text()
         kb = next(int(line.split()[-2]) for line in meminfo.splitlines() if "MemTotal" in line)
-        cpus = _cpulist((d / "cpulist").read_text())
+        cpus = parse_list((d / "cpulist").read_text())
         nodes.append(NumaNode(id=int(d.name[4:]), kind="dram" if cpus else "memory-only", cpus=cpus,
                               memory_bytes=kb * 1024, distances=[int(x) for x in (d / "distance").read_text().split()]))
     if not nodes:  # kernels without NUMA support still have memory
@@ -46,11 +45,10 @@ def filesystem_type(path: Path) -> str:
     """The type of the filesystem holding `path` (longest mount-point match in /proc/mounts)."""
     best, fstype = "", "unknown"
     resolved = str(path.resolve())
-    for line in Path("/proc/mounts").read_text().splitlines():
-        fields = line.split()
-        mnt = fields[1].replace("\\040", " ")
+    for mount in parse_mounts(Path("/proc/mounts").read_text()):
+        mnt = mount.target
         if (resolved == mnt or resolved.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, fstype = mnt, fields[2]
+            best, fstype = mnt, mount.fstype
     return fstype
 
 
@@ -81,13 +79,34 @@ def check_scratch(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _gpus() -> list[Gpu]:
-    if not Path("/proc/driver/nvidia/gpus").exists():
-        return []  # importing torch costs seconds; only do it where a GPU can be
-    import torch
+def parse_nvidia_smi(text: str, visible: str | None) -> list[Gpu]:
+    """GPUs from `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`
+    (MiB), restricted to CUDA_VISIBLE_DEVICES' indices the way CUDA numbers them. Pure."""
+    rows = []
+    for line in text.strip().splitlines():
+        index, name, mib = (f.strip() for f in line.split(","))
+        rows.append((int(index), name, int(float(mib)) << 20))
+    if visible is not None:
+        # Set but empty hides every device from CUDA; UUIDs/MIG names are kept as listed by the driver.
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        if not wanted:
+            return []
+        if all(w.isdigit() for w in wanted):
+            by_index = {r[0]: r for r in rows}
+            rows = [by_index[int(w)] for w in wanted if int(w) in by_index]
+    return [Gpu(index=i, name=name, hbm_bytes=hbm) for i, (_, name, hbm) in enumerate(rows)]
 
-    return [Gpu(index=i, name=torch.cuda.get_device_name(i), hbm_bytes=torch.cuda.get_device_properties(i).total_memory)
-            for i in range(torch.cuda.device_count())]
+
+def _gpus() -> list[Gpu]:
+    # nvidia-smi, not torch: the operator floor (the CLI's `plan`) must not need torch.
+    if not Path("/proc/driver/nvidia/gpus").exists():
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise LocalNodeError(f"this machine has an NVIDIA driver but nvidia-smi cannot list its GPUs: {exc}") from None
+    return parse_nvidia_smi(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def local_inventory(nvme_path: Path | None) -> NodeInventory:

@@ -47,9 +47,10 @@ class StatusBuilder:
         old = next((c for c in conds if c.get("type") == type_), None)
         if old and (old.get("status"), old.get("reason"), old.get("message", "")) == (status, reason, message):
             return
-        moved = old is None or old.get("status") != status
-        new = {"type": type_, "status": status, "reason": reason, "message": message,
-               "lastTransitionTime": self.now_str if moved else old.get("lastTransitionTime", self.now_str)}
+        since = self.now_str
+        if old is not None and old.get("status") == status:
+            since = old.get("lastTransitionTime", self.now_str)
+        new = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
         self._new["conditions"] = [new if c is old else c for c in conds] if old else conds + [new]
 
     def condition_if_true(self, type_: str, status: str, reason: str, message: str) -> None:

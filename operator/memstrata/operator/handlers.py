@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -52,23 +53,24 @@ def build_registry(reconciler: Reconciler, config: OperatorConfig) -> kopf.Opera
         use = pod_use(body)
         return {use.node: use} if use else {}
 
-    def bind(node_index: kopf.Index[str, NodeView], pod_index: kopf.Index[str, PodUse]) -> None:
-        # The indices are live views; binding them once is enough, binding again is harmless.
+    def bind(kwargs: Mapping[str, Any]) -> None:
+        # Kopf hands its indices over as kwargs named by the index ids; they are live views,
+        # so binding them once is enough and binding again is harmless.
+        node_index: kopf.Index[str, NodeView] = kwargs["node_index"]
+        pod_index: kopf.Index[str, PodUse] = kwargs["pod_index"]
         reconciler.nodes = lambda: [v for store in node_index.values() for v in store]
         reconciler.pod_uses = lambda: [v for store in pod_index.values() for v in store]
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def job_event(event: kopf.RawEvent, node_index: kopf.Index[str, NodeView],
-                        pod_index: kopf.Index[str, PodUse], **_: Any) -> None:
-        bind(node_index, pod_index)
+    async def job_event(event: kopf.RawEvent, **kwargs: Any) -> None:
+        bind(kwargs)
         reconciler.observe_job(event["object"], deleted=event.get("type") == "DELETED")
 
     @kopf.on.event("", "v1", "pods", registry=registry)
-    async def pod_event(event: kopf.RawEvent, node_index: kopf.Index[str, NodeView],
-                        pod_index: kopf.Index[str, PodUse], **_: Any) -> None:
-        bind(node_index, pod_index)
-        pod = event["object"]
-        meta = pod.get("metadata") or {}
+    async def pod_event(event: kopf.RawEvent, **kwargs: Any) -> None:
+        bind(kwargs)
+        pod: Mapping[str, Any] = event["object"]
+        meta: Mapping[str, Any] = pod.get("metadata") or {}
         if names.LABEL_JOB_UID in (meta.get("labels") or {}):
             owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == KIND), None)
             if owner:

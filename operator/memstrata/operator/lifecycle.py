@@ -62,7 +62,7 @@ class _Run:
 
     def done(self) -> Decision:
         patch = self.b.patch()
-        actions = [a for a in self.actions if not isinstance(a, Event)]
+        actions: list[Action] = [a for a in self.actions if not isinstance(a, Event)]
         if patch:
             actions.append(PatchStatus(patch))
         actions += [a for a in self.actions if isinstance(a, Event)] + self.b.events()

@@ -5,7 +5,8 @@
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.inventory import NodeInventory
 from memstrata.plan.accounting import JobShape, category_bytes, pinned_buffers, working_set
-from memstrata.plan.assignment import STRATA, Allocation, CategoryPlan, Plan, Shortfall, StratumUse, plan_for_node
+from memstrata.api.strataplan import STRATA, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
+from memstrata.plan.assignment import plan_for_node
 
 
 def job_shape(spec: FineTuneJobSpec) -> JobShape:

@@ -14,7 +14,10 @@ def render_plan(plan: Plan, title: str) -> str:
     rows.append(("capacity", "", *[_cell(u.capacity) for u in plan.strata]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = "  ".join("-" * w for w in widths)
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    def fmt(r: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     out = [title, f"parameters: {plan.parameters:,}   engine: {plan.engine}", "", fmt(rows[0]), line]
     out += [fmt(r) for r in rows[1:-2]] + [line] + [fmt(r) for r in rows[-2:]] + [""]
     for u in plan.strata:

@@ -1,0 +1,2 @@
+"""memstrata.runtime.train: the training entrypoints — recipe, data, model, ds_config, the
+local run, the pod entrypoint and progress reporting."""

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from memstrata.api.manifest import ManifestError
-    from memstrata.node.local import ScratchError
+    from memstrata.node.local import LocalNodeError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in LONG_RUNNING:
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.func
     try:
         return handler(args)
-    except (ManifestError, ScratchError, UserError) as exc:
+    except (ManifestError, LocalNodeError, UserError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
