@@ -1,4 +1,4 @@
-"""Pinned host memory: memstrata's per-shape-class arena vs DeepSpeed ZeRO-3 NVMe swap buffers.
+"""Pinned host memory: what memstrata's swap layer locks in training vs DeepSpeed ZeRO-3's NVMe swap pools.
 
 Run (root, or a high enough RLIMIT_MEMLOCK):
     python benchmarks/io/pinned.py
@@ -11,17 +11,26 @@ Decoder built on the meta device, so no weights are allocated):
   offload_param.buffer_size is raised to the largest parameter's numel, which
   DeepSpeed requires. The parameter swapper locks buffer_count x aligned
   buffer_size 16-bit elements; the optimizer swapper locks buffer_count x
-  the largest sub-group (stage 3's own packing rule) of fp32.
-- memstrata: `buffer_sets_for` / `layout` (one buffer set per shape class, each
-  sized for the largest tensor of that class) with the same parameter buffer
-  count, plus the optimizer's buffers with the same count for memstrata's
-  sub-group size (one transformer layer, memstrata.plan.stock.sub_group_size).
+  the largest sub-group (stage 3's own packing rule) of fp32. Both for the
+  whole run, from construction on.
+- memstrata: the two LockedPools SwapLayer builds
+  (memstrata.runtime.swap.layer.locked_pools, default SwapSettings), replayed
+  through two training steps of one rank the way memstrata's swappers call
+  them (`replay` below): init (per sub-group the optimizer swapper's two
+  spare buffers of the largest sub-group), forward and backward (one exact buffer per swapped parameter, the
+  prefetcher taking more while param_staging_bytes has room for the largest),
+  and the update (per sub-group 3 fp32 state buffers + 1 fp32 gradient
+  buffer, the cache_subgroups sub-groups walked last kept, then trim()).
+  The peak is the most the two pools hold locked at once.
 
-For the GPT presets both are also really allocated, each in its own
-subprocess, and VmLck (/proc/self/status) is read before and after: memstrata
-with PinnedArena.create (mlock), DeepSpeed the way its swappers do it
+Computed rows replay with unlocked pools (address space only: nothing is
+touched; locked_bytes counts their regions). For the GPT presets both sides
+are also really allocated, each in its own subprocess, and VmLck
+(/proc/self/status) is read before and after every allocation: memstrata's
+replay with mlock'ed pools, DeepSpeed the way its swappers do it
 (aio_handle.new_cpu_locked_tensor for the parameter pool, SwapBufferManager
-for the optimizer pool). Results go to the "pinned" key of
+for the optimizer pool). A whole training run's locked peak is in
+benchmarks/offload (peak locked GiB). Results go to the "pinned" key of
 benchmarks/results/io.json; io.md is re-rendered.
 """
 from __future__ import annotations
@@ -38,7 +47,7 @@ sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator")]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memstrata.api.architecture import PRESETS  # noqa: E402
-from memstrata.plan.stock import OPTIMIZER_BUFFER_COUNT, param_buffer_count, sub_group_size  # noqa: E402
+from memstrata.plan.stock import param_buffer_count, sub_group_size  # noqa: E402
 
 COMPUTED = ["llama3-8b", "qwen2.5-14b", "gpt-125m", "gpt-350m"]
 MEASURED = ["gpt-125m", "gpt-350m"]
@@ -57,20 +66,20 @@ def param_numels(preset: str) -> list[tuple[str, int]]:
     return [(n, p.numel()) for n, p in model.named_parameters()]
 
 
-def largest_sub_group(numels: list[int], sub_group: int) -> int:
-    # stage3.DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups: pack in order until >= sub_group_size.
-    if sub_group >= sum(numels):
-        return sum(numels)
-    best = acc = 0
+def sub_groups(numels: list[int], sub_group: int) -> list[int]:
+    """Sub-group sizes in order. stage3.DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups packs
+    tensors in registration order until a group reaches sub_group_size."""
+    groups, acc = [], 0
     for i, n in enumerate(numels):
         acc += n
         if acc >= sub_group or i == len(numels) - 1:
-            best, acc = max(best, acc), 0
-    return best
+            groups.append(acc)
+            acc = 0
+    return groups
 
 
-def aligned(numel: int, elem_bytes: int) -> int:
-    unit = AIO_ALIGNED_BYTES // elem_bytes  # _io_aligned_numel of both swappers
+def aligned(numel: int, elem_bytes: int, align_bytes: int = AIO_ALIGNED_BYTES) -> int:
+    unit = align_bytes // elem_bytes  # _io_aligned_numel of the swappers (DeepSpeed 1 KiB, memstrata 4 KiB)
     return -(-numel // unit) * unit
 
 
@@ -83,7 +92,7 @@ def deepspeed_sizes(preset: str, params: list[tuple[str, int]]) -> dict[str, Any
                                                        "buffer_size": largest},
                                offload_optimizer={"device": "nvme", "nvme_path": "/nvme"})
     op, oo = zero.offload_param, zero.offload_optimizer
-    sub = largest_sub_group([n for _, n in params], int(zero.sub_group_size))
+    sub = max(sub_groups([n for _, n in params], int(zero.sub_group_size)))
     return {"param_buffer_count": op.buffer_count, "param_buffer_elems": aligned(op.buffer_size, 2),
             "optimizer_buffer_count": oo.buffer_count, "sub_group_size": int(zero.sub_group_size),
             "optimizer_buffer_elems": aligned(sub, 4),
@@ -91,27 +100,88 @@ def deepspeed_sizes(preset: str, params: list[tuple[str, int]]) -> dict[str, Any
             "optimizer_bytes": oo.buffer_count * aligned(sub, 4) * 4}
 
 
-def memstrata_sizes(preset: str, params: list[tuple[str, int]], opt_count: int) -> dict[str, Any]:
-    from memstrata.runtime.strata.pinned import buffer_sets_for, layout, shape_class
+class Peak:
+    """The most the pools hold locked at once, by phase; VmLck too when `measure` (real mlock)."""
 
-    arch = PRESETS[preset]
-    sets = buffer_sets_for(dict(params), dtype_bytes=2, count=param_buffer_count(arch))
-    _, param_bytes = layout(sets)
-    # What the arena would lock if no class got more buffers than it has tensors (not what pinned.py does today).
-    by_class: dict[Any, dict[str, int]] = {}
-    for name, n in params:
-        by_class.setdefault(shape_class(name), {})[name] = n
-    capped = sum(layout(buffer_sets_for(members, dtype_bytes=2, count=min(len(members), param_buffer_count(arch))))[1]
-                 for members in by_class.values())
-    sub = largest_sub_group([n for _, n in params], sub_group_size(arch))
-    opt_buffer = -(-sub * 4 // PAGE) * PAGE
-    return {"param_sets": [{"shape_class": s.shape_class.value, "buffer_bytes": s.buffer_bytes, "count": s.count}
-                           for s in sets],
-            "param_classes": {c.value: sorted(m, key=m.__getitem__)[-1] + f" (largest of {len(m)})"
-                              for c, m in by_class.items()},
-            "param_bytes_if_count_capped_per_class": capped,
-            "sub_group_size": sub_group_size(arch), "optimizer_buffer_count": opt_count,
-            "optimizer_buffer_bytes": opt_buffer, "param_bytes": param_bytes, "optimizer_bytes": opt_count * opt_buffer}
+    def __init__(self, pools: tuple[Any, Any], measure: bool) -> None:
+        self.pools, self.measure = pools, measure
+        self.base = _vm_lck() if measure else 0
+        self.phase = "init"
+        self.by_phase: dict[str, int] = {}
+        self.vmlck_by_phase: dict[str, int] = {}
+
+    def sample(self) -> None:
+        held = sum(p.locked_bytes for p in self.pools)
+        self.by_phase[self.phase] = max(self.by_phase.get(self.phase, 0), held)
+        if self.measure:
+            added = _vm_lck() - self.base
+            self.vmlck_by_phase[self.phase] = max(self.vmlck_by_phase.get(self.phase, 0), added)
+
+
+def replay(preset: str, params: list[tuple[str, int]], *, lock: bool) -> dict[str, Any]:
+    """Drive the swap layer's pools through fast init and two steps the way memstrata's swappers do."""
+    import torch
+
+    from memstrata.runtime.swap.layer import SwapSettings, locked_pools
+
+    settings = SwapSettings(lock_memory=lock)
+    opt_pool, param_pool = locked_pools(settings)
+    peak = Peak((opt_pool, param_pool), measure=lock)
+    half, fp32 = torch.bfloat16, torch.float32
+
+    def take(pool: Any, numel: int, dtype: Any) -> Any:
+        t = pool.tensor(aligned(numel, dtype.itemsize, PAGE), dtype)  # both swappers align to 4 KiB
+        peak.sample()
+        return t
+
+    def give(pool: Any, tensors: list[Any]) -> None:
+        # Popped, so no reference outlives the free: a region unmaps only once its last view is gone.
+        while tensors:
+            pool.free(tensors.pop())
+
+    groups = sub_groups([n for _, n in params], sub_group_size(PRESETS[preset]))
+    # Init (stage 3 without fast_init, DeepSpeed's default and memstrata's): each sub-group's fp32 master is
+    # written out through allocate_all, the optimizer swapper's spare_count (2) buffers of the largest sub-group.
+    for _ in groups:
+        give(opt_pool, [take(opt_pool, max(groups), fp32) for _ in range(2)])
+    swapped = [n for _, n in params if n * half.itemsize >= settings.min_swap_bytes]
+    largest = max(swapped) * half.itemsize
+    cached: dict[int, list[Any]] = {}
+    for step in range(2):
+        # Forward then backward (MemstrataParamSwapper): an exact buffer per partition in use, and prefetch
+        # while available_swap_in_buffers() > 0, i.e. the staging budget still has room for the largest.
+        for peak.phase, order in (("forward", swapped), ("backward", swapped[::-1])):
+            live: dict[int, Any] = {}
+            for i, n in enumerate(order):
+                if i not in live:
+                    live[i] = take(param_pool, n, half)
+                ahead = i + 1
+                while ahead < len(order) and (settings.param_staging_bytes - param_pool.in_use) // largest > 0:
+                    live.setdefault(ahead, take(param_pool, order[ahead], half))
+                    ahead += 1
+                param_pool.free(live.pop(i))
+        # Update (MemstrataOptimizerSwapper + DramGradients): state in, gradients widened from DRAM, state out;
+        # sub-groups walked in alternating order and the last cache_subgroups of them kept for the next step.
+        peak.phase = "update"
+        walk = list(range(len(groups)))[:: 1 if step % 2 == 0 else -1]
+        keep = set(walk[len(walk) - settings.cache_subgroups:]) if settings.cache_subgroups else set()
+        for gi in walk:
+            state = cached.pop(gi, None) or [take(opt_pool, groups[gi], fp32) for _ in range(3)]
+            give(opt_pool, [take(opt_pool, groups[gi], fp32)])  # its fp32 gradients, widened from DRAM
+            if gi in keep:
+                cached[gi] = state
+            else:
+                give(opt_pool, state)
+        opt_pool.trim()  # trim_after_step
+        peak.sample()
+    out = {"sub_groups": len(groups), "largest_sub_group": max(groups), "peak_by_phase": peak.by_phase,
+           "peak_bytes": max(peak.by_phase.values()),
+           "settings": settings.model_dump(include={"pool_chunk_bytes", "param_staging_bytes", "cache_subgroups",
+                                                    "min_swap_bytes"})}
+    if lock:
+        out["vmlck_by_phase"] = peak.vmlck_by_phase
+        out["vmlck_peak_bytes"] = max(peak.vmlck_by_phase.values())
+    return out
 
 
 def _vm_lck() -> int:
@@ -122,21 +192,16 @@ def _vm_lck() -> int:
 
 
 def _allocate(who: str, preset: str) -> None:
-    """Child process: allocate one side's buffers for real and print the VmLck it added."""
+    """Child process: allocate one side's buffers for real and print the most VmLck it added."""
     import torch
 
     params = param_numels(preset)
+    if who == "memstrata":
+        print(json.dumps({"vmlck_added_bytes": replay(preset, params, lock=True)["vmlck_peak_bytes"]}))
+        return
     before = _vm_lck()
     keep: list[Any] = []
-    if who == "memstrata":
-        from memstrata.runtime.strata.pinned import BufferSet, PinnedArena, ShapeClass, buffer_sets_for
-
-        m = memstrata_sizes(preset, params, OPTIMIZER_BUFFER_COUNT)
-        sets = buffer_sets_for(dict(params), dtype_bytes=2, count=param_buffer_count(PRESETS[preset]))
-        keep.append(PinnedArena.create(sets, use_cuda=False))
-        keep.append(PinnedArena.create([BufferSet(ShapeClass.OTHER, m["optimizer_buffer_bytes"],
-                                                  m["optimizer_buffer_count"])], use_cuda=False))
-    else:
+    if who == "deepspeed":
         import deepspeed.comm as dist
         from deepspeed.ops.op_builder import AsyncIOBuilder
         from deepspeed.runtime.swap_tensor.utils import SwapBufferManager
@@ -167,12 +232,11 @@ def main() -> None:
     for preset in COMPUTED:
         params = param_numels(preset)
         ds = deepspeed_sizes(preset, params)
-        ms = memstrata_sizes(preset, params, ds["optimizer_buffer_count"])
-        d_total, m_total = ds["param_bytes"] + ds["optimizer_bytes"], ms["param_bytes"] + ms["optimizer_bytes"]
+        ms = replay(preset, params, lock=False)
+        d_total, m_total = ds["param_bytes"] + ds["optimizer_bytes"], ms["peak_bytes"]
         cases.append({"model": preset, "source": "computed", "parameters": sum(n for _, n in params),
                       "largest_param_numel": max(n for _, n in params), "memstrata_bytes": m_total,
                       "deepspeed_bytes": d_total, "ratio_vs_deepspeed": m_total / d_total,
-                      "param_pool_ratio": ms["param_bytes"] / ds["param_bytes"],
                       "memstrata": ms, "deepspeed": ds})
         if preset in MEASURED:
             m_meas, d_meas = measure("memstrata", preset), measure("deepspeed", preset)
@@ -185,16 +249,21 @@ def main() -> None:
         "target": "memstrata locked bytes / DeepSpeed locked bytes <= 0.5",
         "loadavg_1_5_15": [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]],
         "method": (
-            "DeepSpeed: DeepSpeedZeroConfig(stage=3, offload_param nvme with buffer_count = memstrata's and "
-            "buffer_size = largest parameter numel, offload_optimizer nvme) with every other value its default "
-            "(optimizer buffer_count 4, sub_group_size 1e9); param pool = buffer_count x aligned buffer_size x 2 B, "
-            "optimizer pool = buffer_count x largest sub-group (stage 3 packing) x 4 B. memstrata: "
-            "pinned.buffer_sets_for/layout per shape class with the same parameter buffer count, plus 4 fp32 "
-            "buffers of the largest sub-group that stage 3's packing makes of memstrata's sub_group_size (the larger "
-            "of one layer and the largest tensor). Most of the saving on the GPT presets comes from that smaller "
-            "sub-group, not from the arena: see param pools ratio. Measured rows: VmLck added by really allocating each side in its "
-            "own subprocess (memstrata PinnedArena.create with mlock; DeepSpeed aio_handle.new_cpu_locked_tensor "
-            "for the parameter pool and SwapBufferManager for the optimizer pool)."),
+            "DeepSpeed: DeepSpeedZeroConfig(stage=3, offload_param nvme with buffer_count = memstrata's plan of a "
+            "stock run and buffer_size = largest parameter numel, offload_optimizer nvme) with every other value its "
+            "default (optimizer buffer_count 4, sub_group_size 1e9); param pool = buffer_count x aligned buffer_size "
+            "x 2 B, optimizer pool = buffer_count x largest sub-group (stage 3 packing) x 4 B, locked from "
+            "construction on. memstrata: the two LockedPools SwapLayer builds (swap.layer.locked_pools, default "
+            "SwapSettings: 32 MiB chunks, 256 MiB parameter staging, 1 cached sub-group), replayed through init "
+            "(2 spare fp32 buffers of the largest sub-group) and two steps the way the swappers call them (exact "
+            "4 KiB-aligned buffer per swapped parameter with prefetch inside the staging budget; per sub-group of "
+            "memstrata's sub_group_size 3 fp32 state buffers + 1 fp32 gradient buffer; trim after each update); "
+            "the peak of both pools' locked bytes at once, by phase in io.json. Measured rows: VmLck added by "
+            "really allocating each side in its own subprocess "
+            "(memstrata: the same replay with mlock'ed pools, VmLck read after every allocation; DeepSpeed: "
+            "aio_handle.new_cpu_locked_tensor for the parameter pool and SwapBufferManager for the optimizer pool). "
+            "Not counted on either side: the 16-bit write-back after the update and activation checkpoints; a whole "
+            "run's locked peak is benchmarks/offload's."),
         "cases": cases,
     }
     res = REPO / "benchmarks" / "results" / "io.json"

@@ -44,15 +44,14 @@ def _throughput(out: dict[str, Any]) -> list[str]:
 
 def _pinned(p: dict[str, Any]) -> list[str]:
     lines = ["## Pinned (page-locked) host memory", "",
-             "| model | source | memstrata locked | DeepSpeed ZeRO-3 NVMe locked | ratio | param pools ratio "
-             "| ratio, per-class count capped |", "|---|---|---|---|---|---|---|"]
+             "| model | source | memstrata locked (peak) | DeepSpeed ZeRO-3 NVMe locked | ratio "
+             "| memstrata peak by phase |",
+             "|---|---|---|---|---|---|"]
     for row in p["cases"]:
-        ms, ds = row.get("memstrata"), row.get("deepspeed")
-        pools = f"{row['param_pool_ratio']:.3f}" if "param_pool_ratio" in row else ""
-        capped = (f"{(ms['param_bytes_if_count_capped_per_class'] + ms['optimizer_bytes']) / row['deepspeed_bytes']:.3f}"
-                  if ms and ds else "")
+        phases = (row.get("memstrata") or {}).get("peak_by_phase") or {}
+        by_phase = ", ".join(f"{k} {v / GiB:.3f}" for k, v in phases.items())
         lines.append(f"| {row['model']} | {row['source']} | {row['memstrata_bytes'] / GiB:.3f} GiB | "
-                     f"{row['deepspeed_bytes'] / GiB:.3f} GiB | {row['ratio_vs_deepspeed']:.3f} | {pools} | {capped} |")
+                     f"{row['deepspeed_bytes'] / GiB:.3f} GiB | {row['ratio_vs_deepspeed']:.3f} | {by_phase} |")
     load = p.get("loadavg_1_5_15")
     lines += ["", p["method"], "", f"Target: {p['target']}." + (f" Load average (1/5/15 min) when done: {load}." if load else "")]
     return lines

@@ -38,12 +38,14 @@ def test_node_is_labelled_and_relabelled(cluster: ControlPlane, fake_nodes: Fake
     agent = subprocess.Popen(
         [sys.executable, "-m", "memstrata.cli", "nodeagent", "--", "--node-name", "strata-1",
          "--kubeconfig", str(cluster.kubeconfig), "--sysfs-root", str(root / "sys"), "--dev-root", str(root / "dev"),
-         "--mountinfo", str(root / "proc" / "mounts"), "--plugin-dir", str(plugin_dir), "--rescan-seconds", "0.5",
+         "--mountinfo", str(root / "proc" / "mounts"), "--swaps", str(root / "proc" / "swaps"),
+         "--plugin-dir", str(plugin_dir), "--rescan-seconds", "0.5",
          "--nfd-dir", str(tmp_path / "no-nfd")],
         stderr=open(tmp_path / "agent.log", "w"), env=env)
     try:
         want = discover(root / "sys", heads=dev_heads(root / "dev"),
-                        mounts_text=(root / "proc" / "mounts").read_text(), hostname="strata-1")
+                        mounts_text=(root / "proc" / "mounts").read_text(),
+                        swaps_text=(root / "proc" / "swaps").read_text(), hostname="strata-1")
 
         def labels() -> dict[str, str]:
             return cluster.get_json("node", "strata-1")["metadata"].get("labels", {})

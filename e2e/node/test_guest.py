@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from memstrata.node.sysfs import parse_list
+
 from guest import GuestError, GuestResult, run_in_guest
 
 pytestmark = [pytest.mark.guest, pytest.mark.slow]
@@ -24,11 +26,7 @@ def _tier_of(tiers: dict[str, str], node: int) -> int:
 
 
 def _parse_list(text: str) -> set[int]:
-    out: set[int] = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
+    return set(parse_list(text))
 
 
 def _cxl_node(facts: dict) -> int:

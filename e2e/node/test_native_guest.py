@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.guest, pytest.mark.slow]
 
 SCRIPT = r'''
 import glob, json, os, sys
-from memstrata.runtime import nvme, numa
+from memstrata.runtime.strata import nvme, numa
 from memstrata.node.safety import DeviceUnsafeError
 
 out = {"refused": {}, "roundtrip": None}

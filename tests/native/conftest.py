@@ -12,21 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from native_helpers import _loop_unavailable, run
+from native_helpers import _loop_unavailable, run, unavailable
 
 @pytest.fixture
 def loopdev(tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """make(size_bytes, *, backing_dir=None, partscan=False) -> /dev/loopN with direct I/O on."""
+    """make(size_bytes, *, backing_dir=None, partscan=False, read_only=False) -> /dev/loopN with direct I/O on."""
     why = _loop_unavailable()
     if why:
-        pytest.skip(why)
+        unavailable(why)
     made: list[str] = []
 
-    def make(size: int, *, backing_dir: Path | None = None, partscan: bool = False) -> str:
+    def make(size: int, *, backing_dir: Path | None = None, partscan: bool = False, read_only: bool = False) -> str:
         image = (backing_dir or tmp_path) / f"disk{len(made)}.img"
         with open(image, "wb") as f:
             f.truncate(size)
-        args = ["losetup", "-f", "--show", "--direct-io=on"] + (["-P"] if partscan else []) + [str(image)]
+        args = (["losetup", "-f", "--show", "--direct-io=on"] + (["-P"] if partscan else [])
+                + (["-r"] if read_only else []) + [str(image)])
         dev = run(*args).strip()
         made.append(dev)
         return dev

@@ -7,10 +7,11 @@ every memory node, and a clean refusal of a node that does not exist.
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
-from memstrata.runtime.strata.numa import NumaArena, NumaError, Policy, memory_nodes, online_nodes, parse_nodelist
+from memstrata.runtime.strata.numa import NumaArena, NumaError, Policy, memory_nodes, online_nodes
 
 MiB = 1 << 20
 
@@ -68,6 +69,12 @@ def test_torch_view_is_zero_copy() -> None:
         del t
 
 
-def test_nodelist_parsing() -> None:
-    assert parse_nodelist("0-2,4,7-8\n") == [0, 1, 2, 4, 7, 8]
-    assert parse_nodelist("") == []
+def test_node_lists_are_read_with_the_one_sysfs_parser(tmp_path: Path) -> None:
+    nodes = tmp_path / "devices/system/node"
+    nodes.mkdir(parents=True)
+    (nodes / "online").write_text("0-2,4,7-8\n")
+    (nodes / "has_memory").write_text("0-x\n")
+    assert online_nodes(str(tmp_path)) == [0, 1, 2, 4, 7, 8]
+    with pytest.raises(NumaError, match=r"has_memory: expected a list like 0-3,8 but found '0-x'"):
+        memory_nodes(str(tmp_path))
+    assert online_nodes(str(tmp_path / "no-numa")) == [0]  # a kernel without NUMA: one node

@@ -12,14 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-from native_helpers import child_env, need_tool, run
+from native_helpers import child_env, need_tool, run, unavailable
 
+from memstrata.node import nvmescan
+from memstrata.node.discovery import dev_heads
+from memstrata.node.header import MAGIC, State, parse_header
+from memstrata.node.safety import DeviceUnsafeError, parse_mounts, parse_swaps, read_head
+from memstrata.node.sysfs import SysfsTree
 from memstrata.runtime import _native
-from memstrata.node.safety import DeviceUnsafeError
 from memstrata.runtime.strata.errors import NvmeError
-from memstrata.node.header import State, parse_header
 from memstrata.runtime.strata.nvme import NvmeEngine
-from memstrata.node.safety import read_head
 
 MiB = 1 << 20
 
@@ -64,7 +66,7 @@ def test_refuses_loop_device_with_ext4_unless_forced_and_never_when_mounted(loop
     need_tool("mkfs.ext4", "e2fsprogs")
     dev = loopdev(64 * MiB)
     run("mkfs.ext4", "-q", "-F", dev)
-    with pytest.raises(DeviceUnsafeError, match=rf"{dev}: refusing to use it: carries a ext4 signature"):
+    with pytest.raises(DeviceUnsafeError, match=rf"{dev}: refusing to use it: foreign signature: ext4"):
         NvmeEngine.open([dev], job="t/ext4")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -83,7 +85,7 @@ def test_refuses_loop_device_with_gpt_and_with_partitions_even_when_forced(loopd
     need_tool("sgdisk", "gdisk")
     dev = loopdev(64 * MiB)
     run("sgdisk", "-o", dev)
-    with pytest.raises(DeviceUnsafeError, match=r"carries a gpt \(GPT partition table\) signature"):
+    with pytest.raises(DeviceUnsafeError, match=r"foreign signature: gpt \(GPT partition table\)"):
         NvmeEngine.open([dev], job="t/gpt")
     parted = loopdev(64 * MiB, partscan=True)
     run("sgdisk", "-o", "-n", "1:2048:+8M", parted)
@@ -91,6 +93,64 @@ def test_refuses_loop_device_with_gpt_and_with_partitions_even_when_forced(loopd
     name = os.path.basename(parted)
     with pytest.raises(DeviceUnsafeError, match=rf"has partitions \({name}p1\)"):
         NvmeEngine.open([parted], job="t/gpt", force=True)
+
+
+def discovery_reasons(dev: str) -> list[str]:
+    """What the node agent's discovery says about `dev`, read the way it reads a node."""
+    mounts = parse_mounts(Path("/proc/self/mountinfo").read_text())
+    swaps = parse_swaps(Path("/proc/swaps").read_text())
+    found = nvmescan.problems(SysfsTree("/sys"), os.path.basename(dev), dev_heads("/dev"), mounts, swaps)
+    return [p.reason for p in found]
+
+
+@pytest.mark.loopdev
+def test_read_only_device_is_refused_by_discovery_and_engine_even_forced(loopdev) -> None:
+    dev = loopdev(16 * MiB, read_only=True)
+    assert discovery_reasons(dev) == ["read-only"]
+    with pytest.raises(DeviceUnsafeError, match=rf"^{dev}: refusing to use it: read-only$"):
+        NvmeEngine.open([dev], job="t/ro", force=True)
+
+
+@pytest.mark.loopdev
+def test_active_swap_is_refused_by_discovery_and_engine_even_forced(loopdev) -> None:
+    need_tool("mkswap", "util-linux")
+    dev = loopdev(16 * MiB)
+    run("mkswap", dev)
+    on = subprocess.run(["swapon", dev], capture_output=True, text=True, timeout=60)
+    if on.returncode != 0:
+        unavailable(f"swapon {dev} is not permitted here: {on.stderr.strip()}")
+    try:
+        assert discovery_reasons(dev) == ["foreign signature: swap", f"active swap ({dev})"]
+        with pytest.raises(DeviceUnsafeError, match=rf"^{dev}: refusing to use it: active swap \({dev}\)$"):
+            NvmeEngine.open([dev], job="t/swap", force=True)
+    finally:
+        subprocess.run(["swapoff", dev], capture_output=True, timeout=120)
+
+
+@pytest.mark.loopdev
+def test_gpt_written_over_memstrata_header_is_refused_by_discovery_and_engine(loopdev) -> None:
+    need_tool("sgdisk", "gdisk")
+    dev = loopdev(64 * MiB)
+    NvmeEngine.open([dev], job="t/before").close()
+    run("sgdisk", "-o", dev)  # keeps the boot-code bytes: memstrata's magic still leads the device
+    assert read_head(dev, 4096).startswith(MAGIC)
+    assert discovery_reasons(dev) == ["foreign signature: gpt (GPT partition table)"]
+    with pytest.raises(DeviceUnsafeError, match=rf"^{dev}: refusing to use it: foreign signature: gpt"):
+        NvmeEngine.open([dev], job="t/after")
+
+
+@pytest.mark.loopdev
+def test_forced_open_leaves_no_foreign_signature_behind(loopdev) -> None:
+    # btrfs's superblock sits at 64 KiB, behind memstrata's 4 KiB header: a forced open
+    # must wipe it, or memstrata's own device would be refused from then on.
+    need_tool("mkfs.btrfs", "btrfs-progs")
+    dev = loopdev(256 * MiB)
+    run("mkfs.btrfs", "-q", "-f", dev)
+    assert discovery_reasons(dev) == ["foreign signature: btrfs"]
+    NvmeEngine.open([dev], job="t/forced", force=True).close()
+    assert discovery_reasons(dev) == []
+    with NvmeEngine.open([dev], job="t/next") as eng:
+        assert eng.stats()[0].space.free_bytes > 0
 
 
 def test_out_of_space_is_clean_and_leaves_nothing_allocated(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The exact-size pinned arena: layout, real mlock accounting, and the RLIMIT_MEMLOCK error."""
+"""The locked pool the swap layer draws from: exact sizes, real mlock accounting, NUMA placement,
+trimming, and the RLIMIT_MEMLOCK error."""
 from __future__ import annotations
 
 import ctypes
@@ -11,78 +12,97 @@ import textwrap
 import pytest
 from native_helpers import child_env
 
-from memstrata.runtime.strata.pinned import (
-    ALIGN, BufferSet, PinnedArena, PinnedMemoryError, ShapeClass, buffer_sets_for, layout, locked_bytes_total,
-    shape_class, vm_locked_bytes,
-)
+from memstrata.runtime.strata.affinity import Placement
+from memstrata.runtime.strata.errors import NumaError
+from memstrata.runtime.strata.numa import Policy, memory_nodes, online_nodes
+from memstrata.runtime.strata.pinned import ALIGN, LockedPool, vm_locked_bytes
 
-GPT2_SMALL = {
-    "transformer.wte.weight": 50304 * 768,
-    "lm_head.weight": 50304 * 768,
-    "transformer.h.0.attn.c_attn.weight": 768 * 2304,
-    "transformer.h.0.attn.c_proj.weight": 768 * 768,
-    "transformer.h.0.mlp.c_fc.weight": 768 * 3072,
-    "transformer.h.0.mlp.c_proj.weight": 3072 * 768,
-    "transformer.h.0.ln_1.weight": 768,
-    "transformer.h.0.attn.c_attn.bias": 2304,
-}
+MiB = 1 << 20
 
 
-def test_shape_classes_and_per_class_sizes() -> None:
-    assert shape_class("model.layers.3.self_attn.q_proj.weight") is ShapeClass.ATTENTION
-    assert shape_class("model.layers.3.mlp.down_proj.weight") is ShapeClass.MLP
-    assert shape_class("model.embed_tokens.weight") is ShapeClass.EMBEDDING
-    assert shape_class("model.layers.3.input_layernorm.weight") is ShapeClass.OTHER
-    sets = {s.shape_class: s for s in buffer_sets_for(GPT2_SMALL, dtype_bytes=2, count=2)}
-    assert sets[ShapeClass.EMBEDDING].buffer_bytes == 50304 * 768 * 2
-    assert sets[ShapeClass.ATTENTION].buffer_bytes == 768 * 2304 * 2
-    assert sets[ShapeClass.MLP].buffer_bytes == 768 * 3072 * 2
-    assert sets[ShapeClass.OTHER].buffer_bytes == 2304 * 2
-    # Never more buffers than a class has tensors: 8 asked, 2 embedding tensors (wte, lm_head) -> 2.
-    capped = {s.shape_class: s.count for s in buffer_sets_for(GPT2_SMALL, dtype_bytes=2, count=8)}
-    assert capped == {ShapeClass.EMBEDDING: 2, ShapeClass.ATTENTION: 2, ShapeClass.MLP: 2, ShapeClass.OTHER: 2}
+def test_buffers_are_exact_and_regions_are_locked_as_the_kernel_counts() -> None:
+    before = vm_locked_bytes()
+    pool = LockedPool(4 * MiB)
+    assert pool.locked_bytes == 0 and vm_locked_bytes() == before  # constructing allocates nothing
+    a, b = pool.take(5000), pool.take(10)
+    assert (len(a), len(b)) == (5000, 10)
+    assert pool.locked_bytes == 4 * MiB and vm_locked_bytes() - before == 4 * MiB  # one region holds both
+    assert pool.in_use == 2 * ALIGN + ALIGN  # each rounded up to 4 KiB, never to a power of two
+    # Larger than a chunk: a region of exactly its size rounded to 4 KiB (torch would lock 2**27 bytes).
+    big = pool.take(77_260_800)
+    assert pool.locked_bytes == 4 * MiB + 77_262_848 and vm_locked_bytes() - before == pool.locked_bytes
+    for view in (a, b, big):
+        pool.free(view)
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(a)
+    pool.close()
+    del a, b, big, view
+    assert vm_locked_bytes() == before  # unmapping the regions unlocked them
 
 
-def test_memstratas_own_head_and_positions_are_embedding_sized() -> None:
-    assert shape_class("head.weight") is ShapeClass.EMBEDDING
-    assert shape_class("positions.weight") is ShapeClass.EMBEDDING
-    assert shape_class("blocks.0.attn.q.weight") is ShapeClass.ATTENTION
-    assert shape_class("blocks.0.mlp.gate.weight") is ShapeClass.MLP
+def test_freed_space_is_reused_before_the_pool_grows() -> None:
+    pool = LockedPool(MiB)
+    first = pool.take(MiB // 2)
+    pool.take(MiB // 2)
+    pool.free(first)
+    again = pool.take(MiB // 4)
+    assert pool.locked_bytes == MiB and pool.owns(again) and pool.peak_in_use == MiB
 
 
-def test_layout_is_exact_to_4k_with_no_power_of_two_rounding() -> None:
-    slots, total = layout([BufferSet(ShapeClass.MLP, 5000, 3), BufferSet(ShapeClass.ATTENTION, 12289, 1)])
-    assert [off for _, off, _ in slots] == [0, 8192, 16384, 24576]
-    assert total == 3 * 8192 + 16384 and all(off % ALIGN == 0 for _, off, _ in slots)
-    # torch's pinned allocator would take 3 * 8192 + 16384 -> each rounded to 2**k: same here only by chance
-    _, big = layout([BufferSet(ShapeClass.EMBEDDING, 77_260_800, 1)])
-    assert big == 77_262_848 and big < 2**27
+def test_trim_gives_back_idle_regions_only() -> None:
+    pool = LockedPool(4 * MiB)
+    before = vm_locked_bytes()
+    kept = pool.take(4 * MiB)
+    kept[:4] = b"keep"
+    idle = pool.take(8 * MiB)
+    assert vm_locked_bytes() - before == 12 * MiB
+    pool.free(idle)
+    del idle
+    assert pool.trim() == 8 * MiB
+    assert pool.locked_bytes == 4 * MiB and vm_locked_bytes() - before == 4 * MiB
+    assert bytes(kept[:4]) == b"keep" and pool.trim() == 0  # a live buffer's region is never given back
 
 
-def test_arena_really_locks_its_bytes_and_unlocks_on_close() -> None:
-    before, accounted = vm_locked_bytes(), locked_bytes_total()
-    arena = PinnedArena.create([BufferSet(ShapeClass.MLP, 3 * 2**20 + 5, 2), BufferSet(ShapeClass.OTHER, 100, 1)])
-    size = 2 * (3 * 2**20 + 4096) + 4096
-    assert arena.nbytes == arena.locked_bytes == size and not arena.cuda_registered
-    assert vm_locked_bytes() - before == size and locked_bytes_total() - accounted == size
-    a = arena.acquire(ShapeClass.MLP)
-    b = arena.acquire(ShapeClass.MLP, 10)
-    assert len(a) == 3 * 2**20 + 5 and len(b) == 10
-    with pytest.raises(PinnedMemoryError, match="all buffers of shape class 'mlp' are in use"):
-        arena.acquire(ShapeClass.MLP)
-    arena.release(a)
-    arena.release(b)
-    with pytest.raises(ValueError, match="released twice"):
-        arena.release(arena.buffer()[:10])
-    arena.close()
-    assert vm_locked_bytes() == before and locked_bytes_total() == accounted
+def test_an_idle_large_region_is_given_back_before_a_larger_one_is_locked() -> None:
+    # Sub-groups of slightly different sizes: without this, the update would lock one region per size.
+    before = vm_locked_bytes()
+    pool = LockedPool(MiB)
+    small = pool.take(100)  # a chunk, shared by small buffers
+    pool.free(small)
+    group = pool.take(3 * MiB)  # a region of its own
+    pool.free(group)
+    del group
+    larger = pool.take(4 * MiB)
+    assert pool.locked_bytes == MiB + 4 * MiB and vm_locked_bytes() - before == 5 * MiB
+    assert pool.released_bytes == 3 * MiB  # the idle 3 MiB region went; the idle chunk stayed for small buffers
+    again = pool.take(100)
+    assert pool.locked_bytes == 5 * MiB and pool.owns(again) and pool.owns(larger)
+
+
+def test_regions_land_on_the_nodes_their_placement_names() -> None:
+    node = memory_nodes()[0]
+    bound = LockedPool(MiB, placement=Placement((node,), Policy.BIND))
+    buf = bound.take(3 * ALIGN)
+    assert bound.node_of_pages(buf) == [node] * 3
+    spread = LockedPool(MiB, placement=Placement(tuple(memory_nodes()), Policy.INTERLEAVE))
+    assert set(spread.node_of_pages(spread.take(MiB))) <= set(memory_nodes())
+
+
+def test_a_placement_on_a_missing_node_is_refused_by_name() -> None:
+    missing = max(online_nodes()) + 7
+    pool = LockedPool(MiB, placement=Placement((missing,), Policy.BIND))
+    with pytest.raises(NumaError, match=rf"cannot place {MiB} bytes of the locked pool with policy bind on NUMA "
+                                        rf"nodes {missing}"):
+        pool.take(10)
+    assert pool.locked_bytes == 0
 
 
 LOW_LIMIT_CHILD = textwrap.dedent("""
-    from memstrata.runtime.strata.pinned import BufferSet, PinnedArena, PinnedMemoryError, ShapeClass
-    small = PinnedArena.create([BufferSet(ShapeClass.OTHER, 256 * 1024, 1)])  # fits under the limit
+    from memstrata.runtime.strata.pinned import LockedPool, PinnedMemoryError
+    small = LockedPool(256 * 1024)
+    kept = small.take(1)  # 256 KiB locked: fits under the limit
     try:
-        PinnedArena.create([BufferSet(ShapeClass.MLP, 16 << 20, 1)])
+        LockedPool(16 << 20).take(1)
     except PinnedMemoryError as e:
         print(e.needed_bytes, e.limit_bytes, e, sep="\\n")
     else:
@@ -105,5 +125,5 @@ def test_low_memlock_limit_gives_a_clear_error_with_the_number_needed() -> None:
     assert proc.returncode == 0, proc.stderr
     needed, limit, message = proc.stdout.splitlines()[:3]
     assert int(limit) == 1 << 20
-    assert int(needed) == 256 * 1024 + (16 << 20)  # what is already locked + this arena
+    assert int(needed) == 256 * 1024 + (16 << 20)  # what is already locked + this region
     assert f"RLIMIT_MEMLOCK is {1 << 20} bytes" in message and f"at least {needed} bytes" in message

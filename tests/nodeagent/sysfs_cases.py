@@ -3,12 +3,13 @@
     python3 tests/nodeagent/sysfs_cases.py      # regenerate every case
 
 Each case has the layout of a capture made by e2e/node/capture_sysfs.py
-(`sys/...`, `proc/mounts`, `dev/<namespace>.head`), and follows the kernel
+(`sys/...`, `proc/mounts`, `proc/swaps`, `dev/<namespace>.head`), and follows the kernel
 6.12 layout seen in the QEMU guest: NUMA nodes, memory tiers, CXL regions
 with kmem-onlined dax devices, NVMe controllers with and without native
 multipath. The cases cover what the QEMU guest cannot: two sockets, several
 CXL nodes with interleaved memdevs, an HMEM node, 4 KiB namespaces,
-read-only, mounted and memstrata-owned namespaces, and malformed trees.
+read-only, mounted, active-swap and memstrata-owned namespaces, a GPT
+written over a memstrata header, and malformed trees.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Tree:
         self.root = root
         self.sys = root / "sys"
         self.mounts: list[str] = []
+        self.swaps: list[str] = []
 
     def write(self, rel: str, text: str) -> None:
         path = self.sys / rel
@@ -135,12 +137,31 @@ class Tree:
         (self.root / "proc").mkdir(parents=True, exist_ok=True)
         base = ["sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0", "/dev/vda / ext4 rw,relatime 0 0"]
         (self.root / "proc" / "mounts").write_text("\n".join(base + self.mounts) + "\n")
+        header = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority"
+        (self.root / "proc" / "swaps").write_text("\n".join([header] + self.swaps) + "\n")
 
 
 def ext4_head() -> bytes:
     head = bytearray(4096)
     head[1024 + 56:1024 + 58] = b"\x53\xef"
     head[1024 + 96:1024 + 100] = (0x40).to_bytes(4, "little")  # INCOMPAT_EXTENTS
+    return bytes(head)
+
+
+def swap_head() -> bytes:
+    """What mkswap leaves in the first 4 KiB: its magic at the end of the first page."""
+    head = bytearray(4096)
+    head[4096 - 10:] = b"SWAPSPACE2"
+    return bytes(head)
+
+
+def gpt_over_memstrata_head() -> bytes:
+    """`sgdisk -o` over a namespace memstrata used: the GPT lands at LBA 1 and the boot-code
+    bytes (where memstrata's magic is) are kept, so the magic still leads the device."""
+    head = bytearray(memstrata_head())
+    head[446:462] = bytes.fromhex("00000200ee28200801000000ffff0100")  # protective entry, type 0xEE from LBA 1
+    head[510:512] = b"\x55\xaa"
+    head[512:520] = b"EFI PART"
     return bytes(head)
 
 
@@ -176,6 +197,9 @@ def two_socket_cxl(root: Path) -> None:
     t.namespace(c1, 1, 5, 10 * GiB, partitions=2)
     t.mounts.append("/dev/nvme1n5p2 /data ext4 rw 0 0")
     t.namespace(c1, 1, 6, 10 * GiB, holders=("dm-0",))
+    t.namespace(c1, 1, 7, 10 * GiB, head=swap_head())
+    t.swaps.append("/dev/nvme1n7                            partition\t10485756\t0\t\t-2")
+    t.namespace(c1, 1, 8, 10 * GiB, head=gpt_over_memstrata_head())
     t.finish()
 
 

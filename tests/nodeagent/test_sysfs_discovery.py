@@ -13,14 +13,16 @@ from memstrata.api.units import GiB
 from memstrata.nodeagent.devices import cxl_devices, nvme_devices
 from memstrata.node.discovery import SysfsError, dev_heads, discover
 from memstrata.nodeagent.labels import nfd_features
-from sysfs_cases import ext4_head
+from sysfs_cases import ext4_head, memstrata_head
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
 
 
 def inventory_of(root: Path, mounts: str | None = None) -> NodeInventory:
     text = mounts if mounts is not None else (root / "proc" / "mounts").read_text()
-    return discover(root / "sys", heads=dev_heads(root / "dev"), mounts_text=text, hostname="n1")
+    swaps = root / "proc" / "swaps"  # older captures have none: no swap was active there
+    return discover(root / "sys", heads=dev_heads(root / "dev"), mounts_text=text,
+                    swaps_text=swaps.read_text() if swaps.exists() else "", hostname="n1")
 
 
 def by_name(inv: NodeInventory) -> dict:
@@ -47,13 +49,17 @@ def test_namespaces_free_only_when_nothing_else_can_own_them() -> None:
     inv = inventory_of(DATA / "two-socket-cxl")
     ns = by_name(inv)
     # Hidden per-path nodes (nvme1c1n*) are not namespaces of their own.
-    assert sorted(ns) == ["nvme0n1", "nvme0n2", "nvme1n1", "nvme1n2", "nvme1n3", "nvme1n4", "nvme1n5", "nvme1n6"]
+    assert sorted(ns) == ["nvme0n1", "nvme0n2", "nvme1n1", "nvme1n2", "nvme1n3", "nvme1n4", "nvme1n5", "nvme1n6",
+                          "nvme1n7", "nvme1n8"]
     assert {n for n, v in ns.items() if v.free} == {"nvme0n1", "nvme1n1", "nvme1n2"}  # nvme1n2: memstrata's own
     assert ns["nvme0n2"].reason == "mounted at /scratch"
     assert ns["nvme1n3"].reason == "foreign signature: ext4"
     assert ns["nvme1n4"].reason == "read-only"
     assert ns["nvme1n5"].reason == "has partitions (nvme1n5p1, nvme1n5p2); mounted at /data"
     assert ns["nvme1n6"].reason == "held by dm-0"
+    assert ns["nvme1n7"].reason == "foreign signature: swap; active swap (/dev/nvme1n7)"
+    # A GPT written after memstrata used the namespace keeps memstrata's magic in front: still refused.
+    assert ns["nvme1n8"].reason == "foreign signature: gpt (GPT partition table)"
     # Multipath (nvme1) and direct (nvme0) layouts both lead to the controller and its NUMA node.
     assert (ns["nvme0n1"].controller, ns["nvme0n1"].numa_node, ns["nvme0n1"].logical_block_size) == ("nvme0", 0, 4096)
     assert (ns["nvme1n1"].controller, ns["nvme1n1"].numa_node, ns["nvme1n1"].size_bytes) == ("nvme1", 1, 200 * GiB)
@@ -101,6 +107,29 @@ def test_a_filesystem_written_after_discovery_is_seen_on_the_next(case_copy) -> 
     assert reason is not None and reason.startswith("first blocks unreadable")
 
 
+def test_a_namespace_in_use_is_refused_for_every_reason_signature_first(case_copy) -> None:
+    root = case_copy("two-socket-cxl")
+    (root / "dev" / "nvme0n2.head").write_bytes(ext4_head())  # the filesystem mounted at /scratch
+    (root / "dev" / "nvme1n4.head").write_bytes(memstrata_head())  # memstrata's own, but read-only now
+    ns = by_name(inventory_of(root))
+    assert ns["nvme0n2"].reason == "foreign signature: ext4; mounted at /scratch"
+    assert ns["nvme1n4"].reason == "read-only"
+
+
+@pytest.mark.parametrize("swaps, reason", [
+    # Swap on the namespace itself, and on a partition of it (the partition refuses it as well).
+    ("/dev/nvme0n1 partition 1024 0 -2", "active swap (/dev/nvme0n1)"),
+    ("/dev/nvme1n5p1 partition 1024 0 -2", "has partitions (nvme1n5p1, nvme1n5p2); mounted at /data; "
+                                           "active swap (/dev/nvme1n5p1)"),
+])
+def test_active_swap_is_never_free_whatever_its_first_blocks_say(case_copy, swaps: str, reason: str) -> None:
+    root = case_copy("two-socket-cxl")
+    (root / "proc" / "swaps").write_text("Filename Type Size Used Priority\n" + swaps + "\n")
+    name = swaps.split()[0].removeprefix("/dev/").removesuffix("p1")
+    ns = by_name(inventory_of(root))[name]
+    assert not ns.free and ns.reason == reason
+
+
 @pytest.mark.parametrize("case, file, problem", [
     ("bad-meminfo", "devices/system/node/node0/meminfo", "no 'MemTotal: <n> kB' line"),
     ("bad-cpulist", "devices/system/node/node0/cpulist", "expected a list like 0-3,8 but found '0-x'"),
@@ -119,7 +148,7 @@ def test_malformed_trees_name_the_file(case: str, file: str, problem: str) -> No
 
 def test_missing_sysfs_root_is_an_error_not_a_crash(tmp_path: Path) -> None:
     with pytest.raises(SysfsError, match="not a directory"):
-        discover(tmp_path / "nope", heads=dev_heads(tmp_path), mounts_text="")
+        discover(tmp_path / "nope", heads=dev_heads(tmp_path), mounts_text="", swaps_text="")
 
 
 QEMU = DATA / "qemu-cxl-nvme"
@@ -144,5 +173,5 @@ def test_qemu_guest_capture() -> None:
     assert sorted(ns) == [1, 2, 3, 4] and {n.controller for n in ns.values()} == {ctrl.name}
     assert ns[1].free and ns[1].size_bytes == 256 << 20
     assert ns[2].reason == "foreign signature: ext4"
-    assert ns[3].reason == f"has partitions ({ns[3].name}p1)"
+    assert ns[3].reason == f"foreign signature: gpt (GPT partition table); has partitions ({ns[3].name}p1)"
     assert ns[4].reason is not None and ns[4].reason.startswith("held by dm-")

@@ -12,7 +12,9 @@ from offload_helpers import REPO
 torch = pytest.importorskip("torch", reason="torch is needed for the swap layer (run the tests with the venv)")
 
 from memstrata.runtime.strata.nvme import NvmeEngine  # noqa: E402
-from memstrata.runtime.swap.handle import ExtentSwapHandle, LockedPool, SwapCounters, SwapError  # noqa: E402
+from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes  # noqa: E402
+from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters, SwapError  # noqa: E402
+from memstrata.runtime.swap.layer import SwapSettings, locked_pools  # noqa: E402
 from memstrata.runtime.swap.tokens import IoTokens  # noqa: E402
 
 pytestmark = pytest.mark.loopdev
@@ -79,8 +81,6 @@ def test_importing_the_runtime_does_not_import_torch() -> None:
 
 def test_trim_gives_back_idle_locked_regions_only() -> None:
     """After an update the pool unmaps what nothing uses: the kernel's locked count falls, live buffers stay."""
-    from memstrata.runtime.strata.pinned import vm_locked_bytes
-
     pool = LockedPool(4 << 20)
     before = vm_locked_bytes()
     kept = pool.tensor(1 << 20, torch.float32)  # 4 MiB: a region of its own
@@ -97,5 +97,22 @@ def test_trim_gives_back_idle_locked_regions_only() -> None:
     assert pool.owns(again)
     pool.free(again)
     pool.free(kept)
-    with pytest.raises(SwapError, match="freed twice"):
+    with pytest.raises(ValueError, match="freed twice"):
         pool.free(kept)
+
+
+def test_deepspeeds_locked_buffers_come_exactly_from_the_swap_layers_pools(loopdev, tmp_path: Path) -> None:
+    """What DeepSpeed's swappers ask the handle for is carved from the pools SwapLayer builds: exact, locked,
+    optimizer operands bound to DRAM."""
+    optimizer_pool, param_pool = locked_pools(SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0]))
+    assert optimizer_pool.placement is not None and optimizer_pool.placement.nodes == (0,)
+    assert param_pool.placement is not None and param_pool.placement.nodes == (0,)  # no CXL: DRAM too
+    before = vm_locked_bytes()
+    with NvmeEngine.open([loopdev(16 << 20)], job="test-swap") as engine:
+        h = ExtentSwapHandle(engine, optimizer_pool, SwapCounters(), kind="optimizer")
+        buf = h.new_cpu_locked_tensor(1000, torch.empty(0, dtype=torch.bfloat16))
+        assert buf.dtype == torch.bfloat16 and buf.numel() == 1000 and h.is_pinned(buf)
+        assert not h.is_pinned(torch.empty(1000, dtype=torch.bfloat16))
+        assert vm_locked_bytes() - before == optimizer_pool.locked_bytes == 2 << 20
+        assert optimizer_pool.node_of_pages(buf) == [0]
+        assert h.free_cpu_locked_tensor(buf) and optimizer_pool.in_use == 0

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from memstrata.runtime.strata.nvme import NvmeEngine
-from memstrata.runtime.swap.handle import ExtentSwapHandle, LockedPool, SwapCounters
+from memstrata.runtime.strata.pinned import LockedPool
+from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters
 from memstrata.runtime.swap.tokens import IoTokens
 
 

@@ -1,6 +1,7 @@
 """What memory and storage strata a node has, read from sysfs.
 
-    inventory = discover("/sys", heads=dev_heads("/dev"), mounts_text=open("/proc/self/mountinfo").read())
+    inventory = discover("/sys", heads=dev_heads("/dev"), mounts_text=open("/proc/self/mountinfo").read(),
+                         swaps_text=read_swaps("/proc/swaps"))
 
 NUMA nodes come from /sys/devices/system/node (CPUs, MemTotal, distances)
 and the kernel's memory tiers. A CPU-less node is CXL when the memory that
@@ -10,7 +11,8 @@ other CPU-less node with memory is `memory-only` (HBM, firmware-onlined
 memory, an emulated node). NVMe lives in `memstrata.node.nvmescan`.
 
 Parsing only: the one thing read outside the sysfs root is the first blocks
-of each namespace, through the `heads` callable the caller passes in. A tree
+of each namespace, through the `heads` callable the caller passes in; the
+mount table and /proc/swaps come in as text. A tree
 that cannot be read as a node raises `SysfsError` naming the file.
 """
 from __future__ import annotations
@@ -24,9 +26,9 @@ from memstrata.api.inventory import CxlMemdev, CxlNode, NodeInventory, NumaNode
 from memstrata.node import nvmescan
 from memstrata.node.nvmescan import HeadReader
 from memstrata.node.sysfs import SysfsError, SysfsTree
-from memstrata.node.safety import PROBE_BYTES, read_head
+from memstrata.node.safety import PROBE_BYTES, read_head, read_swaps
 
-__all__ = ["SysfsError", "discover", "dev_heads"]
+__all__ = ["SysfsError", "discover", "dev_heads", "read_swaps"]
 
 NODES = "devices/system/node"
 TIERS = "devices/virtual/memory_tiering"
@@ -131,16 +133,19 @@ def numa_and_cxl(tree: SysfsTree) -> tuple[list[NumaNode], list[CxlNode]]:
     return numa, cxl
 
 
-def discover(sysfs_root: str | Path = "/sys", *, heads: HeadReader, mounts_text: str,
+def discover(sysfs_root: str | Path = "/sys", *, heads: HeadReader, mounts_text: str, swaps_text: str,
              hostname: str = "") -> NodeInventory:
-    """The node's inventory; raises SysfsError naming the file when the tree is malformed or partial."""
+    """The node's inventory; raises SysfsError naming the file when the tree is malformed or partial.
+
+    `mounts_text` is a mount table (mountinfo or /proc/mounts format), `swaps_text`
+    /proc/swaps: a namespace mounted or swapped on is never free."""
     tree = SysfsTree(sysfs_root)
     if not tree.path("").is_dir():
         raise SysfsError(tree.root, "sysfs root is not a directory")
     numa, cxl = numa_and_cxl(tree)
     ctrls = nvmescan.controllers(tree)
     return NodeInventory(hostname=hostname, numa_nodes=numa, cxl_nodes=cxl, nvme_controllers=ctrls,
-                         nvme_namespaces=nvmescan.namespaces(tree, heads, mounts_text, ctrls))
+                         nvme_namespaces=nvmescan.namespaces(tree, heads, mounts_text, swaps_text, ctrls))
 
 
 def dev_heads(dev_root: str | Path = "/dev", nbytes: int = PROBE_BYTES) -> HeadReader:

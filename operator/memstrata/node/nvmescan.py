@@ -1,21 +1,22 @@
 """NVMe controllers and namespaces from sysfs, and whether each namespace is free.
 
-A namespace is free only when nothing else can be using it: no partitions,
-no holders (device-mapper, md, bcache stacked on it), no mount of it or of a
-partition, not read-only, and no filesystem, partition-table or volume
-signature in its first blocks (memstrata's own header does not count). The
-first blocks come from a `HeadReader`, so tests feed captured bytes and the
-agent reads the real device; everything else is parsing.
+Whether a namespace is free is `memstrata.node.safety.namespace_problems`,
+the same rule the raw-NVMe engine applies before it opens a device; this
+module only gathers its facts: the namespace's sysfs entry, the mount table,
+/proc/swaps and its first blocks. The first blocks come from a `HeadReader`,
+so tests feed captured bytes and the agent reads the real device; everything
+else is parsing.
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 from memstrata.api.inventory import NvmeController, NvmeNamespace
+from memstrata.node.safety import (
+    Mount, Problem, block_state, describe, namespace_problems, parse_mounts, parse_swaps,
+)
 from memstrata.node.sysfs import SysfsError, SysfsTree
-from memstrata.node.safety import probe_signature
 
 # Returns the first bytes of /dev/<name>; raises OSError when it cannot.
 HeadReader = Callable[[str], bytes]
@@ -25,23 +26,6 @@ SECTOR = 512  # sysfs `size` is in 512-byte sectors whatever the logical block s
 _PATH_NODE = re.compile(r"^nvme\d+c\d+n\d+$")
 _NAMESPACE = re.compile(r"^nvme\d+n\d+$")
 _CONTROLLER = re.compile(r"^nvme\d+$")
-_DEV = re.compile(r"^\d+:\d+$")
-
-
-def parse_mounts(text: str) -> list[tuple[str, str]]:
-    """(what, mountpoint) pairs from /proc/mounts or /proc/self/mountinfo text.
-
-    `what` is the major:minor from mountinfo (exact, whatever name the device
-    was mounted by) or the source device path from /proc/mounts.
-    """
-    out = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 5 and _DEV.match(fields[2]):  # mountinfo: id parent maj:min root mountpoint ...
-            out.append((fields[2], fields[4].replace("\\040", " ")))
-        elif len(fields) >= 2:
-            out.append((fields[0], fields[1].replace("\\040", " ")))
-    return out
 
 
 def _numa(tree: SysfsTree, ctrl: str) -> int | None:
@@ -99,43 +83,17 @@ def namespace_names(tree: SysfsTree) -> list[str]:
     return names
 
 
-def _partitions(tree: SysfsTree, name: str) -> list[str]:
-    return [p for p in tree.entries(f"block/{name}", f"{name}*") if tree.exists(f"block/{name}/{p}/partition")]
-
-
-def busy_reasons(tree: SysfsTree, name: str, mounts: list[tuple[str, str]]) -> list[str]:
-    """Why another user may own namespace `name`, from sysfs and the mount table alone."""
-    base = f"block/{name}"
-    reasons = []
-    if tree.int(f"{base}/ro", required=False) == 1:
-        reasons.append("read-only")
-    parts = _partitions(tree, name)
-    if parts:
-        reasons.append(f"has partitions ({', '.join(parts)})")
-    holders = tree.entries(f"{base}/holders")
-    if holders:
-        reasons.append(f"held by {', '.join(holders)}")
-    names = {name, *parts}
-    devs = {tree.text(f"{base}/dev", required=False)} | {tree.text(f"{base}/{p}/dev", required=False) for p in parts}
-    devs.discard(None)
-    for what, target in mounts:
-        if what in devs or (what.startswith("/dev/") and Path(what).name in names):
-            reasons.append(f"mounted at {target}")
-    return reasons
-
-
-def signature_reason(name: str, heads: HeadReader) -> str | None:
-    """Why the first blocks forbid using the namespace: a foreign signature, or unreadable."""
+def problems(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequence[Mount],
+             swaps: Sequence[str]) -> list[Problem]:
+    """Why block device `name` (under the tree's `block/`) is not free: the one safety rule, never forced."""
     try:
-        head = heads(name)
-    except OSError as exc:
-        # Unknown content is treated as someone's data: safety over capacity.
-        return f"first blocks unreadable ({exc.strerror or exc})"
-    kind = probe_signature(head)
-    return f"foreign signature: {kind}" if kind else None
+        head: bytes | OSError = heads(name)
+    except OSError as exc:  # unknown content is treated as someone's data: safety over capacity
+        head = exc
+    return namespace_problems(head=head, block=block_state(tree, f"block/{name}"), mounts=mounts, swaps=swaps)
 
 
-def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: list[tuple[str, str]],
+def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequence[Mount], swaps: Sequence[str],
               numa_of: dict[str, int | None]) -> NvmeNamespace:
     base = f"block/{name}"
     nsid = tree.int(f"{base}/nsid")
@@ -148,13 +106,10 @@ def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: list[tuple[
     if lbs is None or lbs <= 0 or lbs & (lbs - 1):
         raise SysfsError(tree.path(f"{base}/queue/logical_block_size"),
                          f"logical block size must be a power of two, found {lbs}")
-    reasons = busy_reasons(tree, name, mounts)
+    found = problems(tree, name, heads, mounts, swaps)
+    reasons = [describe(found)] if found else []
     if sectors == 0:
         reasons.append("size is 0")
-    if not reasons:  # only read a device nothing else claims
-        sig = signature_reason(name, heads)
-        if sig:
-            reasons.append(sig)
     ctrl = _controller_of(tree, name)
     return NvmeNamespace(
         name=name, controller=ctrl, nsid=nsid, size_bytes=sectors * SECTOR, logical_block_size=lbs,
@@ -163,8 +118,8 @@ def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: list[tuple[
     )
 
 
-def namespaces(tree: SysfsTree, heads: HeadReader, mounts_text: str,
+def namespaces(tree: SysfsTree, heads: HeadReader, mounts_text: str, swaps_text: str,
                ctrls: list[NvmeController]) -> list[NvmeNamespace]:
-    mounts = parse_mounts(mounts_text)
+    mounts, swaps = parse_mounts(mounts_text), parse_swaps(swaps_text)
     numa_of = {c.name: c.numa_node for c in ctrls}
-    return [namespace(tree, name, heads, mounts, numa_of) for name in namespace_names(tree)]
+    return [namespace(tree, name, heads, mounts, swaps, numa_of) for name in namespace_names(tree)]

@@ -1,12 +1,23 @@
-"""Device safety: refuse any device that may hold someone's data.
+"""Namespace safety: the one rule for whether memstrata may write a block device.
 
-Writing to the wrong disk destroys data, so before the NVMe engine opens a
-block device it must have no partitions, no mounted filesystem, no holders
-(dm/md/bcache stacked on it), not be active swap, and carry no filesystem or
-partition-table signature in its first blocks. `force` overrides only the
-signature check (a user who knows the old content is garbage); never the rest.
+Writing to the wrong disk destroys data. A device is unsafe when any of these
+holds, and `namespace_problems` names every one that does:
 
-`probe_signature` is pure so that discovery can apply it to bytes it read.
+- its first blocks carry a filesystem, partition-table or volume signature,
+  or cannot be read (unknown content is someone's data). Checked first and
+  always, whatever else the blocks hold: a leftover memstrata header does not
+  hide a partition table written after it (sgdisk keeps the boot-code bytes);
+- it is a partition, or has partitions;
+- something is stacked on it or on a partition (dm, md, bcache: holders);
+- it or one of its partitions is mounted, or is an active swap area;
+- it is read-only.
+
+`force` overrides only the signature check, never the rest. The node agent's
+discovery (`memstrata.node.nvmescan`) and the raw-NVMe engine's pre-open check
+(`check_device`, via memstrata.runtime.strata.nvme) both call
+`namespace_problems`; they differ only in where the facts come from (a sysfs
+capture or /sys, a mount table, /proc/swaps, the first blocks). Everything but
+the readers at the bottom is pure.
 """
 from __future__ import annotations
 
@@ -14,10 +25,12 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from memstrata.node.header import is_memstrata
-
+from memstrata.node.sysfs import SysfsError, SysfsTree
 
 
 class DeviceUnsafeError(Exception):
@@ -60,34 +73,36 @@ def _mbr_kind(head: bytes) -> str | None:
     return "dos (MBR partition table)"
 
 
-def probe_signature(head: bytes) -> str | None:
-    """Name of the filesystem, partition table or volume found in `head`.
+_SIMPLE = [
+    (0, b"LUKS\xba\xbe", "crypto_LUKS"),
+    (0, b"SKUL\xba\xbe", "crypto_LUKS"),
+    (0, b"XFSB", "xfs"),
+    (0, b"hsqs", "squashfs"),
+    (65536 + 64, b"_BHRfS_M", "btrfs"),
+    (1024, b"\x10\x20\xf5\xf2", "f2fs"),
+    (32769, b"CD001", "iso9660"),
+    (0, b"\xfc\x4e\x2b\xa9", "linux_raid_member"),  # md superblock 1.1
+    (4096, b"\xfc\x4e\x2b\xa9", "linux_raid_member"),  # md superblock 1.2
+]
 
-    None for blank (all-zero) space and for memstrata's own header. Only
-    probes whose offsets lie inside `head` are applied, so pass PROBE_BYTES.
+
+def probe_signature(head: bytes) -> str | None:
+    """Name of the filesystem, partition table or volume found in `head`; None for none.
+
+    Every probe runs whatever the first bytes are: memstrata's own header
+    matches none of them, so it needs no exception, and one left behind
+    cannot hide a signature written over the blocks after it. Only probes
+    whose offsets lie inside `head` can match, so pass PROBE_BYTES.
     """
     head = bytes(head)
-    if is_memstrata(head):
-        return None
     for offset in (512, 4096):  # GPT header at LBA 1 for 512 B and 4 KiB sectors
         if _at(head, offset, b"EFI PART"):
             return "gpt (GPT partition table)"
     for offset in (0, 512, 1024, 1536):
         if _at(head, offset, b"LABELONE") and _at(head, offset + 24, b"LVM2 "):
             return "LVM2_member"
-    simple = [
-        (0, b"LUKS\xba\xbe", "crypto_LUKS"),
-        (0, b"SKUL\xba\xbe", "crypto_LUKS"),
-        (0, b"XFSB", "xfs"),
-        (0, b"hsqs", "squashfs"),
-        (65536 + 64, b"_BHRfS_M", "btrfs"),
-        (1024, b"\x10\x20\xf5\xf2", "f2fs"),
-        (32769, b"CD001", "iso9660"),
-        (0, b"\xfc\x4e\x2b\xa9", "linux_raid_member"),  # md superblock 1.1
-        (4096, b"\xfc\x4e\x2b\xa9", "linux_raid_member"),  # md superblock 1.2
-    ]
-    for offset, magic, name in simple:
-        if name and _at(head, offset, magic):
+    for offset, magic, name in _SIMPLE:
+        if _at(head, offset, magic):
             return name
     for page in (4096, 8192, 16384, 65536):
         if _at(head, page - 10, b"SWAPSPACE2") or _at(head, page - 10, b"SWAP-SPACE"):
@@ -95,6 +110,141 @@ def probe_signature(head: bytes) -> str | None:
     if _at(head, 4096 + 24, bytes.fromhex("c68573f64e1a45ca8265f57f48ba6d81")):
         return "bcache"
     return _ext_kind(head) or _mbr_kind(head)
+
+
+# -- the facts ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockState:
+    """What sysfs says about one block device and its partitions."""
+
+    name: str
+    numbers: frozenset[str] = frozenset()  # "major:minor" of the device and of each partition
+    partitions: tuple[str, ...] = ()
+    holders: tuple[str, ...] = ()  # stacked on the device or on one of its partitions
+    read_only: bool = False
+    is_partition: bool = False
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of a mount table."""
+
+    target: str
+    number: str | None = None  # "major:minor" (mountinfo: exact, whatever name it was mounted by)
+    source: str | None = None  # what was mounted, e.g. /dev/nvme0n1p2 (btrfs shows only this one)
+    fstype: str = ""
+
+
+ProblemKind = Literal["signature", "partition", "holders", "mounted", "swap", "read-only"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a device is unsafe; `reason` is what users read (inventory, errors)."""
+
+    kind: ProblemKind
+    reason: str
+
+
+def _unescape(field: str) -> str:
+    # The kernel octal-escapes space, tab, newline and backslash in mount and swap paths.
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def parse_mounts(text: str) -> list[Mount]:
+    """/proc/self/mountinfo or /proc/mounts text as Mounts (the format is told apart per line)."""
+    out = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and _is_number(fields[2]):  # mountinfo: id parent maj:min root target ... - fs source
+            tail = fields[fields.index("-", 6) + 1 :] if "-" in fields[6:] else []
+            out.append(Mount(target=_unescape(fields[4]), number=fields[2],
+                             source=_unescape(tail[1]) if len(tail) > 1 else None, fstype=tail[0] if tail else ""))
+        elif len(fields) >= 3:  # /proc/mounts: source target fstype options ...
+            out.append(Mount(target=_unescape(fields[1]), source=_unescape(fields[0]), fstype=fields[2]))
+    return out
+
+
+def parse_swaps(text: str) -> list[str]:
+    """Paths of the active swap areas in /proc/swaps text (its first line is a header)."""
+    lines = text.splitlines()
+    return [_unescape(line.split()[0]) for line in lines[1:] if line.split()]
+
+
+def _is_number(field: str) -> bool:
+    major, sep, minor = field.partition(":")
+    return bool(sep) and major.isdigit() and minor.isdigit()
+
+
+# -- the rule ----------------------------------------------------------------------------------------
+def signature_problem(head: bytes | OSError) -> Problem | None:
+    """A foreign signature in the first blocks, or the first blocks unreadable."""
+    if isinstance(head, OSError):
+        return Problem("signature", f"first blocks unreadable ({head.strerror or head})")
+    kind = probe_signature(head)
+    return Problem("signature", f"foreign signature: {kind}") if kind else None
+
+
+def namespace_problems(*, head: bytes | OSError | None, block: BlockState | None, mounts: Sequence[Mount],
+                       swaps: Sequence[str], force: bool = False) -> list[Problem]:
+    """Every reason memstrata must not write this device; empty when it is free.
+
+    `head` is its first PROBE_BYTES (or the error reading them; None only with
+    `force`, which skips the signature check and nothing else). `block` is
+    None for a regular file, which has no sysfs entry, mounts or swap of its own.
+    """
+    problems: list[Problem] = []
+    if not force:
+        sig = signature_problem(head if head is not None else OSError("not read"))
+        if sig is not None:
+            problems.append(sig)
+    if block is None:
+        return problems
+    names = {block.name, *block.partitions}
+    if block.is_partition:
+        problems.append(Problem("partition", "is itself a partition"))
+    if block.partitions:
+        problems.append(Problem("partition", f"has partitions ({', '.join(block.partitions)})"))
+    if block.holders:
+        problems.append(Problem("holders", f"held by {', '.join(block.holders)}"))
+    for target in _unique(m.target for m in mounts if _names_device(m, block.numbers, names)):
+        problems.append(Problem("mounted", f"mounted at {target}"))
+    for swap in _unique(s for s in swaps if os.path.basename(s) in names):
+        problems.append(Problem("swap", f"active swap ({swap})"))
+    if block.read_only:
+        problems.append(Problem("read-only", "read-only"))
+    return problems
+
+
+def _names_device(mount: Mount, numbers: frozenset[str], names: set[str]) -> bool:
+    if mount.number is not None and mount.number in numbers:
+        return True
+    return bool(mount.source and mount.source.startswith("/dev/") and os.path.basename(mount.source) in names)
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def describe(problems: Sequence[Problem]) -> str:
+    """The problems as one line, the way inventories and errors show them."""
+    return "; ".join(p.reason for p in problems)
+
+
+# -- readers (the edges) -----------------------------------------------------------------------------
+def block_state(tree: SysfsTree, rel: str) -> BlockState:
+    """The facts about the block device whose sysfs directory is `rel` (`block/nvme0n1`,
+    `class/block/loop3`); raises SysfsError naming a garbled attribute."""
+    name = Path(rel).name
+    parts = tuple(p for p in tree.entries(rel) if tree.exists(f"{rel}/{p}/partition"))
+    holders = tree.entries(f"{rel}/holders") + [h for p in parts for h in tree.entries(f"{rel}/{p}/holders")]
+    numbers = {tree.text(f"{rel}/dev", required=False)} | {tree.text(f"{rel}/{p}/dev", required=False) for p in parts}
+    return BlockState(
+        name=name, numbers=frozenset(n for n in numbers if n), partitions=parts, holders=tuple(_unique(holders)),
+        read_only=tree.int(f"{rel}/ro", required=False) == 1, is_partition=tree.exists(f"{rel}/partition"),
+    )
 
 
 def read_head(path: str, nbytes: int = PROBE_BYTES) -> bytes:
@@ -119,89 +269,66 @@ def read_head(path: str, nbytes: int = PROBE_BYTES) -> bytes:
         os.close(fd)
 
 
-def _block_name(rdev: int, sysfs_root: str) -> str:
+def read_swaps(path: str | Path = "/proc/swaps") -> str:
+    """/proc/swaps text; empty on a kernel built without swap (no such file). Other errors raise OSError."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def _device_mounts(text: str) -> list[Mount]:
+    # A mount by a /dev/disk/by-* or /dev/mapper link names the device only once resolved.
+    return [Mount(m.target, m.number, os.path.realpath(m.source), m.fstype)
+            if m.source and m.source.startswith("/dev/") else m for m in parse_mounts(text)]
+
+
+def _block_name(rdev: int, sysfs_root: str) -> str | None:
     link = Path(sysfs_root, "dev", "block", f"{os.major(rdev)}:{os.minor(rdev)}")
-    return Path(os.readlink(link)).name if link.is_symlink() else ""
+    return Path(os.readlink(link)).name if link.is_symlink() else None
 
 
-def _partitions(block_dir: Path) -> list[str]:
-    try:
-        children = list(block_dir.iterdir())
-    except OSError:
-        return []
-    return sorted(c.name for c in children if (c / "partition").is_file())
+def check_device(path: str, *, sysfs_root: str = "/sys", mountinfo: str = "/proc/self/mountinfo",
+                 swaps: str = "/proc/swaps", force: bool = False) -> bool:
+    """Raise DeviceUnsafeError naming `path` and every reason when it is not safe to write;
+    return whether it is a block device.
 
-
-def _mounts(proc_mounts: str) -> list[tuple[str, str]]:
-    try:
-        text = Path(proc_mounts).read_text()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 2:
-            out.append((parts[0], parts[1].replace("\\040", " ")))
-    return out
-
-
-def sysfs_problems(name: str, *, sysfs_root: str = "/sys", proc_mounts: str = "/proc/mounts",
-                   proc_swaps: str = "/proc/swaps") -> list[str]:
-    """Reasons (possibly none) why block device `name` (e.g. "nvme0n1", "loop3")
-    is not free for memstrata, read from a sysfs tree and a mounts table."""
-    block = Path(sysfs_root, "class", "block", name)
-    if not block.exists():
-        return [f"no such block device in {sysfs_root}/class/block"]
-    problems = []
-    if (block / "partition").is_file():
-        problems.append("is itself a partition")
-    parts = _partitions(block)
-    if parts:
-        problems.append(f"has partitions ({', '.join(parts)})")
-    try:
-        holders = sorted(p.name for p in (block / "holders").iterdir())
-    except OSError:
-        holders = []
-    if holders:
-        problems.append(f"held by {', '.join(holders)}")
-    names = {name, *parts}
-    for source, target in _mounts(proc_mounts):
-        if not source.startswith("/dev/"):
-            continue
-        # /dev/disk/by-* and /dev/mapper links name the device only after resolving.
-        if {os.path.basename(source), os.path.basename(os.path.realpath(source))} & names:
-            problems.append(f"mounted at {target} ({source})")
-    for source, _ in _mounts(proc_swaps)[1:]:
-        if os.path.basename(source) in names:
-            problems.append(f"active swap ({source})")
-    return problems
-
-
-def check_device(path: str, *, sysfs_root: str = "/sys", proc_mounts: str = "/proc/mounts",
-                 force: bool = False) -> None:
-    """Raise DeviceUnsafeError naming `path` and the reason when it is not safe to write.
-
-    Block devices get the sysfs checks (partitions, holders, mounts, swap) and
-    the signature check; regular files only the signature check. `force`
-    skips only the signature check.
+    Block devices get every check; regular files (a stratum where no spare
+    namespace exists) only the signature check. `force` skips only the
+    signature check.
     """
     try:
         st = os.stat(path)
     except OSError as exc:
         raise DeviceUnsafeError(path, f"cannot stat: {exc.strerror}") from exc
-    if stat.S_ISBLK(st.st_mode):
-        name = _block_name(st.st_rdev, sysfs_root) or os.path.basename(os.path.realpath(path))
-        problems = sysfs_problems(name, sysfs_root=sysfs_root, proc_mounts=proc_mounts)
-        if problems:
-            raise DeviceUnsafeError(path, "; ".join(problems))
-    elif not stat.S_ISREG(st.st_mode):
+    is_block = stat.S_ISBLK(st.st_mode)
+    if not is_block and not stat.S_ISREG(st.st_mode):
         raise DeviceUnsafeError(path, "neither a block device nor a regular file")
-    if force:
-        return
-    try:
-        head = read_head(path)
-    except OSError as exc:
-        raise DeviceUnsafeError(path, f"cannot read its first blocks: {exc.strerror}") from exc
-    kind = probe_signature(head)
-    if kind:
-        raise DeviceUnsafeError(path, f"carries a {kind} signature (pass force to overwrite it)")
+    block, mounts, active = None, [], []
+    if is_block:
+        name = _block_name(st.st_rdev, sysfs_root) or os.path.basename(os.path.realpath(path))
+        tree = SysfsTree(sysfs_root)
+        if not tree.exists(f"class/block/{name}"):
+            raise DeviceUnsafeError(path, f"no block device {name} in {sysfs_root}/class/block")
+        try:
+            block = block_state(tree, f"class/block/{name}")
+            mounts = _device_mounts(Path(mountinfo).read_text())
+            active = parse_swaps(read_swaps(swaps))
+        except SysfsError as exc:
+            raise DeviceUnsafeError(path, f"cannot tell whether it is in use: {exc}") from exc
+        except OSError as exc:
+            # Not knowing what is mounted or swapped on is no licence to write.
+            raise DeviceUnsafeError(path, f"cannot tell whether it is in use: {exc.filename}: "
+                                          f"{exc.strerror}") from exc
+    head: bytes | OSError | None = None
+    if not force:
+        try:
+            head = read_head(path)
+        except OSError as exc:
+            head = exc
+    problems = namespace_problems(head=head, block=block, mounts=mounts, swaps=active, force=force)
+    if problems:
+        hint = " (force overrides the signature check, nothing else)" if any(
+            p.kind == "signature" for p in problems) else ""
+        raise DeviceUnsafeError(path, describe(problems) + hint)
+    return is_block

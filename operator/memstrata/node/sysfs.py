@@ -8,6 +8,7 @@ Reading only: nothing here writes, so it is safe to point at the real /sys.
 """
 from __future__ import annotations
 
+import builtins
 import os
 import re
 from pathlib import Path
@@ -26,7 +27,10 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 def parse_list(text: str) -> list[int]:
-    """A kernel list such as `0-3,8,10-11` (cpulist, nodelist); empty text is an empty list."""
+    """A kernel list such as `0-3,8,10-11` (cpulist, nodelist, online, has_cpu); empty text is an empty list.
+
+    The one parser of this format: discovery, `memstrata.node.local` and the runtime's NUMA
+    façade (memstrata.runtime.strata.numa) all read node and CPU lists with it."""
     out: list[int] = []
     for part in text.strip().split(","):
         if not part:
@@ -82,7 +86,7 @@ class SysfsTree:
         except ValueError:
             raise SysfsError(self.path(rel), f"expected an integer, found {raw[:40]!r}") from None
 
-    def ints(self, rel: str | Path, *, required: bool = True) -> list[int] | None:
+    def ints(self, rel: str | Path, *, required: bool = True) -> list[builtins.int] | None:
         """A whitespace-separated row of integers (a NUMA `distance` file)."""
         raw = self.text(rel, required=required)
         if raw is None:
@@ -92,7 +96,7 @@ class SysfsTree:
         except ValueError:
             raise SysfsError(self.path(rel), f"expected integers separated by spaces, found {raw[:40]!r}") from None
 
-    def int_list(self, rel: str | Path, *, required: bool = True) -> list[int] | None:
+    def int_list(self, rel: str | Path, *, required: bool = True) -> list[builtins.int] | None:
         raw = self.text(rel, required=required)
         if raw is None:
             return None

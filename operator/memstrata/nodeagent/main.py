@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from memstrata.api.inventory import NodeInventory, render_node
-from memstrata.node.discovery import SysfsError, dev_heads, discover
+from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
 
 log = logging.getLogger("memstrata.nodeagent")
@@ -36,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="where namespaces' device nodes are (or <name>.head captures)")
     p.add_argument("--mountinfo", type=Path, default=Path("/proc/1/mountinfo"),
                    help="the host's mount table (/proc/mounts or mountinfo format)")
+    p.add_argument("--swaps", type=Path, default=Path("/proc/swaps"),
+                   help="active swap areas (/proc/swaps is the host's in any mount namespace)")
     p.add_argument("--plugin-dir", type=Path, default=PLUGIN_DIR, help="the kubelet's device-plugins directory")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
                    help="Node to label (default $NODE_NAME; empty: do not talk to the API server)")
@@ -57,7 +59,11 @@ def read_inventory(args: argparse.Namespace) -> NodeInventory:
         mounts = args.mountinfo.read_text()
     except OSError as exc:
         raise SysfsError(args.mountinfo, f"cannot read the mount table: {exc.strerror}") from exc
-    return discover(args.sysfs_root, heads=dev_heads(args.dev_root), mounts_text=mounts,
+    try:
+        swaps = read_swaps(args.swaps)
+    except OSError as exc:
+        raise SysfsError(args.swaps, f"cannot read the active swap areas: {exc.strerror}") from exc
+    return discover(args.sysfs_root, heads=dev_heads(args.dev_root), mounts_text=mounts, swaps_text=swaps,
                     hostname=args.node_name or socket.gethostname())
 
 

@@ -6,13 +6,13 @@ resources — so the operator only creates a pod where the scheduler will bind i
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from memstrata.api.inventory import (
     RESOURCE_CXL_GIB, RESOURCE_GPU, RESOURCE_NVME, NodeInventory, NodeNotManagedError, read_node,
 )
+from memstrata.api.units import quantity_value
 from memstrata.operator.names import LABEL_JOB_UID
 
 RESOURCES = (RESOURCE_GPU, RESOURCE_NVME, RESOURCE_CXL_GIB)
@@ -20,24 +20,10 @@ RESOURCES = (RESOURCE_GPU, RESOURCE_NVME, RESOURCE_CXL_GIB)
 # that only GPU workloads land there, and a fine-tune is one.
 TOLERATED_TAINT_KEYS = frozenset({RESOURCE_GPU})
 
-_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$")
-
-
 def quantity(value: str | int | None) -> int:
-    """A Kubernetes quantity as a whole number (milli-units round up; extended resources are integers)."""
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value
-    m = _QUANTITY.match(str(value).strip())
-    if not m:
-        raise ValueError(f"not a Kubernetes quantity: {value!r}")
-    number, suffix = float(m.group(1)), m.group(2) or ""
-    if suffix == "m":
-        return int(-(-number // 1000))
-    return int(number * _SUFFIX[suffix])
+    """A resource amount on a Node or pod: absent is 0, else Kubernetes' Quantity.Value()
+    (memstrata.api.units.quantity_value)."""
+    return 0 if value is None else quantity_value(value)
 
 
 @dataclass(frozen=True)
@@ -56,9 +42,10 @@ class NodeView:
 def node_view(node: Mapping[str, Any]) -> NodeView:
     meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
     name = meta.get("name", "")
+    inventory: NodeInventory | None
     try:
-        inventory: NodeInventory | None = read_node(node)
-        error, key = "", inventory.model_dump_json(exclude={"hostname"})
+        read = read_node(node)
+        inventory, error, key = read, "", read.model_dump_json(exclude={"hostname"})
     except NodeNotManagedError as exc:
         inventory, error, key = None, str(exc), ""
     alloc = status.get("allocatable") or {}

@@ -17,10 +17,11 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+from memstrata.node.sysfs import parse_list
 from memstrata.runtime import _native
 from memstrata.runtime.strata.errors import NumaError
 
-__all__ = ["NumaArena", "NumaError", "Policy", "online_nodes", "memory_nodes"]
+__all__ = ["NumaArena", "NumaError", "Policy", "online_nodes", "memory_nodes", "cpu_nodes"]
 
 
 class Policy(IntEnum):
@@ -29,21 +30,10 @@ class Policy(IntEnum):
     PREFERRED = 2  # this node first, spill elsewhere
 
 
-def parse_nodelist(text: str) -> list[int]:
-    """'0-2,4' -> [0, 1, 2, 4] (the sysfs node list format)."""
-    nodes: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        nodes.extend(range(int(lo), int(hi or lo) + 1))
-    return nodes
-
-
 def _node_list(sysfs_root: str, name: str) -> list[int]:
     path = Path(sysfs_root, "devices/system/node", name)
     try:
-        return parse_nodelist(path.read_text())
+        return parse_list(path.read_text())
     except FileNotFoundError:
         return [0]  # kernel built without NUMA: one node
     except (OSError, ValueError) as exc:
@@ -57,6 +47,14 @@ def online_nodes(sysfs_root: str = "/sys") -> list[int]:
 def memory_nodes(sysfs_root: str = "/sys") -> list[int]:
     """Nodes that have memory (CPU-less CXL nodes included)."""
     return _node_list(sysfs_root, "has_memory")
+
+
+def cpu_nodes(sysfs_root: str = "/sys") -> list[int]:
+    """Nodes that have CPUs: DRAM (CXL expanders show up as CPU-less nodes).
+    Every online node where the kernel does not say (no has_cpu)."""
+    if not Path(sysfs_root, "devices/system/node/has_cpu").exists():
+        return online_nodes(sysfs_root)
+    return _node_list(sysfs_root, "has_cpu")
 
 
 def _validate(nodes: Sequence[int], sysfs_root: str) -> tuple[int, ...]:

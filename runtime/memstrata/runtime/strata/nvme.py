@@ -18,7 +18,6 @@ import fcntl
 import itertools
 import mmap
 import os
-import stat
 import struct
 import time
 import uuid
@@ -133,8 +132,7 @@ def _open_fd(path: str, force: bool, busy_timeout_s: float) -> tuple[int, int, i
     A process killed with I/O in flight keeps its files referenced until the
     kernel has torn its io_uring down (asynchronously, after the exit), so
     "busy" is retried for `busy_timeout_s` before it is reported."""
-    check_device(path, force=force)
-    is_block = stat.S_ISBLK(os.stat(path).st_mode)
+    is_block = check_device(path, force=force)
     deadline = time.monotonic() + busy_timeout_s
     while True:
         try:
@@ -165,11 +163,17 @@ def _open_fd(path: str, force: bool, busy_timeout_s: float) -> tuple[int, int, i
 
 def _claim(path: str, fd: int, lbs: int, size: int, job: str, set_id: uuid.UUID, index: int,
            count: int) -> tuple[Header, Header | None]:
-    """Stamp a fresh OPEN header; returns it and the stale one it replaced (if any)."""
+    """Stamp a fresh OPEN header; returns it and the stale one it replaced (if any).
+
+    The rest of the reserved zone [HEADER_BYTES, DATA_OFFSET) is zeroed first: a
+    signature a forced open overrode (btrfs at 64 KiB, GPT at 4 KiB) must not
+    outlive it, or the next check, which probes behind memstrata's header too,
+    would refuse memstrata's own device."""
     capacity = (size - DATA_OFFSET) // lbs * lbs if size > DATA_OFFSET else 0
     if capacity < lbs:
         raise NvmeError(f"too small: {size} bytes, memstrata needs more than {DATA_OFFSET}", device=path)
     head = _aligned_io(fd, path, 0, None, HEADER_BYTES)
+    _aligned_io(fd, path, HEADER_BYTES, bytes(DATA_OFFSET - HEADER_BYTES), DATA_OFFSET - HEADER_BYTES)
     try:
         old = parse_header(head)
     except HeaderError:

@@ -1,95 +1,34 @@
-"""Exact-size page-locked arena with buffer sets per tensor-shape class.
+"""The locked-memory pool: exact-size page-locked host buffers for the swap layer.
 
-DeepSpeed pins `buffer_count` buffers all sized for the largest tensor, and
-torch's pinned allocator rounds each request up to a power of two. Here one
-region per stratum is carved exactly (4 KiB alignment, nothing rounded to a
-power of two) into one buffer set per shape class (embedding/LM head,
-attention projections, MLP projections, the rest), each sized for the
-largest tensor *of its class*. The region is registered with
-cudaHostRegister when CUDA is present (so copies are truly pinned), mlock'ed
-otherwise; locked bytes are accounted, and a too-low RLIMIT_MEMLOCK is
+DeepSpeed pins `buffer_count` buffers all sized for the largest tensor (or the
+largest sub-group), and torch's pinned allocator rounds each request up to a
+power of two. `LockedPool` hands out exactly what is asked (rounded to 4 KiB),
+carved first-fit from locked regions that it adds `chunk_bytes` at a time only
+when no free run fits, and gives idle regions back on `trim()`. Each region is
+placed on its NUMA nodes (mbind before the first touch) and mlock'ed, so
+`locked_bytes` is what the kernel counts (VmLck); a too-low RLIMIT_MEMLOCK is
 reported with the number needed.
+
+This is the only locked-memory allocator of the runtime: memstrata.runtime.swap
+builds two per rank (optimizer operands on DRAM, parameter staging over CXL)
+and DeepSpeed's swappers receive their buffers from them.
 """
 from __future__ import annotations
 
-import ctypes
-import errno as E
 import resource
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import Enum
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from memstrata.runtime import _native
-from memstrata.runtime.strata.errors import PinnedMemoryError
+from memstrata.runtime.strata.affinity import Placement
+from memstrata.runtime.strata.errors import NumaError, PinnedMemoryError
+from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError
 
-__all__ = ["ShapeClass", "BufferSet", "PinnedArena", "PinnedMemoryError", "shape_class", "buffer_sets_for",
-           "layout", "locked_bytes_total", "vm_locked_bytes"]
+__all__ = ["ALIGN", "LockedPool", "PinnedMemoryError", "vm_locked_bytes"]
 
 ALIGN = 4096
-_locked_total = 0  # bytes locked by every live arena of this process
-
-
-class ShapeClass(str, Enum):
-    EMBEDDING = "embedding"  # token embedding and LM head: the largest tensors
-    ATTENTION = "attention"  # q/k/v/o projections
-    MLP = "mlp"  # gate/up/down projections
-    OTHER = "other"  # norms, biases
-
-
-_MARKERS = [
-    # memstrata's own Decoder names its untied LM head `head` and its position table `positions`.
-    (ShapeClass.EMBEDDING, ("embed", "lm_head", "wte", "wpe", "word_embeddings", "output.weight", "positions")),
-    (ShapeClass.ATTENTION, ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj", "query_key_value")),
-    (ShapeClass.MLP, ("mlp", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "c_fc", "feed_forward")),
-]
-
-
-def shape_class(param_name: str) -> ShapeClass:
-    """The shape class of a parameter from its module path (HF/GPT naming)."""
-    name = param_name.lower()
-    if name.endswith("bias") or "norm" in name or "ln_" in name:
-        return ShapeClass.OTHER
-    if name == "head.weight" or name.endswith(".head.weight"):
-        return ShapeClass.EMBEDDING
-    for cls, markers in _MARKERS:
-        if any(m in name for m in markers):
-            return cls
-    return ShapeClass.OTHER
-
-
-@dataclass(frozen=True)
-class BufferSet:
-    shape_class: ShapeClass
-    buffer_bytes: int  # exact size of each buffer (before 4 KiB alignment of its start)
-    count: int
-
-
-def buffer_sets_for(numels: Mapping[str, int], *, dtype_bytes: int, count: int) -> list[BufferSet]:
-    """Per shape class, up to `count` buffers the size of that class's largest tensor — never more
-    buffers than the class has tensors (a model has one or two embedding-sized tensors, not `count`)."""
-    largest: dict[ShapeClass, int] = {}
-    tensors: dict[ShapeClass, int] = {}
-    for name, numel in numels.items():
-        cls = shape_class(name)
-        largest[cls] = max(largest.get(cls, 0), numel * dtype_bytes)
-        tensors[cls] = tensors.get(cls, 0) + 1
-    return [BufferSet(cls, size, min(count, tensors[cls]))
-            for cls, size in sorted(largest.items(), key=lambda kv: kv[0].value)]
-
-
-def layout(sets: Sequence[BufferSet]) -> tuple[list[tuple[ShapeClass, int, int]], int]:
-    """[(class, offset, nbytes)] for every buffer, and the arena size. Pure."""
-    slots, offset = [], 0
-    for s in sets:
-        if s.buffer_bytes <= 0 or s.count <= 0:
-            raise ValueError(f"buffer set {s.shape_class.value}: size and count must be positive, got {s}")
-        for _ in range(s.count):
-            slots.append((s.shape_class, offset, s.buffer_bytes))
-            offset += -(-s.buffer_bytes // ALIGN) * ALIGN
-    return slots, offset
 
 
 def vm_locked_bytes(pid: str = "self") -> int:
@@ -100,141 +39,167 @@ def vm_locked_bytes(pid: str = "self") -> int:
     return 0
 
 
-def locked_bytes_total() -> int:
-    return _locked_total
-
-
-def _cudart() -> Any | None:
-    """libcudart when a CUDA device is usable, else None (never imports torch)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and not torch.cuda.is_available():
-        return None
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        n = ctypes.c_int(0)
-        if lib.cudaGetDeviceCount(ctypes.byref(n)) == 0 and n.value > 0:
-            return lib
-        return None
-    return None
-
-
 def _lock_error(size: int, exc: OSError) -> PinnedMemoryError:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = None if soft == resource.RLIM_INFINITY else soft
     already = vm_locked_bytes()
     needed = already + size
     if limit is not None and needed > limit:
-        msg = (f"cannot lock {size} bytes of pinned arena: RLIMIT_MEMLOCK is {limit} bytes and {already} are "
+        msg = (f"cannot lock {size} bytes of the locked pool: RLIMIT_MEMLOCK is {limit} bytes and {already} are "
                f"already locked; it must be at least {needed} bytes (ulimit -l {-(-needed // 1024)}, or "
-               f"CAP_IPC_LOCK)")
+               f"CAP_IPC_LOCK; or set the swap layer's lock_memory off)")
     else:
-        msg = f"cannot lock {size} bytes of pinned arena: {exc.strerror}"
+        msg = f"cannot lock {size} bytes of the locked pool: {exc.strerror}"
     return PinnedMemoryError(msg, needed_bytes=needed, limit_bytes=limit, errno=exc.errno)
 
 
-class PinnedArena:
-    """One locked region carved into per-shape-class buffer sets."""
+def _torch() -> Any:
+    # Imported on first use only: the strata work without torch (the guest has none).
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch  # noqa: F811
+    return torch
 
-    def __init__(self, region: Any, slots: list[tuple[ShapeClass, int, int]], cudart: Any | None) -> None:
-        self._region = region
-        self._cudart = cudart
-        self._free: dict[ShapeClass, list[int]] = {}
-        self._slots = {off: (cls, n) for cls, off, n in slots}
-        for cls, off, _ in slots:
-            self._free.setdefault(cls, []).append(off)
-        self._taken: set[int] = set()
 
-    @classmethod
-    def create(cls, sets: Sequence[BufferSet], *, use_cuda: bool | None = None) -> PinnedArena:
-        """Map, lock (or cudaHostRegister) and carve the arena for `sets`."""
-        global _locked_total
-        slots, size = layout(sets)
-        if size == 0:
-            raise ValueError("a pinned arena needs at least one buffer set")
-        cudart = _cudart() if use_cuda in (None, True) else None
-        if use_cuda and cudart is None:
-            raise PinnedMemoryError("use_cuda=True but no CUDA device is usable", needed_bytes=size,
-                                    limit_bytes=None, errno=E.ENODEV)
+class LockedPool:
+    """Exact-size page-locked host buffers, carved from locked regions of `chunk_bytes`.
+
+    A request gets exactly its size rounded to 4 KiB (no power-of-two rounding,
+    no buffer sized for the largest tensor); freed space is reused first-fit,
+    and a region is only added when no free run fits. Constructing a pool
+    allocates nothing."""
+
+    def __init__(self, chunk_bytes: int = 64 << 20, lock: bool = True, placement: Placement | None = None) -> None:
+        if chunk_bytes < ALIGN:
+            raise ValueError(f"chunk_bytes must be at least {ALIGN}, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.lock = lock
+        self.placement = placement
+        self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
+        self._region_use: dict[int, int] = {}  # id -> bytes handed out
+        self._next_region = 0
+        self._owner: dict[int, tuple[int, int, int]] = {}  # address -> (region id, offset, bytes)
+        self.locked_bytes = 0  # bytes of the regions held now (mlock'ed unless `lock` is off)
+        self.peak_in_use = 0
+        self.in_use = 0
+        self.released_bytes = 0  # given back in all, by trim() and before growing
+
+    # -- buffers -------------------------------------------------------------------------------------
+    def take(self, nbytes: int) -> memoryview:
+        """A writable view of exactly `nbytes` locked bytes (at least one), 4 KiB aligned."""
+        nbytes = max(1, nbytes)
+        for idx, (region, alloc) in self._regions.items():
+            try:
+                off, size = alloc.allocate(nbytes)
+            except ExtentError:
+                continue
+            return self._hand_out(idx, region, off, size, nbytes)
+        idx, region, alloc = self._grow(nbytes)
+        off, size = alloc.allocate(nbytes)
+        return self._hand_out(idx, region, off, size, nbytes)
+
+    def tensor(self, numel: int, dtype: Any) -> Any:
+        """A 1-D torch tensor of `numel` elements of `dtype` over locked bytes (no copy)."""
+        torch = _torch()
+        item = torch.empty((), dtype=dtype).element_size()
+        view = self.take(max(1, numel) * item)
+        t = torch.frombuffer(view, dtype=torch.uint8).view(dtype)
+        return t[:numel]
+
+    def owns(self, buffer: Any) -> bool:
+        """Whether `buffer` (a tensor or buffer) lies in one of this pool's regions."""
+        ptr = _address(buffer)
+        return any(region.address <= ptr < region.address + region.size for region, _ in self._regions.values())
+
+    def free(self, buffer: Any) -> None:
+        """Give back a buffer from take() or tensor(); raises ValueError for a foreign or freed one."""
+        key = _address(buffer)
+        if key not in self._owner:
+            raise ValueError("buffer was not handed out by this pool (or was freed twice)")
+        idx, off, size = self._owner.pop(key)
+        self._regions[idx][1].free(off)
+        self._region_use[idx] -= size
+        self.in_use -= size
+
+    # -- regions -------------------------------------------------------------------------------------
+    def _grow(self, nbytes: int) -> tuple[int, Any, ExtentAllocator]:
+        size = max(self.chunk_bytes, -(-nbytes // ALIGN) * ALIGN)
+        # An idle region made for one large buffer (larger than a chunk) is kept only for a later request
+        # that fits in it; this one did not, so give such regions back before locking more. Otherwise
+        # sub-groups of slightly different sizes each leave one behind, and the update locks every one of
+        # them until trim(). Idle chunks stay: the many small buffers reuse them.
+        self._release(lambda idx, region: region.size > self.chunk_bytes)
         try:
             region = _native.Region(size)
         except OSError as exc:
-            raise PinnedMemoryError(f"cannot map {size} bytes: {exc.strerror}", needed_bytes=size,
-                                    limit_bytes=None, errno=exc.errno) from None
-        try:
-            if cudart is not None:
-                rc = cudart.cudaHostRegister(ctypes.c_void_p(region.address), ctypes.c_size_t(size), 0)
-                if rc != 0:
-                    raise PinnedMemoryError(f"cudaHostRegister of {size} bytes failed with CUDA error {rc}",
-                                            needed_bytes=size, limit_bytes=None)
-            else:
+            raise PinnedMemoryError(f"cannot map {size} bytes for the locked pool: {exc.strerror}",
+                                    needed_bytes=size, limit_bytes=None, errno=exc.errno) from None
+        placement = self.placement
+        if placement is not None and placement.nodes:
+            # mbind before the first touch (mlock faults every page in), so pages land where placement says.
+            try:
+                region.bind(list(placement.nodes), int(placement.policy))
+            except OSError as exc:
+                region.close()
+                nodes = ",".join(map(str, placement.nodes))
+                raise NumaError(f"cannot place {size} bytes of the locked pool with policy "
+                                f"{placement.policy.name.lower()} on NUMA nodes {nodes}: {exc.strerror}",
+                                nodes=placement.nodes, errno=exc.errno) from None
+        if self.lock:
+            try:
                 region.lock()
-        except OSError as exc:
-            region.close()
-            raise _lock_error(size, exc) from None
-        except BaseException:
-            region.close()
-            raise
-        _locked_total += size
-        return cls(region, slots, cudart)
+            except OSError as exc:
+                region.close()
+                raise _lock_error(size, exc) from None
+        alloc = ExtentAllocator(0, size, ALIGN)
+        idx, self._next_region = self._next_region, self._next_region + 1
+        self._regions[idx], self._region_use[idx] = (region, alloc), 0
+        self.locked_bytes += size
+        return idx, region, alloc
 
-    @property
-    def nbytes(self) -> int:
-        return int(self._region.size)
+    def _hand_out(self, idx: int, region: Any, off: int, size: int, nbytes: int) -> memoryview:
+        view = memoryview(region)[off : off + nbytes]
+        self._owner[region.address + off] = (idx, off, size)
+        self._region_use[idx] += size
+        self.in_use += size
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return view
 
-    @property
-    def locked_bytes(self) -> int:
-        return self.nbytes
+    def node_of_pages(self, buffer: Any) -> list[int]:
+        """The NUMA node of every page of a buffer handed out by this pool (move_pages)."""
+        ptr = _address(buffer)
+        if ptr not in self._owner:
+            raise ValueError("buffer was not handed out by this pool (or was freed)")
+        idx, off, size = self._owner[ptr]
+        return list(self._regions[idx][0].node_of_pages(off, size))
 
-    @property
-    def cuda_registered(self) -> bool:
-        return self._cudart is not None
+    def trim(self) -> int:
+        """Give back every region with nothing handed out; the bytes released.
 
-    def buffer(self) -> memoryview:
-        """The whole arena (register it with NvmeEngine.register_buffers)."""
-        return memoryview(self._region)
+        Called between phases (after the update): the update's working set and
+        the activations of forward/backward then never count together in the
+        peak. A region unmaps (and unlocks) once its last view is gone."""
+        return self._release(lambda idx, region: True)
 
-    def acquire(self, cls: ShapeClass, nbytes: int | None = None) -> memoryview:
-        """A free buffer of class `cls`, viewed as exactly `nbytes` (default: the buffer's size)."""
-        free = self._free.get(cls)
-        if free is None:
-            raise KeyError(f"arena has no buffer set for shape class {cls.value!r}")
-        if not free:
-            raise PinnedMemoryError(f"all buffers of shape class {cls.value!r} are in use; release one first",
-                                    needed_bytes=0, limit_bytes=None, errno=E.EBUSY)
-        off = free[-1]
-        size = self._slots[off][1]
-        if nbytes is not None and not 0 < nbytes <= size:
-            raise ValueError(f"{nbytes} bytes do not fit a {cls.value} buffer of {size} bytes")
-        free.pop()
-        self._taken.add(off)
-        return memoryview(self._region)[off : off + (size if nbytes is None else nbytes)]
-
-    def release(self, view: memoryview) -> None:
-        """Give back a buffer obtained from acquire()."""
-        off = _native.buffer_address(view)[0] - self._region.address
-        if off not in self._taken:
-            raise ValueError("buffer was not acquired from this arena (or released twice)")
-        self._taken.discard(off)
-        self._free[self._slots[off][0]].append(off)
-        view.release()
+    def _release(self, which: Callable[[int, Any], bool]) -> int:
+        """Drop the idle regions `which` selects; the bytes released."""
+        released = 0
+        for idx in [i for i, used in self._region_use.items() if used == 0 and which(i, self._regions[i][0])]:
+            region, _ = self._regions.pop(idx)
+            del self._region_use[idx]
+            released += region.size
+        self.locked_bytes -= released
+        self.released_bytes += released
+        return released
 
     def close(self) -> None:
-        global _locked_total
-        if self._region.size == 0:
-            return
-        size = self.nbytes
-        if self._region.exports:
-            raise BufferError(f"cannot close pinned arena: {self._region.exports} views of it are alive")
-        if self._cudart is not None:
-            self._cudart.cudaHostUnregister(ctypes.c_void_p(self._region.address))
-        self._region.close()  # munmap drops the mlock
-        _locked_total -= size
+        self._owner.clear()
+        self._regions.clear()  # regions unmap (and unlock) when their last view is gone
+        self._region_use.clear()
+        self.locked_bytes = 0
 
-    def __enter__(self) -> PinnedArena:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _address(buffer: Any) -> int:
+    if hasattr(buffer, "data_ptr"):
+        return int(buffer.data_ptr())
+    return int(_native.buffer_address(buffer)[0])

@@ -6,9 +6,10 @@ path is only a name for the tensor. `ExtentSwapHandle` keeps that interface,
 so DeepSpeed's swap bookkeeping is reused, but each name maps to an extent
 on memstrata's NVMe stratum (striped over all of its namespaces) instead of a
 file: nothing is written to DeepSpeed's swap folder. Host buffers it hands
-out (`new_cpu_locked_tensor`) come from `LockedPool`, carved exactly from
-locked regions rather than pinned by torch (power-of-two rounding) or by the
-aio op (posix_memalign per buffer).
+out (`new_cpu_locked_tensor`) come from the rank's `LockedPool`
+(memstrata.runtime.strata.pinned), carved exactly from locked regions rather
+than pinned by torch (power-of-two rounding) or by the aio op (posix_memalign
+per buffer).
 
 Counters (bytes per direction, extents live, peak concurrency) feed the
 runtime's status payload and the tests that prove no silent fallback.
@@ -24,17 +25,12 @@ from typing import Any
 
 import torch
 
-from memstrata.runtime import _native
 from memstrata.runtime.strata.buffers import as_byte_view
-from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError
 from memstrata.runtime.strata.nvme import Extent, Handle, NvmeEngine
-from memstrata.runtime.strata.pinned import vm_locked_bytes
-from memstrata.runtime.strata.affinity import Placement
+from memstrata.runtime.strata.pinned import LockedPool
 from memstrata.runtime.swap.tokens import IoTokens
 
-__all__ = ["SwapCounters", "LockedPool", "ExtentSwapHandle", "SwapError"]
-
-_ALIGN = 4096
+__all__ = ["SwapCounters", "ExtentSwapHandle", "SwapError"]
 
 
 class SwapError(RuntimeError):
@@ -64,91 +60,6 @@ class SwapCounters:
             self.bytes_read += nbytes
             self.reads += 1
             w_r[1] += nbytes
-
-
-class LockedPool:
-    """Exact-size page-locked host buffers, carved from locked regions of `chunk_bytes`.
-
-    A request gets exactly its size rounded to 4 KiB (no power-of-two rounding,
-    no buffer sized for the largest tensor); freed space is reused first-fit.
-    Regions are mlock'ed when the pool grows, so `locked_bytes` is what the
-    kernel counts (VmLck), and a region is only added when no free run fits."""
-
-    def __init__(self, chunk_bytes: int = 64 << 20, lock: bool = True, placement: Placement | None = None) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.lock = lock
-        self.placement = placement
-        self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
-        self._region_use: dict[int, int] = {}  # id -> bytes handed out
-        self._next_region = 0
-        self._owner: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (region index, offset, bytes)
-        self.locked_bytes = 0
-        self.peak_in_use = 0
-        self.in_use = 0
-
-    def tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
-        for idx, (region, alloc) in self._regions.items():
-            try:
-                off, size = alloc.allocate(nbytes)
-            except ExtentError:
-                continue
-            return self._view(idx, region, off, size, numel, dtype)
-        size = max(self.chunk_bytes, -(-nbytes // _ALIGN) * _ALIGN)
-        region = _native.Region(size)
-        if self.placement is not None and self.placement.nodes:
-            # mbind before the first touch, so every page lands where placement says.
-            region.bind(list(self.placement.nodes), int(self.placement.policy))
-        if self.lock:
-            region.lock()
-        self.locked_bytes += size
-        alloc = ExtentAllocator(0, size, _ALIGN)
-        idx, self._next_region = self._next_region, self._next_region + 1
-        self._regions[idx], self._region_use[idx] = (region, alloc), 0
-        off, got = alloc.allocate(nbytes)
-        return self._view(idx, region, off, got, numel, dtype)
-
-    def _view(self, idx: int, region: Any, off: int, size: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        raw = torch.frombuffer(memoryview(region)[off:off + size], dtype=torch.uint8)
-        t = raw.view(dtype)[:numel] if numel else raw.view(dtype)[:0]
-        self._owner[t.data_ptr()] = (idx, off, size)
-        self._region_use[idx] += size
-        self.in_use += size
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
-        return t
-
-    def owns(self, t: torch.Tensor) -> bool:
-        ptr = t.data_ptr()
-        return any(region.address <= ptr < region.address + region.size for region, _ in self._regions.values())
-
-    def free(self, t: torch.Tensor) -> None:
-        key = t.data_ptr()
-        if key not in self._owner:
-            raise SwapError("buffer was not handed out by this pool (or was freed twice)")
-        idx, off, size = self._owner.pop(key)
-        self._regions[idx][1].free(off)
-        self._region_use[idx] -= size
-        self.in_use -= size
-
-    def trim(self) -> int:
-        """Give back every region with nothing handed out; the bytes released.
-
-        Called between phases (after the update): the update's working set and
-        the activations of forward/backward then never count together in the
-        peak. A region unmaps (and unlocks) once its last view is gone."""
-        released = 0
-        for idx in [i for i, used in self._region_use.items() if used == 0]:
-            region, _ = self._regions.pop(idx)
-            del self._region_use[idx]
-            released += region.size
-        self.locked_bytes -= released
-        return released
-
-    def close(self) -> None:
-        self._owner.clear()
-        self._regions.clear()  # regions unmap (and unlock) when their last view is gone
-        self._region_use.clear()
-        self.locked_bytes = 0
 
 
 class ExtentSwapHandle:
@@ -290,7 +201,3 @@ class ExtentSwapHandle:
 
 def _digest(t: Any) -> str:
     return hashlib.sha256(as_byte_view(t, writable=False)).hexdigest()
-
-
-def locked_now() -> int:
-    return vm_locked_bytes()
