@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pause_at_step == step:
             out["paused"] = True
             if layer is not None:
-                out["swap"] = layer.status()
+                out["swap"] = layer.status().wire()
             Path(args.out).write_text(json.dumps(out))
             time.sleep(3600)  # the test kills us here, mid-step, with I/O state live
         engine.step()
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             out["time_to_first_step"] = time.perf_counter() - t0
     out["rss_peak_by_phase"] = dict(mem.peaks)
     if layer is not None:
-        out["swap"] = layer.status()
+        out["swap"] = layer.status().wire()
         out["overflow_checks"] = layer.overflow_checks
         out["checksums_verified"] = len(layer.checksums or {})
         layer.close()

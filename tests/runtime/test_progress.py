@@ -44,3 +44,35 @@ def test_report_prints_loss_trend_bytes_and_phases() -> None:
     assert "loss: first 5 steps mean 4.6000 -> last 5 mean 2.8000 (x0.61, falling)" in text
     assert "600.0 MiB" in text and "610.0 MiB" in text and "800.0 MiB" in text
     assert "backward" in text and "zero_optimization.sub_group_size" in text
+
+
+def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
+    from memstrata.runtime.swap.status import SwapStatus
+
+    # The swap status as the harness and earlier reports wrote it: camelCase, gradients null when not in DRAM.
+    wire = {
+        "nvme": {"namespaces": ["/dev/nvme1n1"], "bytesWritten": 700 << 20, "bytesRead": 650 << 20,
+                 "bytesLive": 40 << 20, "bytesLivePeak": 48 << 20, "extentsLive": 12,
+                 "byKind": {"optimizer": {"written": 500 << 20, "read": 450 << 20},
+                            "param": {"written": 200 << 20, "read": 200 << 20}},
+                 "ioTokenWaitSeconds": 0.25},
+        "dram": {"lockedBytes": 96 << 20, "lockedPeakInUse": 64 << 20, "trimmedBytes": 0,
+                 "optimizerCacheBytes": 12 << 20, "optimizerCacheHits": 7, "subGroupOrders": [[0, 1], [1, 0]],
+                 "gradients": None, "vmLockedBytes": 96 << 20},
+    }
+    losses = [5.0, 4.0, 3.0, 2.0, 1.0]
+    report = RunReport(
+        job="t", model="gpt-tiny", parameters=527_872, precision="bf16", engine="memstrata",
+        offload={"param": "nvme", "optimizer": "nvme"}, steps=5, tokens=5_120, tokens_per_second=2000.0,
+        losses=losses, loss=LossSummary.of(losses), peak_rss_bytes=800 << 20,
+        strata={"nvme": StratumCounters(peak_bytes=48 << 20, bytes_written=700 << 20, bytes_read=650 << 20)},
+        swap_dir="/scratch/x", swap_files=0, swap_files_after_init=0, phases={"total": 1.0}, deepspeed_settings=[],
+        memstrata=SwapStatus.model_validate(wire),
+    )
+    assert report.model_dump(mode="json")["memstrata"] == wire  # --report-json: the same names as before
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "memstrata swap layer" in text and "written through 1 namespace(s)" in text
+    assert "optimizer state written / read" in text and "500.0 MiB / 450.0 MiB" in text
+    assert "12.0 MiB, 7 hits" in text

@@ -25,11 +25,17 @@ from __future__ import annotations
 import copy
 import json
 import os
-from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from memstrata.runtime.swap.protocols import ZeroOptimizer, ZeroParam
+from memstrata.runtime.swap.status import GradientStatus
+
+if TYPE_CHECKING:
+    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
 
 __all__ = ["accumulation_config", "install_dram_gradients", "DramGradients"]
 
@@ -75,56 +81,51 @@ def accumulation_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict
 class DramGradients:
     """Where a ZeRO-3 sub-group's gradients are: per parameter, a view of the optimizer's flat buffer."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: ZeroOptimizer) -> None:
         self.opt = optimizer
         # fp32 flat sub-group parameter (what the swapper is handed) -> sub-group index
         self._group_of = {id(p): i for i, p in enumerate(optimizer.fp32_partitioned_groups_flat)}
         self.bytes_widened = 0
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> GradientStatus:
         flat = self.opt.grad_partitions_flat_buffer
-        return {"dtype": str(flat.dtype).removeprefix("torch."), "bytes": flat.numel() * flat.element_size(),
-                "widenedBytes": self.bytes_widened}
+        return GradientStatus(dtype=str(flat.dtype).removeprefix("torch."), nbytes=flat.numel() * flat.element_size(),
+                              widened_bytes=self.bytes_widened)
 
-    def holds(self, fp32_param: Any) -> bool:
+    def holds(self, fp32_param: torch.Tensor) -> bool:
         i = self._group_of.get(id(fp32_param))
         return i is not None and bool(self.opt._swappable_optimizer_subgroup(i))
 
-    def _pieces(self, fp32_param: Any) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def _pieces(self, fp32_param: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(offset in the sub-group, numel, the parameter's view of the flat buffer), per parameter.
         Looked up on every call: `offload_states`/`reload_states` rebuild the views over new storage."""
         opt = self.opt
-        views = getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+        views = opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
         for param in opt.fp16_groups[self._group_of[id(fp32_param)]]:
             _, offset, numel = opt.grad_position[opt.get_param_id(param)]
             yield offset, numel, views[param.ds_id].narrow(0, 0, numel)
 
-    def fill_fp32_gradients(self, fp32_param: Any, dest: torch.Tensor) -> None:
+    def fill_fp32_gradients(self, fp32_param: torch.Tensor, dest: torch.Tensor) -> None:
         """Widen sub-group `fp32_param`'s gradients into `dest` (fp32, at least the sub-group's size)."""
         for offset, numel, view in self._pieces(fp32_param):
             dest.narrow(0, offset, numel).copy_(view)
             self.bytes_widened += numel * dest.element_size()
 
-    def store_fp32_gradients(self, fp32_param: Any, src: torch.Tensor) -> None:
+    def store_fp32_gradients(self, fp32_param: torch.Tensor, src: torch.Tensor) -> None:
         """Write an fp32 gradient that was changed in place (DeepSpeed's `safe_set_full_grad`, Muon) back to
         the flat buffer, where the next swap-in widens it from; in a 16-bit buffer it is rounded to that dtype."""
         for offset, numel, view in self._pieces(fp32_param):
             view.copy_(src.narrow(0, offset, numel))
 
 
-def install_dram_gradients(optimizer: Any, swapper: Any) -> DramGradients:
-    """Stop ZeRO-3 from copying and swapping gradients of NVMe sub-groups; the swapper widens them instead."""
-    missing = [m for m in ("_offload_grad_partition_at_boundary", "grad_position", "fp16_groups",
-                           "fp32_partitioned_groups_flat", "_swappable_optimizer_subgroup", "norm_for_param_grads",
-                           "_constant_buffered_norm2", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
-               if not hasattr(optimizer, m)]
-    if missing:
-        raise RuntimeError(f"DeepSpeed ZeRO-3 optimizer lacks {missing}: the DRAM-gradient hook was written for "
-                           "DeepSpeed 0.19.8's stage3.py")
+def install_dram_gradients(optimizer: ZeroOptimizer, swapper: MemstrataOptimizerSwapper) -> DramGradients:
+    """Stop ZeRO-3 from copying and swapping gradients of NVMe sub-groups; the swapper widens them instead.
+
+    The optimizer's names used here are checked by memstrata.runtime.swap.seam before initialize."""
     grads = DramGradients(optimizer)
     original = optimizer._offload_grad_partition_at_boundary
 
-    def at_boundary(param: Any, grad_buffer: Any, offload_fp32_gradients: dict[int, list[Any]],
+    def at_boundary(param: ZeroParam, grad_buffer: torch.Tensor, offload_fp32_gradients: dict[int, list[torch.Tensor]],
                     offload_fp32_offsets: dict[int, list[int]]) -> None:
         pid = optimizer.get_param_id(param)
         if not optimizer._swappable_optimizer_subgroup(optimizer.grad_position[pid][0]):

@@ -1,7 +1,13 @@
 """The one place memstrata touches DeepSpeed: `initialize`, a drop-in for `deepspeed.initialize`.
 
-Hook points (DeepSpeed 0.19.8 only; any other version is refused with a clear
-message, because each is an internal name):
+DeepSpeed 0.19.8 only: any other version is refused with a clear message, and
+before anything is built the installed DeepSpeed is checked against
+memstrata.runtime.swap.seam, the declared list of every DeepSpeed internal the
+hooks below rely on (names, signatures, the attributes memstrata's swappers
+re-create, the step's sub-group loop); one error names every entry that no
+longer matches. A new hook gets its entries there first.
+
+Hook points:
 
 1. `deepspeed.runtime.zero.partition_parameters.AsyncPartitionedParameterSwapper`
    - the class `zero.Init` instantiates for `offload_param.device: nvme`;
@@ -28,21 +34,24 @@ Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, release_free_heap
+from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
+from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed, ensure_verified
 
-__all__ = ["SUPPORTED_DEEPSPEED", "UnsupportedDeepSpeed", "check_version", "initialize", "swap_layer_of"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SUPPORTED_DEEPSPEED", "SeamMismatch", "UnsupportedDeepSpeed", "check_version", "initialize",
+           "swap_layer_of"]
 
 SUPPORTED_DEEPSPEED = "0.19.8"
-
-
-class UnsupportedDeepSpeed(RuntimeError):
-    pass
 
 
 def check_version(version: str | None = None) -> str:
@@ -79,13 +88,13 @@ def _swappers_installed() -> Iterator[None]:
             setattr(mod, name, orig)
 
 
-def _one_pass_has_overflow(layer: SwapLayer) -> Any:
+def _one_pass_has_overflow(layer: SwapLayer) -> Callable[[ZeroOptimizer, bool], bool]:
     import torch
     from deepspeed import comm as dist
 
     from memstrata.runtime.strata.overflow import has_overflow as scan
 
-    def has_overflow(self: Any, partition_gradients: bool = True) -> bool:
+    def has_overflow(self: ZeroOptimizer, partition_gradients: bool = True) -> bool:
         if not partition_gradients:
             return type(self).has_overflow(self, partition_gradients)
         layer.overflow_checks += 1
@@ -98,7 +107,7 @@ def _one_pass_has_overflow(layer: SwapLayer) -> Any:
     return has_overflow
 
 
-def _trim_after_step(optimizer: Any, layer: SwapLayer) -> None:
+def _trim_after_step(optimizer: ZeroOptimizer, layer: SwapLayer) -> None:
     step = optimizer.step
 
     def step_then_trim(*args: Any, **kwargs: Any) -> Any:
@@ -113,13 +122,13 @@ def _trim_after_step(optimizer: Any, layer: SwapLayer) -> None:
     optimizer.step = step_then_trim
 
 
-def _needed_bytes(model: Any) -> int:
+def _needed_bytes(model: torch.nn.Module | None) -> int:
     """NVMe bytes for one rank: 16-bit weights, fp32 master + 2 moments + fp32 gradients, with slack."""
     numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
     return int(numel * (2 + 4 * 4) * 1.5) + (256 << 20)
 
 
-def _nvme_path(config: Any) -> Path:
+def _nvme_path(config: dict[str, Any] | str | os.PathLike[str] | None) -> Path:
     cfg = config if isinstance(config, dict) else {}
     if isinstance(config, (str, os.PathLike)):
         import json
@@ -134,60 +143,73 @@ def _nvme_path(config: Any) -> Path:
                      ".nvme_path; memstrata's swap layer replaces ZeRO-3's NVMe offload, so one must be set")
 
 
+def _settings(swap: SwapSettings | dict[str, Any] | None) -> SwapSettings:
+    if swap is None:
+        env = os.environ.get("MEMSTRATA_SWAP")
+        return SwapSettings.model_validate_json(env) if env else SwapSettings()
+    return swap if isinstance(swap, SwapSettings) else SwapSettings.model_validate(swap)
+
+
+def _zero3(engine: Engine) -> ZeroOptimizer | None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    opt = engine.optimizer
+    return opt if isinstance(opt, DeepSpeedZeroOptimizer_Stage3) else None
+
+
 def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, ...]:
     """`deepspeed.initialize(...)` with memstrata's swap layer; same arguments, same 4-tuple.
 
     `swap` (or the MEMSTRATA_SWAP environment variable, JSON) configures the layer. The
     returned engine carries the layer as `engine.memstrata` (see `swap_layer_of`)."""
     check_version()
+    ensure_verified()
     import deepspeed
     from deepspeed import comm as dist
 
-    if swap is None:
-        env = os.environ.get("MEMSTRATA_SWAP")
-        settings = SwapSettings.model_validate_json(env) if env else SwapSettings()
-    else:
-        settings = swap if isinstance(swap, SwapSettings) else SwapSettings.model_validate(swap)
-    config = kwargs.get("config", kwargs.get("config_params"))
-    if config is None and len(args) >= 9:
-        config = args[8]
-    if settings.dram_gradients:
+    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
+
+    settings = _settings(swap)
+    # By name, as deepspeed.initialize reads them, whether the caller passed them by position or keyword.
+    call = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    key = "config" if call.arguments.get("config") is not None else "config_params"
+    config = call.arguments.get(key)
+    if settings.dram_gradients and config is not None:
         from memstrata.runtime.swap.gradients import accumulation_config
 
-        key = "config" if "config" in kwargs else "config_params" if "config_params" in kwargs else None
-        if key is not None:
-            kwargs[key] = config = accumulation_config(config)
+        call.arguments[key] = config = accumulation_config(config)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank = dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     layer = SwapLayer.open(settings, rank=rank, local_rank=local_rank, local_world=local_world,
-                           fallback_dir=_nvme_path(config), needed_bytes=_needed_bytes(kwargs.get("model")))
+                           fallback_dir=_nvme_path(config), needed_bytes=_needed_bytes(call.arguments.get("model")))
     try:
         with activate(layer), _swappers_installed():
-            result = deepspeed.initialize(*args, **kwargs)
+            result = deepspeed.initialize(*call.args, **call.kwargs)
     except BaseException:
         layer.close()
         raise
-    engine = result[0]
-    engine.memstrata = layer
-    opt = getattr(engine, "optimizer", None)
-    swapper = getattr(opt, "optimizer_swapper", None)
-    if settings.cache_subgroups > 0 and swapper is not None and hasattr(swapper, "keep_ids"):
+    engine: Engine = result[0]
+    engine.memstrata = layer  # read back by swap_layer_of
+    opt = _zero3(engine)
+    swapper = opt.optimizer_swapper if opt is not None else None
+    if settings.cache_subgroups > 0 and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
         from memstrata.runtime.swap.suborder import install_reversing_order
 
         layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
-    if settings.dram_gradients and swapper is not None and hasattr(swapper, "dram_gradients"):
+    if settings.dram_gradients and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
         from memstrata.runtime.swap.gradients import install_dram_gradients
 
         layer.dram_gradients = install_dram_gradients(opt, swapper)
     if settings.trim_after_step and opt is not None:
         _trim_after_step(opt, layer)
-    if settings.one_pass_overflow and engine.fp16_enabled() and hasattr(opt, "grad_partitions_flat_buffer"):
+    if settings.one_pass_overflow and opt is not None and engine.fp16_enabled():
         opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
     return result
 
 
-def swap_layer_of(engine: Any) -> SwapLayer | None:
-    return getattr(engine, "memstrata", None)
+def swap_layer_of(engine: object) -> SwapLayer | None:
+    layer = getattr(engine, "memstrata", None)
+    return layer if isinstance(layer, SwapLayer) else None

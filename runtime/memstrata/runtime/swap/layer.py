@@ -18,10 +18,11 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from memstrata.runtime.strata.nvme import NvmeEngine
-from memstrata.runtime.strata.numa import online_nodes
-from memstrata.runtime.strata.pinned import vm_locked_bytes
+from memstrata.runtime.strata.numa import cpu_nodes
+from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes
 from memstrata.runtime.strata.affinity import TensorKind, place
-from memstrata.runtime.swap.handle import ExtentSwapHandle, LockedPool, SwapCounters
+from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters
+from memstrata.runtime.swap.status import DramStatus, MovedBytes, NvmeStatus, SwapStatus
 from memstrata.runtime.swap.tokens import IoTokens
 
 __all__ = ["SwapSettings", "SwapLayer", "active", "activate", "release_free_heap"]
@@ -39,14 +40,19 @@ class SwapSettings(BaseModel):
     queue_depth: int = Field(32, ge=1, le=4096, description="io_uring entries per rank.")
     stripe_bytes: int = Field(1 << 20, ge=4096, description="Stripe unit over namespaces (multi-path).")
     io_token_limit: int = Field(1, ge=1, description="Ranks of one node doing I/O on the stratum at once.")
-    cache_subgroups: int = Field(1, ge=0, description="Optimizer sub-groups whose state stays in DRAM.")
+    cache_subgroups: int = Field(
+        1, ge=0, description="Optimizer sub-groups (per rank) whose state stays in DRAM across steps. A run from a "
+                             "plan sets it from the plan's DRAM bytes for optimizer state "
+                             "(memstrata.runtime.swap.stratamap.cache_subgroups); 1 is the least a plan gives.")
     min_swap_bytes: int = Field(64 << 10, ge=4096, description="Smaller tensors stay in DRAM (DeepSpeed: 1 MiB).")
     param_staging_bytes: int = Field(256 << 20, ge=0,
                                      description="Locked bytes the parameter prefetcher may fill ahead of use.")
     pool_chunk_bytes: int = Field(32 << 20, ge=1 << 20, description="Growth step of the locked pool.")
     lock_memory: bool = Field(True, description="mlock the pool (pinned); off only where RLIMIT_MEMLOCK is tiny.")
     checksums: bool = Field(False, description="Verify every read against a hash of what was written (tests).")
-    file_bytes: int = Field(0, ge=0, description="Size of a file-backed namespace created here; 0: from the model.")
+    file_bytes: int = Field(0, ge=0, description="Size of the fallback file-backed namespace created here when "
+                                                 "`nvme` is empty; 0: from the model. A run from a plan names its "
+                                                 "namespaces in `nvme`, sized by stratamap from the plan.")
     force: bool = Field(False, description="Override only the foreign-signature check of a namespace.")
     dram_nodes: list[int] = Field(default_factory=list, description="DRAM NUMA nodes; empty: every node with CPUs.")
     cxl_nodes: list[int] = Field(default_factory=list, description="CPU-less CXL NUMA nodes (the plan's cxl_nodes).")
@@ -101,15 +107,18 @@ def release_free_heap() -> None:
 _malloc_trim: Any = None
 
 
-def _cpu_nodes() -> list[int]:
-    """Online nodes that have CPUs: DRAM. CXL expanders show up as CPU-less nodes."""
-    try:
-        text = Path("/sys/devices/system/node/has_cpu").read_text()
-    except OSError:
-        return online_nodes()
-    from memstrata.runtime.strata.numa import parse_nodelist
+def locked_pools(settings: SwapSettings) -> tuple[LockedPool, LockedPool]:
+    """A rank's two locked pools, (optimizer, parameter staging); they allocate nothing until asked.
 
-    return parse_nodelist(text)
+    Optimizer operands are bound to DRAM; parameter staging (DMA only) is
+    interleaved over the CXL nodes when there are any (memstrata.runtime.strata.affinity)."""
+    dram = settings.dram_nodes or cpu_nodes()
+
+    def pool(kind: TensorKind) -> LockedPool:
+        return LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory,
+                          placement=place(kind, dram_nodes=dram, cxl_nodes=settings.cxl_nodes))
+
+    return pool(TensorKind.OPTIMIZER), pool(TensorKind.PARAM_STAGING)
 
 
 class SwapLayer:
@@ -119,13 +128,7 @@ class SwapLayer:
         self.engine = engine
         self.rank, self.local_rank = rank, local_rank
         self.created_files = created_files
-        dram = settings.dram_nodes or _cpu_nodes()
-        # Optimizer operands in DRAM; parameter staging (DMA only) over CXL when there is any.
-        self.pool = LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory,
-                               placement=place(TensorKind.OPTIMIZER, dram_nodes=dram, cxl_nodes=settings.cxl_nodes))
-        self.param_pool = LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory,
-                                     placement=place(TensorKind.PARAM_STAGING, dram_nodes=dram,
-                                                     cxl_nodes=settings.cxl_nodes))
+        self.pool, self.param_pool = locked_pools(settings)
         self.counters = SwapCounters()
         self.tokens = IoTokens("nvme", settings.io_token_limit, rank=local_rank)
         self.checksums: dict[str, str] | None = {} if settings.checksums else None
@@ -178,38 +181,32 @@ class SwapLayer:
         release_free_heap()
         return released
 
-    def status(self) -> dict[str, Any]:
-        """Per-stratum bytes for the progress report and the job status (JSON-ready, camelCase like the API).
-
-        nvme: namespaces, bytesWritten/bytesRead (device counters), bytesLive/extentsLive (state
-        held now), bytesLivePeak, byKind {param|optimizer: {written, read}}, ioTokenWaitSeconds.
-        dram: lockedBytes (pool regions, mlock'ed), lockedPeakInUse, trimmedBytes (given back after
-        updates, in all), optimizerCacheBytes/Hits,
-        gradients {dtype, bytes, widenedBytes} when they stay in DRAM (else null),
-        vmLockedBytes (the kernel's VmLck for this process)."""
+    def status(self) -> SwapStatus:
+        """Per-stratum bytes for the progress report and the job status; `.wire()` is its JSON."""
         dev = self.engine.stats()
-        return {
-            "nvme": {
-                "namespaces": [d.path for d in dev],
-                "bytesWritten": sum(d.bytes_written for d in dev),
-                "bytesRead": sum(d.bytes_read for d in dev),
-                "bytesLive": self.counters.extent_bytes_live,
-                "bytesLivePeak": self.counters.extent_bytes_peak,
-                "extentsLive": self.counters.extents_live,
-                "byKind": {k: {"written": w, "read": r} for k, (w, r) in self.counters.by_kind.items()},
-                "ioTokenWaitSeconds": round(self.tokens.wait_seconds, 3),
-            },
-            "dram": {
-                "lockedBytes": self.pool.locked_bytes + self.param_pool.locked_bytes,
-                "lockedPeakInUse": self.pool.peak_in_use + self.param_pool.peak_in_use,
-                "trimmedBytes": self.trimmed_bytes,
-                "optimizerCacheBytes": self.cache_bytes,
-                "optimizerCacheHits": self.cache_hits,
-                "subGroupOrders": self.subgroup_order.history[-8:] if self.subgroup_order is not None else [],
-                "gradients": self.dram_gradients.status() if self.dram_gradients is not None else None,
-                "vmLockedBytes": vm_locked_bytes(),
-            },
-        }
+        order = self.subgroup_order
+        return SwapStatus(
+            nvme=NvmeStatus(
+                namespaces=[d.path for d in dev],
+                bytes_written=sum(d.bytes_written for d in dev),
+                bytes_read=sum(d.bytes_read for d in dev),
+                bytes_live=self.counters.extent_bytes_live,
+                bytes_live_peak=self.counters.extent_bytes_peak,
+                extents_live=self.counters.extents_live,
+                by_kind={k: MovedBytes(written=w, read=r) for k, (w, r) in self.counters.by_kind.items()},
+                io_token_wait_seconds=round(self.tokens.wait_seconds, 3),
+            ),
+            dram=DramStatus(
+                locked_bytes=self.pool.locked_bytes + self.param_pool.locked_bytes,
+                locked_peak_in_use=self.pool.peak_in_use + self.param_pool.peak_in_use,
+                trimmed_bytes=self.trimmed_bytes,
+                optimizer_cache_bytes=self.cache_bytes,
+                optimizer_cache_hits=self.cache_hits,
+                sub_group_orders=order.history[-8:] if order is not None else [],
+                gradients=self.dram_gradients.status() if self.dram_gradients is not None else None,
+                vm_locked_bytes=vm_locked_bytes(),
+            ),
+        )
 
     def close(self) -> None:
         try:

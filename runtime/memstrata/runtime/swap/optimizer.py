@@ -24,7 +24,6 @@ memory or bypass memstrata:
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 from deepspeed import comm as dist
@@ -33,9 +32,15 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
 
 from memstrata.runtime.swap import layer as swaplayer
-from memstrata.runtime.swap.handle import LockedPool
+from memstrata.runtime.swap.gradients import DramGradients
+from memstrata.runtime.strata.pinned import LockedPool
+from memstrata.runtime.swap.protocols import SwapInfo
 
 __all__ = ["MemstrataOptimizerSwapper", "ExactBuffers"]
+
+# One piece of a sub-group's 16-bit parameters, as ZeRO-3 hands it to fast_init: the partition, its numel,
+# and its swap name (None: the partition is in memory, not swapped).
+_Fp16Part = tuple[torch.Tensor, int, str | None]
 
 
 class ExactBuffers:
@@ -72,15 +77,15 @@ class ExactBuffers:
 
 
 class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
-    def __init__(self, swap_config: Any, aio_config: Any, base_folder: str, optimizer: Any, largest_numel: int,
-                 device: Any, dtype: torch.dtype, timers: Any) -> None:
-        # Deliberately not super().__init__: that loads the aio op, creates the swap
-        # folder and pins buffer_count x largest sub-group. Same attributes, no side effects.
+    def __init__(self, swap_config: object, aio_config: object, base_folder: str, optimizer: torch.optim.Optimizer,
+                 largest_numel: int, device: object, dtype: torch.dtype, timers: object) -> None:
+        # Deliberately not super().__init__: that loads the aio op, creates the swap folder and pins
+        # buffer_count x largest sub-group. The same attributes (seam: Kind.RECREATED), no side effects.
         layer = swaplayer.active()
         self.layer = layer
         self.swap_config, self.aio_config = swap_config, aio_config
         self.aio_handle = layer.handle("optimizer")
-        self.swap_params_info: dict[str, Any] = {}
+        self.swap_params_info: dict[str, SwapInfo] = {}
         self.swap_element_size = torch.tensor([], dtype=dtype).element_size()
         self.swap_folder = os.path.join(f"memstrata:/optimizer/rank{dist.get_rank()}")
         self.optimizer = optimizer
@@ -90,7 +95,7 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         self.largest_numel = self._io_aligned_numel(largest_numel)
         self.dtype = dtype
         self.swap_buffer_manager = ExactBuffers(layer.pool, dtype, spare_count=2)
-        self.timers, self.timer_names = timers, set()
+        self.timers, self.timer_names = timers, set[str]()
         self.print_exclude_list = ["optimizer", "swap_buffer_manager", "swap_params_info", "timers",
                                    "timer_names", "aio_handle", "gradient_swapper", "print_exclude_list", "layer"]
         self.gradient_swapper = AsyncTensorSwapper(aio_handle=self.aio_handle, numel_alignment=self.numel_alignment,
@@ -101,11 +106,11 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         # step walks first. None without that hook: then the first K cacheable sub-groups stay for good.
         self.keep_ids: set[str] | None = None
         # Set by memstrata.runtime.swap.gradients: gradients of NVMe sub-groups stay in DRAM, never swapped.
-        self.dram_gradients: Any = None
+        self.dram_gradients: DramGradients | None = None
 
     # -- cache -------------------------------------------------------------------------------------
-    def swap_in_optimizer_state(self, parameter: Any, async_parameter: Any = None) -> None:
-        info = self._get_param_swap_info(parameter)
+    def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: object = None) -> None:
+        info: SwapInfo | None = self._get_param_swap_info(parameter)
         if info is None:
             return
         cached = self._cached.get(info.param_id)
@@ -126,7 +131,7 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             self._swap_in_gradients(aio_handle=self.aio_handle, parameter=parameter, dest_buffer=grad_buf[0])
         self._widen_dram_gradients(parameter, info)
 
-    def _widen_dram_gradients(self, parameter: Any, info: Any) -> None:
+    def _widen_dram_gradients(self, parameter: torch.Tensor, info: SwapInfo) -> None:
         """With memstrata.runtime.swap.gradients installed: this sub-group's fp32 gradients, widened from DRAM
         into one exact buffer that is released with the state buffers."""
         grads = self.dram_gradients
@@ -137,8 +142,8 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         info.swap_buffers.append(buf)
         parameter.grad = buf.narrow(0, 0, parameter.numel())
 
-    def swap_out_optimizer_state(self, parameter: Any, async_swap: bool = False) -> None:
-        info = self._get_param_swap_info(parameter)
+    def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
+        info: SwapInfo | None = self._get_param_swap_info(parameter)
         if info is None:
             return
         pid = info.param_id
@@ -170,7 +175,7 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             return
         super().swap_out_optimizer_state(parameter, async_swap)
 
-    def _adopt_into_pool(self, info: Any) -> list[torch.Tensor]:
+    def _adopt_into_pool(self, info: SwapInfo) -> list[torch.Tensor]:
         """Copy every compute tensor of `info` into fresh pool buffers and rebind it there; the old swap
         buffers stay in `info.swap_buffers` after the new ones, for the caller to free."""
         aligned = self._io_aligned_numel(info.numel())
@@ -182,8 +187,8 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         info.swap_buffers = fresh + old
         return fresh
 
-    def release_swap_buffers(self, parameter: Any) -> None:
-        info = self._get_param_swap_info(parameter)
+    def release_swap_buffers(self, parameter: torch.Tensor) -> None:
+        info: SwapInfo | None = self._get_param_swap_info(parameter)
         if info is not None and info.param_id in self._cached:
             n = info.num_tensors()
             extra = info.swap_buffers[n:]
@@ -193,9 +198,9 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             return
         super().release_swap_buffers(parameter)
 
-    def writeback_optimizer_state_and_gradients(self, parameter: Any, write_opt_state: bool,
+    def writeback_optimizer_state_and_gradients(self, parameter: torch.Tensor, write_opt_state: bool,
                                                 write_gradients: bool) -> None:
-        info = self._get_param_swap_info(parameter)
+        info: SwapInfo | None = self._get_param_swap_info(parameter)
         grads = self.dram_gradients
         if (write_gradients and info is not None and grads is not None and grads.holds(parameter)
                 and not info.has_gradients() and parameter.grad is not None):
@@ -207,25 +212,23 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
                 self._drop_cached(info.param_id, keep_buffers_for=info)
         super().writeback_optimizer_state_and_gradients(parameter, write_opt_state, write_gradients)
 
-    def _drop_cached(self, pid: str, keep_buffers_for: Any = None) -> None:
+    def _drop_cached(self, pid: str, keep_buffers_for: SwapInfo | None = None) -> None:
         bufs = self._cached.pop(pid)
         self.layer.cache_bytes -= sum(t.numel() * t.element_size() for t in bufs)
         if keep_buffers_for is None:
             self.swap_buffer_manager.free(bufs)
 
     # -- fast init -----------------------------------------------------------------------------------
-    def initialize_from_swapped_fp16_params(self, fp16_partitions_info: list[Any], fp16_num_elems: list[int],
-                                            fp16_pinned_buffers: list[torch.Tensor],
-                                            fp32_parameters: list[Any]) -> None:
+    def initialize_from_swapped_fp16_params(self, fp16_partitions_info: list[list[_Fp16Part]],
+                                            fp16_num_elems: list[int], fp16_pinned_buffers: list[torch.Tensor],
+                                            fp32_parameters: list[torch.Tensor]) -> None:
         paths = self._get_swap_paths(parameters=fp32_parameters, num_elems=fp16_num_elems)
         for parts, numel, path in zip(fp16_partitions_info, fp16_num_elems, paths):
-            fp16 = None
             reads, dsts = [], []
             fp32 = self.swap_buffer_manager.allocate(self._io_aligned_numel(numel), 1, self.dtype)[0]
+            fp16 = self.layer.pool.tensor(self._io_aligned_numel(numel), parts[0][0].dtype)
             offset = 0
             for tensor, part_numel, part_path in parts:
-                if fp16 is None:
-                    fp16 = self.layer.pool.tensor(self._io_aligned_numel(numel), tensor.dtype)
                 dst = fp16.narrow(0, offset, part_numel)
                 if part_path is None:
                     dst.copy_(tensor.data)

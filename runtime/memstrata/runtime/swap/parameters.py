@@ -15,8 +15,6 @@ DeepSpeed's own.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartitionedParameterSwapper,
@@ -24,12 +22,15 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartit
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
 
 from memstrata.runtime.swap import layer as swaplayer
+from memstrata.runtime.swap.protocols import DsConfig, ZeroParam
 
 __all__ = ["MemstrataParamSwapper"]
 
 
 class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
-    def _configure_aio(self, ds_config: Any) -> None:
+    def _configure_aio(self, ds_config: DsConfig) -> None:
+        # Replaces stock's: no swap folder, no aio op, no pinned slab. It sets the same attributes
+        # (seam: Kind.RECREATED), which stock's __init__ and the methods not overridden here read.
         layer = swaplayer.active()
         self.layer = layer
         self.swap_config = ds_config.zero_config.offload_param
@@ -46,13 +47,13 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self.elements_per_buffer = 1 << 62  # no per-buffer ceiling: buffers are exact
         self.aligned_elements_per_buffer = self.elements_per_buffer
         self.param_buffer_count = 0
-        self.available_buffer_ids = []
-        self.reserved_buffer_ids = []
+        self.available_buffer_ids: list[int] = []
+        self.reserved_buffer_ids: list[int] = []
         # Two handles, as DeepSpeed has: each wait() completes (and counts) only its own ops.
         self.aio_read_handle = layer.handle("param")
         self.aio_write_handle = layer.handle("param")
         self.buffers = None
-        self.swap_out_params = []
+        self.swap_out_params: list[ZeroParam] = []
         self._reserved: list[torch.Tensor] = []
 
     # -- buffers -----------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         largest = max(self.param_id_to_numel.values(), default=1) * self.swap_element_size
         return max(0, int((budget - self.layer.param_bytes_in_use) // max(largest, 1)))
 
-    def _new_buffer(self, param: Any, numel: int) -> torch.Tensor:
+    def _new_buffer(self, param: ZeroParam, numel: int) -> torch.Tensor:
         aligned = self._io_aligned_numel(numel)
         buf = self.layer.param_pool.tensor(aligned, self.dtype)
         self.param_id_to_buffer_id[param.ds_id] = buf.data_ptr()
@@ -70,8 +71,8 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self.layer.param_bytes_in_use += aligned * self.swap_element_size
         return buf
 
-    def _allocate_and_return_buffers_for_swap_in(self, params: list[Any]) -> tuple[list[torch.Tensor],
-                                                                                  list[torch.Tensor]]:
+    def _allocate_and_return_buffers_for_swap_in(self, params: list[ZeroParam]) -> tuple[list[torch.Tensor],
+                                                                                        list[torch.Tensor]]:
         compute, swap = [], []
         for param in params:
             if param.ds_id not in self.param_id_to_numel:
@@ -83,11 +84,11 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
             compute.append(buf.narrow(0, 0, self.param_id_to_numel[param.ds_id]))
         return compute, swap
 
-    def get_buffer(self, param: Any, numel: int) -> torch.Tensor:
+    def get_buffer(self, param: ZeroParam, numel: int) -> torch.Tensor:
         self.param_id_to_numel[param.ds_id] = numel
         return self._new_buffer(param, numel).narrow(0, 0, numel)
 
-    def remove_partition_and_release_buffers(self, params: list[Any]) -> None:
+    def remove_partition_and_release_buffers(self, params: list[ZeroParam]) -> None:
         for param in params:
             pid = param.ds_id
             buf = self.param_id_to_swap_buffer.pop(pid, None)
@@ -113,8 +114,8 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self._reserved = []
 
     # -- swap in without the fixed-slot assertion ------------------------------------------------------
-    def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: list[torch.Tensor] | None = None
-                ) -> None:
+    def swap_in(self, params: list[ZeroParam], async_op: bool = True,
+                swap_in_buffers: list[torch.Tensor] | None = None) -> None:
         if swap_in_buffers is None:
             # The prefetcher walks the trace, where a tied weight (embedding = LM head) appears
             # twice; DeepSpeed would assert on the second. One read serves both uses.

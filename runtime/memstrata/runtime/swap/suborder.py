@@ -2,9 +2,9 @@
 
 ZeRO-3's `step()` (DeepSpeed 0.19.8, stage3.py) updates sub-groups in one
 fixed loop, `for sub_group_id, group in enumerate(self.fp16_groups)`, whose
-body calls five per-sub-group methods in turn: `_prepare_sub_group`,
-`_muon_update_lacks_loss_scale`, `unscale_and_clip_grads`, `_optimizer_step`,
-`_reassign_or_swap_out_partitioned_parameters`, `_release_sub_group`.
+body calls the per-sub-group methods of `seam.STEP_LOOP` in turn,
+`_prepare_sub_group` first and `_release_sub_group` last (seam.verify checks
+that the installed DeepSpeed's loop still calls exactly those).
 Rather than copy `step()`, the hook wraps those methods on the optimizer
 *instance* so that, inside the loop only, the loop's position p is read as
 sub-group `order[p]`. The loop is entered at the first `_prepare_sub_group`
@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["install_reversing_order", "LOOP_METHODS"]
+from memstrata.runtime.swap.protocols import ZeroOptimizer
+from memstrata.runtime.swap.seam import STEP_LOOP
 
-LOOP_METHODS = ("_prepare_sub_group", "_muon_update_lacks_loss_scale", "unscale_and_clip_grads",
-                "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group")
+if TYPE_CHECKING:
+    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
+
+__all__ = ["install_reversing_order", "SubGroupOrder"]
 
 
 class SubGroupOrder:
@@ -50,15 +53,13 @@ class SubGroupOrder:
         return candidates[len(candidates) - min(self.cache_slots, len(candidates)):] if self.cache_slots else []
 
 
-def install_reversing_order(optimizer: Any, swapper: Any, cache_slots: int) -> SubGroupOrder:
-    """Wrap `optimizer.step` and the loop's per-sub-group methods; tell `swapper` which ids to keep each step."""
-    missing = [m for m in ("step", "fp16_groups", "_swappable_optimizer_subgroup", "fp32_partitioned_groups_flat", "get_param_id", *LOOP_METHODS)
-               if not hasattr(optimizer, m)]
-    if missing:
-        raise RuntimeError(f"DeepSpeed ZeRO-3 optimizer lacks {missing}: the sub-group order hook was written for "
-                           "DeepSpeed 0.19.8's stage3.py")
+def install_reversing_order(optimizer: ZeroOptimizer, swapper: MemstrataOptimizerSwapper,
+                            cache_slots: int) -> SubGroupOrder:
+    """Wrap `optimizer.step` and the loop's per-sub-group methods; tell `swapper` which ids to keep each step.
+
+    The loop's calls (seam.STEP_LOOP) and every other name used here are checked by memstrata.runtime.swap.seam
+    before initialize."""
     state = SubGroupOrder(len(optimizer.fp16_groups), cache_slots)
-    optimizer.memstrata_order = state
 
     def translated(name: str) -> None:
         original = getattr(optimizer, name)  # bound method of the class
@@ -77,7 +78,7 @@ def install_reversing_order(optimizer: Any, swapper: Any, cache_slots: int) -> S
         setattr(optimizer, name, call)
 
     stepping = [False]
-    for name in LOOP_METHODS:
+    for name in STEP_LOOP:
         translated(name)
     original_step = optimizer.step
 

@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any
 
 from memstrata.api.finetunejob import FineTuneJob
 from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
+from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.data import DatasetError
 from memstrata.runtime.train.memwatch import MemWatch
 from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, render_report
@@ -90,15 +90,15 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     return 0
 
 
-def _strata(watch: MemWatch, swap: dict[str, Any] | None) -> dict[str, StratumCounters]:
+def _strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounters]:
     """Per stratum. Stock: the process tree's block I/O and the swap folder's size, watched from outside.
     memstrata: its NVMe engine's own counters (bytes through its namespaces, state live on them)."""
     if swap is not None:
-        nvme = swap["nvme"]
+        nvme = swap.nvme
         return {
             "dram": StratumCounters(peak_bytes=watch.peak_rss),
-            "nvme": StratumCounters(peak_bytes=nvme["bytesLivePeak"], bytes_written=nvme["bytesWritten"],
-                                    bytes_read=nvme["bytesRead"]),
+            "nvme": StratumCounters(peak_bytes=nvme.bytes_live_peak, bytes_written=nvme.bytes_written,
+                                    bytes_read=nvme.bytes_read),
         }
     io = watch.io()
     return {
@@ -108,7 +108,7 @@ def _strata(watch: MemWatch, swap: dict[str, Any] | None) -> dict[str, StratumCo
     }
 
 
-def _status(watch: MemWatch, swap: dict[str, Any] | None, s: StepResult, total: int,
+def _status(watch: MemWatch, swap: SwapStatus | None, s: StepResult, total: int,
             elapsed: float) -> RuntimeReport:
     return RuntimeReport(stage="training", step=s.step, total_steps=total, loss=s.loss,
                          tokens_per_second=s.tokens / s.seconds if s.seconds else None,

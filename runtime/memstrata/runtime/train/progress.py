@@ -10,13 +10,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_serializer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from memstrata.api.report import RuntimeReport, StratumCounters, format_duration
 from memstrata.api.units import format_bytes
+from memstrata.runtime.swap.status import SwapStatus
 
 
 class ProgressBar:
@@ -93,9 +94,14 @@ class RunReport(BaseModel):
     swap_files_after_init: int
     phases: dict[str, float]
     deepspeed_settings: list[dict[str, Any]]
-    memstrata: dict[str, Any] | None = Field(
-        None, description="memory.engine memstrata: its swap layer's own per-stratum counters "
-                          "(SwapLayer.status(): nvme bytesWritten/bytesRead/byKind, dram lockedBytes...).")
+    memstrata: SwapStatus | None = Field(
+        None, description="memory.engine memstrata: its swap layer's own per-stratum counters (SwapLayer.status()), "
+                          "in the report's JSON in their camelCase wire form.")
+
+    @field_serializer("memstrata")
+    def _memstrata_wire(self, status: SwapStatus | None) -> dict[str, Any] | None:
+        # The same JSON as every other reader of the swap status gets, whatever the report is dumped with.
+        return status.wire() if status is not None else None
 
 
 def render_report(r: RunReport, console: Console | None = None) -> None:
@@ -135,19 +141,18 @@ def render_report(r: RunReport, console: Console | None = None) -> None:
     console.print(settings)
 
 
-def render_memstrata(status: dict[str, Any], console: Console) -> None:
+def render_memstrata(status: SwapStatus, console: Console) -> None:
     """memstrata's swap layer in its own words: what went through its NVMe engine and what it locked."""
-    nvme, dram = status["nvme"], status["dram"]
+    nvme, dram = status.nvme, status.dram
     t = Table(title="memstrata swap layer", title_justify="left")
     for col in ("stratum", "what", "bytes"):
         t.add_column(col, justify="right" if col == "bytes" else "left")
-    t.add_row("nvme", f"written through {len(nvme['namespaces'])} namespace(s)", format_bytes(nvme["bytesWritten"]))
-    t.add_row("nvme", "read", format_bytes(nvme["bytesRead"]))
-    for kind, moved in sorted(nvme["byKind"].items()):
-        t.add_row("nvme", f"{kind} state written / read",
-                  f"{format_bytes(moved['written'])} / {format_bytes(moved['read'])}")
-    t.add_row("nvme", "peak held on the stratum", format_bytes(nvme["bytesLivePeak"]))
-    t.add_row("dram", "locked (mlock'ed pool)", format_bytes(dram["lockedBytes"]))
-    t.add_row("dram", "optimizer sub-groups cached", f"{format_bytes(dram['optimizerCacheBytes'])}, "
-              f"{dram['optimizerCacheHits']} hits")
+    t.add_row("nvme", f"written through {len(nvme.namespaces)} namespace(s)", format_bytes(nvme.bytes_written))
+    t.add_row("nvme", "read", format_bytes(nvme.bytes_read))
+    for kind, moved in sorted(nvme.by_kind.items()):
+        t.add_row("nvme", f"{kind} state written / read", f"{format_bytes(moved.written)} / {format_bytes(moved.read)}")
+    t.add_row("nvme", "peak held on the stratum", format_bytes(nvme.bytes_live_peak))
+    t.add_row("dram", "locked (mlock'ed pool)", format_bytes(dram.locked_bytes))
+    t.add_row("dram", "optimizer sub-groups cached", f"{format_bytes(dram.optimizer_cache_bytes)}, "
+              f"{dram.optimizer_cache_hits} hits")
     console.print(t)

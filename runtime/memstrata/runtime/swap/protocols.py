@@ -1,0 +1,95 @@
+"""The DeepSpeed objects memstrata's swap layer handles, typed by exactly the attributes it uses.
+
+DeepSpeed ships no type information; these Protocols are what a type checker (and a reader) knows of
+its objects. Each DeepSpeed name below is also an entry of memstrata.runtime.swap.seam, which checks it
+against the installed DeepSpeed; a member added here without an entry there fails tests/offload/test_seam.py.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, overload
+
+if TYPE_CHECKING:
+    import torch
+
+    from memstrata.runtime.swap.layer import SwapLayer
+
+__all__ = ["DsConfig", "Engine", "PartitionedTensor", "SwapInfo", "ZeroConfig", "ZeroOptimizer", "ZeroParam"]
+
+
+class PartitionedTensor(Protocol):
+    """`param.ds_tensor`: this rank's partition of a ZeRO-3 parameter."""
+
+    data: torch.Tensor
+    status: enum.Enum  # a PartitionedParamStatus
+
+
+class ZeroParam(Protocol):
+    """A parameter zero.Init has partitioned."""
+
+    ds_id: int
+    ds_tensor: PartitionedTensor
+
+
+class SwapInfo(Protocol):
+    """OptimizerStateSwapInfo: the optimizer swapper's record of one fp32 sub-group and its state tensors."""
+
+    param_id: str
+    swap_buffers: list[torch.Tensor]
+    has_state_tensors: bool
+
+    def num_tensors(self) -> int: ...
+    def numel(self) -> int: ...
+    def has_gradients(self) -> bool: ...
+    def get_compute_tensors(self) -> list[torch.Tensor]: ...
+    def release_memory(self) -> None: ...
+    def release_unswapped_gradients(self) -> None: ...
+    def set_swap_buffers(self, buffers: list[torch.Tensor], aligned_numel: int) -> None: ...
+
+
+class ZeroOptimizer(Protocol):
+    """DeepSpeedZeroOptimizer_Stage3, the instance memstrata's hooks are installed on."""
+
+    fp16_groups: list[list[ZeroParam]]
+    fp32_partitioned_groups_flat: list[torch.Tensor]
+    grad_position: dict[int, list[int]]  # param id -> [sub-group, offset, numel] in its fp32 gradient
+    grad_partitions_flat_buffer: torch.Tensor
+    _DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition: dict[int, torch.Tensor]
+    norm_for_param_grads: dict[int, torch.Tensor]
+    dp_process_group: object
+    optimizer_swapper: object | None
+    # Replaced or wrapped on the instance, hence attributes rather than methods.
+    step: Callable[..., object]
+    has_overflow: Callable[..., bool]
+    _offload_grad_partition_at_boundary: Callable[[ZeroParam, torch.Tensor, dict[int, list[torch.Tensor]],
+                                                   dict[int, list[int]]], None]
+
+    # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.
+    @overload
+    def get_param_id(self, param: ZeroParam) -> int: ...
+    @overload
+    def get_param_id(self, param: torch.Tensor) -> str: ...
+    def _swappable_optimizer_subgroup(self, sub_group_id: int) -> bool: ...
+    def _constant_buffered_norm2(self, input: torch.Tensor) -> torch.Tensor: ...
+    def _model_parallel_all_reduce(self, tensor: torch.Tensor, op: object) -> None: ...
+
+
+class Engine(Protocol):
+    """DeepSpeedEngine, as initialize finishes it: the ZeRO-3 optimizer and the precision."""
+
+    optimizer: object
+    memstrata: SwapLayer  # memstrata's own, set by initialize: how swap_layer_of finds the layer
+
+    def fp16_enabled(self) -> bool: ...
+
+
+class ZeroConfig(Protocol):
+    offload_param: object
+
+
+class DsConfig(Protocol):
+    """DeepSpeedConfig, as the parameter swapper's _configure_aio is handed it."""
+
+    zero_config: ZeroConfig
+    aio_config: dict[str, object]

@@ -1,0 +1,285 @@
+"""Every DeepSpeed internal memstrata relies on, declared once and checked against the installed DeepSpeed.
+
+memstrata's swap layer supports exactly one DeepSpeed release (integration.SUPPORTED_DEEPSPEED), because
+it rebinds module attributes, replaces methods on the ZeRO-3 optimizer instance, subclasses DeepSpeed's
+swappers without running their constructors and reads private attributes. `SEAM` lists each of those
+names with why memstrata needs it; `verify()` checks them all and raises one `SeamMismatch` listing every
+entry that no longer matches, so a DeepSpeed upgrade is reviewed against a list, not found by a
+crash inside a training step. memstrata.runtime.swap.protocols gives the same objects their types.
+
+A new dependency on DeepSpeed gets an entry here (tests/offload/test_seam.py scans the runtime's source
+and fails on an undeclared one).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Dependency", "Kind", "Mismatch", "SEAM", "STEP_LOOP", "SeamMismatch", "UnsupportedDeepSpeed",
+           "ensure_verified", "verify"]
+
+
+class UnsupportedDeepSpeed(RuntimeError):
+    """The installed DeepSpeed is not the one memstrata's swap layer was written against."""
+
+
+class Kind(enum.Enum):
+    REBOUND = "rebound"  # a module attribute memstrata rebinds while deepspeed.initialize runs
+    IMPORTED = "imported"  # a module attribute or class member memstrata imports or reads
+    WRAPPED = "wrapped"  # a method memstrata wraps or replaces on the ZeRO-3 optimizer instance
+    OVERRIDDEN = "overridden"  # a method a memstrata class overrides or stands in for; DeepSpeed calls it
+    CALLED = "called"  # a function or method memstrata calls; its leading parameters are checked
+    ATTRIBUTE = "attribute"  # an attribute a stock method assigns and memstrata reads or writes
+    RECREATED = "recreated"  # assigned by a stock method memstrata's subclass skips; the subclass sets it
+    SKIPPED = "skipped"  # assigned by that skipped method, deliberately not set by the subclass
+
+
+@dataclass(frozen=True)
+class Dependency:
+    kind: Kind
+    owner: str  # dotted path of the module or class that holds `name`
+    name: str
+    why: str
+    # Parameter names after `self`, in order ("*args", "**kwargs" for variadics). WRAPPED and OVERRIDDEN:
+    # the whole signature, since DeepSpeed calls memstrata's version as it calls its own. CALLED: the leading
+    # ones memstrata passes; any later parameter must have a default.
+    params: tuple[str, ...] | None = None
+    set_in: str | None = None  # ATTRIBUTE/RECREATED/SKIPPED: the stock method whose body assigns it
+    on: str = "self"  # the object that method assigns `name` on, as written in its source
+    same_as: str | None = None  # REBOUND: the class memstrata subclasses, which the slot must still hold
+    loop: tuple[str, ...] | None = None  # WRAPPED step: the self.<method> calls of its sub-group loop, in order
+
+    @property
+    def path(self) -> str:
+        return f"{self.owner}.{self.name}"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    subject: str  # the DeepSpeed object, dotted
+    problem: str
+    entry: Dependency | None = None  # None: something DeepSpeed added that no entry accounts for
+
+    def line(self) -> str:
+        kind = f" [{self.entry.kind.value}]" if self.entry is not None else ""
+        why = f" (memstrata: {self.entry.why})" if self.entry is not None else ""
+        return f"{self.subject}{kind}: {self.problem}{why}"
+
+
+class SeamMismatch(UnsupportedDeepSpeed):
+    def __init__(self, version: str, mismatches: list[Mismatch]) -> None:
+        self.mismatches = tuple(mismatches)
+        lines = "\n".join(f"  - {m.line()}" for m in self.mismatches)
+        super().__init__(
+            f"memstrata's swap layer relies on DeepSpeed internals that the installed DeepSpeed {version} no longer "
+            f"provides as declared in memstrata.runtime.swap.seam ({len(self.mismatches)}):\n{lines}\n"
+            "Update the seam and the code behind each entry, or set memory.engine: deepspeed.")
+
+
+# The ZeRO-3 step's sub-group loop, whose per-sub-group calls memstrata.runtime.swap.suborder re-maps.
+STEP_LOOP = ("_prepare_sub_group", "_muon_update_lacks_loss_scale", "unscale_and_clip_grads", "_optimizer_step",
+             "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group")
+
+_ZERO = "deepspeed.runtime.zero"
+_STAGE3 = f"{_ZERO}.stage3"
+_Z3 = f"{_STAGE3}.DeepSpeedZeroOptimizer_Stage3"
+_ST = "deepspeed.runtime.swap_tensor"
+_OPT_SWAPPER = f"{_ST}.partitioned_optimizer_swapper.PartitionedOptimizerSwapper"
+_BASE_SWAPPER = f"{_ST}.optimizer_utils.OptimizerSwapper"
+_SWAP_INFO = f"{_ST}.optimizer_utils.OptimizerStateSwapInfo"
+_PARAM_SWAPPER = f"{_ST}.partitioned_param_swapper.AsyncPartitionedParameterSwapper"
+_BUFFERS = f"{_ST}.utils.SwapBufferManager"
+_INIT = f"{_ZERO}.partition_parameters.Init"
+_SUBGROUP = ("sub_group_id",)
+
+
+def _recreated(owner: str, set_in: str, names: dict[str, str]) -> list[Dependency]:
+    return [Dependency(Kind.RECREATED, owner, n, why, set_in=set_in) for n, why in names.items()]
+
+
+SEAM: tuple[Dependency, ...] = (
+    # -- deepspeed.initialize and the version gate (integration) --
+    Dependency(Kind.IMPORTED, "deepspeed", "__version__", "the version gate in front of this seam"),
+    Dependency(Kind.CALLED, "deepspeed", "initialize", "wrapped by memstrata.runtime.initialize, which finds `model` "
+               "and `config`/`config_params` among the caller's arguments by these names",
+               params=("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                       "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
+                       "config_params")),
+    Dependency(Kind.CALLED, "deepspeed", "init_distributed", "a process group before the swap layer opens "
+               "(called with dist_backend=, verbose=)",
+               params=("dist_backend", "auto_mpi_discovery", "distributed_port", "verbose")),
+    Dependency(Kind.IMPORTED, "deepspeed", "comm", "ranks and the overflow flag's all-reduce"),
+    Dependency(Kind.CALLED, "deepspeed.comm", "get_rank", "per-rank namespaces and swap names", params=()),
+    Dependency(Kind.CALLED, "deepspeed.comm", "is_initialized", "initialize makes a gloo group if none", params=()),
+    Dependency(Kind.CALLED, "deepspeed.comm", "all_reduce", "the one-pass overflow flag, max over ranks (op=, group=)",
+               params=("tensor", "op", "group")),
+    Dependency(Kind.IMPORTED, "deepspeed.comm", "ReduceOp", "ReduceOp.MAX for the overflow flag"),
+    # -- the classes ZeRO-3 instantiates, rebound to memstrata's subclasses (integration._swappers_installed) --
+    Dependency(Kind.REBOUND, f"{_ZERO}.partition_parameters", "AsyncPartitionedParameterSwapper",
+               "zero.Init instantiates it for offload_param nvme; memstrata's subclass goes in its place",
+               same_as=_PARAM_SWAPPER),
+    Dependency(Kind.REBOUND, _STAGE3, "PartitionedOptimizerSwapper",
+               "ZeRO-3 instantiates it for offload_optimizer nvme; memstrata's subclass goes in its place",
+               same_as=_OPT_SWAPPER),
+    Dependency(Kind.REBOUND, _STAGE3, "PipelinedOptimizerSwapper",
+               "ZeRO-3 instantiates it when offload_optimizer.pipeline is set; replaced by the same subclass",
+               same_as=f"{_ST}.pipelined_optimizer_swapper.PipelinedOptimizerSwapper"),
+    Dependency(Kind.CALLED, _PARAM_SWAPPER, "__init__", "zero.Init constructs the rebound class positionally",
+               params=("ds_config", "model_dtype")),
+    Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "__init__", "ZeRO-3 constructs the rebound class by these keywords",
+               params=("swap_config", "aio_config", "base_folder", "optimizer", "largest_numel", "device", "dtype",
+                       "timers")),
+    # -- the ZeRO-3 optimizer instance (integration, suborder, gradients) --
+    Dependency(Kind.IMPORTED, _STAGE3, "DeepSpeedZeroOptimizer_Stage3",
+               "how initialize recognises the optimizer every hook below is installed on"),
+    Dependency(Kind.ATTRIBUTE, "deepspeed.runtime.engine.DeepSpeedEngine", "optimizer",
+               "where initialize finds the ZeRO-3 optimizer", set_in="__init__"),
+    Dependency(Kind.CALLED, "deepspeed.runtime.engine.DeepSpeedEngine", "fp16_enabled",
+               "the one-pass overflow check is for fp16 only", params=()),
+    Dependency(Kind.WRAPPED, _Z3, "has_overflow", "replaced by the one-pass inf/nan scan (fp16)",
+               params=("partition_gradients",)),
+    Dependency(Kind.CALLED, _Z3, "_model_parallel_all_reduce", "the one-pass overflow flag over model-parallel ranks",
+               params=("tensor", "op")),
+    Dependency(Kind.ATTRIBUTE, _Z3, "grad_partitions_flat_buffer", "the DRAM gradients: overflow scan, status, "
+               "widening", set_in="_setup_for_real_optimizer"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+               "ds_id -> view of the flat gradient buffer, what DRAM gradients widen from",
+               set_in="_setup_for_real_optimizer"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "dp_process_group", "the overflow flag's all-reduce group", set_in="__init__"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "optimizer_swapper", "the swapper the sub-group and gradient hooks talk to",
+               set_in="_configure_tensor_swapping"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "fp16_groups", "the sub-groups: their count and their parameters",
+               set_in="__init__"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "fp32_partitioned_groups_flat", "the fp32 sub-group tensor the swapper is handed",
+               set_in="__init__"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "grad_position", "param id -> (sub-group, offset, numel) in the fp32 gradient",
+               set_in="__init__"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "norm_for_param_grads", "the gradient norms the DRAM-gradient hook records",
+               set_in="__init__"),
+    Dependency(Kind.WRAPPED, _Z3, "step", "sub-group order per step, then trimming the locked pool",
+               params=("closure",), loop=STEP_LOOP),
+    Dependency(Kind.WRAPPED, _Z3, "_prepare_sub_group", "the loop's first call: where a reordered walk starts",
+               params=("sub_group_id", "timer_names")),
+    Dependency(Kind.WRAPPED, _Z3, "_muon_update_lacks_loss_scale", "re-mapped to the reordered sub-group",
+               params=_SUBGROUP),
+    Dependency(Kind.WRAPPED, _Z3, "unscale_and_clip_grads", "re-mapped to the reordered sub-group",
+               params=("sub_group_id", "total_norm")),
+    Dependency(Kind.WRAPPED, _Z3, "_optimizer_step", "re-mapped to the reordered sub-group", params=_SUBGROUP),
+    Dependency(Kind.WRAPPED, _Z3, "_reassign_or_swap_out_partitioned_parameters",
+               "re-mapped to the reordered sub-group", params=_SUBGROUP),
+    Dependency(Kind.WRAPPED, _Z3, "_release_sub_group", "re-mapped to the reordered sub-group",
+               params=("sub_group_id", "timer_names")),
+    Dependency(Kind.WRAPPED, _Z3, "_offload_grad_partition_at_boundary", "replaced: gradients of NVMe sub-groups stay "
+               "in DRAM", params=("param", "grad_buffer", "offload_fp32_gradients", "offload_fp32_offsets")),
+    Dependency(Kind.CALLED, _Z3, "_swappable_optimizer_subgroup", "which sub-groups live on NVMe", params=_SUBGROUP),
+    Dependency(Kind.CALLED, _Z3, "_constant_buffered_norm2", "the gradient norm stock records at the boundary",
+               params=("input",)),
+    Dependency(Kind.CALLED, _Z3, "get_param_id", "keys of grad_position and of the swapper's state",
+               params=("param",)),
+    # -- the optimizer swapper (optimizer.MemstrataOptimizerSwapper) --
+    *_recreated(_OPT_SWAPPER, "__init__", {
+        "swap_config": "stock keeps the offload config", "aio_config": "stock keeps the aio config",
+        "aio_handle": "every stock read and write goes through it", "swap_params_info": "stock's per-tensor records",
+        "swap_element_size": "stock's swappable-size test", "swap_folder": "prefix of stock's swap names; ZeRO-3 "
+        "reads it", "optimizer": "stock reads the optimizer's state", "min_aio_bytes": "stock's swappable-size test",
+        "aligned_bytes": "stock's I/O alignment", "numel_alignment": "stock's I/O alignment",
+        "largest_numel": "stock sizes gradient staging by it", "dtype": "stock allocates buffers of it",
+        "swap_buffer_manager": "stock allocates and frees every buffer through it",
+        "timers": "stock's timers", "timer_names": "stock's timers",
+        "print_exclude_list": "stock's debug printing", "gradient_swapper": "stock's gradient swap-out"}),
+    Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "swap_in_optimizer_state", "serves cached sub-groups from DRAM",
+               params=("parameter", "async_parameter")),
+    Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "swap_out_optimizer_state", "keeps the cached sub-groups in DRAM",
+               params=("parameter", "async_swap")),
+    Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "release_swap_buffers", "cached state buffers are not released",
+               params=("parameter",)),
+    Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "writeback_optimizer_state_and_gradients",
+               "DRAM gradients and the cache on write-back", params=("parameter", "write_opt_state",
+                                                                     "write_gradients")),
+    Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "initialize_from_swapped_fp16_params", "fast_init with exact buffers",
+               params=("fp16_partitions_info", "fp16_num_elems", "fp16_pinned_buffers", "fp32_parameters")),
+    Dependency(Kind.CALLED, _OPT_SWAPPER, "_swap_in_gradients", "a cached sub-group still reads its gradients",
+               params=("aio_handle", "parameter", "dest_buffer")),
+    Dependency(Kind.CALLED, _BASE_SWAPPER, "_get_param_swap_info", "the record of a sub-group",
+               params=("parameter",)),
+    Dependency(Kind.CALLED, _BASE_SWAPPER, "_flush_gradient_swapper", "pending gradient writes before a cache hit",
+               params=("gradient_swapper",)),
+    Dependency(Kind.CALLED, _BASE_SWAPPER, "_io_aligned_numel", "buffer sizes both swappers allocate",
+               params=("numel",)),
+    Dependency(Kind.CALLED, _BASE_SWAPPER, "_get_swap_paths", "fast_init's swap names", params=("parameters",
+                                                                                             "num_elems")),
+    Dependency(Kind.OVERRIDDEN, _BUFFERS, "allocate", "ExactBuffers stands in for it; stock calls it by keyword",
+               params=("num_elems", "count", "dtype")),
+    Dependency(Kind.OVERRIDDEN, _BUFFERS, "allocate_all", "ExactBuffers stands in for it", params=("num_elems",
+                                                                                               "dtype")),
+    Dependency(Kind.OVERRIDDEN, _BUFFERS, "free", "ExactBuffers stands in for it", params=("buffers",)),
+    Dependency(Kind.CALLED, f"{_ST}.async_swapper.AsyncTensorSwapper", "__init__", "the re-created gradient_swapper",
+               params=("aio_handle", "numel_alignment", "timers")),
+    Dependency(Kind.CALLED, f"{_ST}.utils", "swap_in_tensors", "reads through a handle (called positionally)",
+               params=("swap_handle", "tensor_buffers", "swap_paths")),
+    *[Dependency(Kind.ATTRIBUTE, _SWAP_INFO, n, "read and rebound by the DRAM cache", set_in="__init__")
+      for n in ("param_id", "swap_buffers", "has_state_tensors")],
+    *[Dependency(Kind.CALLED, _SWAP_INFO, n, "the DRAM cache reads a sub-group's record", params=p)
+      for n, p in (("num_tensors", ()), ("numel", ()), ("has_gradients", ()), ("get_compute_tensors", ()),
+                   ("release_memory", ()), ("release_unswapped_gradients", ()),
+                   ("set_swap_buffers", ("buffers", "aligned_numel")))],
+    # -- the parameter swapper (parameters.MemstrataParamSwapper) --
+    *_recreated(_PARAM_SWAPPER, "_configure_aio", {
+        "swap_config": "the offload_param config", "swap_folder": "prefix of stock's swap names",
+        "swap_element_size": "stock's swappable-size test", "aio_config": "stock keeps the aio config",
+        "use_gds": "stock branches on it", "min_aio_bytes": "stock's swappable-size test",
+        "aligned_bytes": "stock's I/O alignment", "numel_alignment": "stock's I/O alignment",
+        "elements_per_buffer": "stock's per-buffer ceiling", "aligned_elements_per_buffer": "stock's buffer stride",
+        "param_buffer_count": "stock's slot count", "available_buffer_ids": "stock's free slots",
+        "reserved_buffer_ids": "stock's reserved slots", "aio_read_handle": "every stock read",
+        "aio_write_handle": "every stock write", "buffers": "stock's pinned slab (None: exact buffers instead)",
+        "swap_out_params": "stock's pending swap-outs"}),
+    Dependency(Kind.SKIPPED, _PARAM_SWAPPER, "aio_handle", "the aio op class; only stock _configure_aio uses it, to "
+               "build the two handles memstrata replaces", set_in="_configure_aio"),
+    *[Dependency(Kind.ATTRIBUTE, _PARAM_SWAPPER, n, "bookkeeping the exact buffers keep as stock does",
+                 set_in="__init__")
+      for n in ("dtype", "param_id_to_numel", "param_id_to_buffer_id", "param_id_to_swap_buffer",
+                "available_params", "available_numel", "invalid_buffer")],
+    Dependency(Kind.OVERRIDDEN, _PARAM_SWAPPER, "_configure_aio",
+               "no folder, no pinned slab: extents and exact buffers", params=("ds_config",)),
+    *[Dependency(Kind.OVERRIDDEN, _PARAM_SWAPPER, n, "exact buffers from the locked pool instead of fixed slots",
+                 params=p)
+      for n, p in (("available_swap_in_buffers", ()), ("_allocate_and_return_buffers_for_swap_in", ("params",)),
+                   ("get_buffer", ("param", "numel")), ("remove_partition_and_release_buffers", ("params",)),
+                   ("reserve_available_buffers", ()), ("release_reserved_buffers", ()),
+                   ("swap_in", ("params", "async_op", "swap_in_buffers")))],
+    Dependency(Kind.CALLED, _PARAM_SWAPPER, "_get_swap_paths", "swap names of the parameters read", params=("params",)),
+    Dependency(Kind.CALLED, _PARAM_SWAPPER, "_update_inflight_swap_in", "stock's in-flight bookkeeping (positional)",
+               params=("params", "swap_in_buffers", "inflight_numel")),
+    Dependency(Kind.CALLED, _PARAM_SWAPPER, "synchronize_reads", "a blocking swap_in", params=()),
+    Dependency(Kind.IMPORTED, f"{_ST}.partitioned_param_swapper.PartitionedParamStatus", "NOT_AVAILABLE",
+               "the status a released or not-yet-read partition has"),
+    Dependency(Kind.ATTRIBUTE, _INIT, "ds_id", "the parameter's key in every swapper map",
+               set_in="_convert_to_deepspeed_param", on="param"),
+    Dependency(Kind.ATTRIBUTE, _INIT, "ds_tensor", "the partition a swap-in fills", set_in="_partition_param",
+               on="param"),
+    Dependency(Kind.ATTRIBUTE, _INIT, "status", "whether a partition is available, in flight or on NVMe",
+               set_in="_partition_param", on="param.ds_tensor"),
+)
+
+
+def verify() -> None:
+    """Check every entry of SEAM against the installed DeepSpeed; raise SeamMismatch listing all that differ."""
+    import deepspeed
+
+    from memstrata.runtime.swap.seamcheck import check
+
+    mismatches = check(SEAM)
+    if mismatches:
+        raise SeamMismatch(str(deepspeed.__version__), mismatches)
+
+
+_verified = False
+
+
+def ensure_verified() -> None:
+    """verify(), once per process: the installed DeepSpeed does not change under a running process."""
+    global _verified
+    if not _verified:
+        verify()
+        _verified = True

@@ -1,0 +1,60 @@
+"""What one rank's swap layer reports about its strata (`SwapLayer.status()`).
+
+The JSON form (`wire()`, camelCase like the API) is read by the run report, benchmarks/offload/run.py and
+the offload tests; its keys are a contract. Built per report from live counters; nothing here moves data.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from memstrata.api.base import ApiModel
+
+__all__ = ["DramStatus", "GradientStatus", "MovedBytes", "NvmeStatus", "SwapStatus"]
+
+
+class _Status(ApiModel):
+    def wire(self) -> dict[str, Any]:
+        """camelCase JSON with every key present: a null says "not in use", which a reader must see."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class MovedBytes(_Status):
+    written: int
+    read: int
+
+
+class NvmeStatus(_Status):
+    namespaces: list[str] = Field(description="Device or file paths of this rank's namespaces.")
+    bytes_written: int = Field(description="Device counters: every byte the engine wrote.")
+    bytes_read: int
+    bytes_live: int = Field(description="State held on the stratum now (padded extents).")
+    bytes_live_peak: int = Field(description="The most state held at once: the stratum's peak use.")
+    extents_live: int
+    by_kind: dict[str, MovedBytes] = Field(description="Per swapper: param, optimizer.")
+    io_token_wait_seconds: float = Field(description="Time this rank waited for the node's I/O token.")
+
+
+class GradientStatus(_Status):
+    """Gradients kept in ZeRO-3's DRAM flat buffer (memstrata.runtime.swap.gradients)."""
+
+    dtype: str = Field(description="The buffer's dtype, e.g. bfloat16.")
+    nbytes: int = Field(alias="bytes", description="Size of the flat buffer.")
+    widened_bytes: int = Field(description="fp32 bytes widened into update buffers, in all.")
+
+
+class DramStatus(_Status):
+    locked_bytes: int = Field(description="Pool regions, mlock'ed.")
+    locked_peak_in_use: int
+    trimmed_bytes: int = Field(description="Given back after updates, in all.")
+    optimizer_cache_bytes: int
+    optimizer_cache_hits: int
+    sub_group_orders: list[list[int]] = Field(description="Update order of the last walks (at most 8).")
+    gradients: GradientStatus | None = Field(description="None: gradients are not kept in DRAM by memstrata.")
+    vm_locked_bytes: int = Field(description="The kernel's VmLck for this process.")
+
+
+class SwapStatus(_Status):
+    nvme: NvmeStatus
+    dram: DramStatus
