@@ -32,8 +32,10 @@ def test_example_lands_on_the_node_with_fewest_bytes_on_slow_strata(memstrata_cl
     wait("llama3-8b-32k Running", lambda: phase(cluster, ns, "llama3-8b-32k") == "Running")
     (pod,) = pods_of(cluster, ns, "llama3-8b-32k")
     assert pod["spec"]["nodeName"] == dram  # bound by the real scheduler, through the affinity we set
-    limits = pod["spec"]["containers"][0]["resources"]["limits"]
-    assert limits == {"nvidia.com/gpu": "1"}
+    resources = pod["spec"]["containers"][0]["resources"]
+    # The plan's DRAM for the pod (render.memory_bytes) is both request and limit: the kubelet enforces it.
+    assert resources["limits"] == resources["requests"] and set(resources["limits"]) == {"nvidia.com/gpu", "memory"}
+    assert resources["limits"]["nvidia.com/gpu"] == "1"
     job_obj = ftj(cluster, ns, "llama3-8b-32k")
     assert job_obj["status"]["node"] == dram and job_obj["status"]["plan"]["feasible"] is True
     cm = cluster.get_json("configmap", "llama3-8b-32k-runtime-config", "-n", ns)

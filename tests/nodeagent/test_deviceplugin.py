@@ -16,14 +16,32 @@ import tempfile
 import time
 from pathlib import Path
 
+import json
+
 import pytest
 
-from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME
+from memstrata.api.architecture import PRESETS
+from memstrata.api.finetunejob import MemoryPolicy
+from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory
+from memstrata.nodeagent.devices import PluginDevice, preferred
+from memstrata.plan import JobShape, plan_for_node
 from kubelet_stub import REPO, KubeletStub
 from sysfs_cases import ext4_head
 
 NVME_IDS = {"eui.000000000000000001": "/dev/nvme0n1", "eui.000000000000000101": "/dev/nvme1n1",
             "eui.000000000000000102": "/dev/nvme1n2"}
+# The two-socket-cxl case's namespaces: nvme0n1 100 GiB, nvme1n1 200 GiB, nvme1n2 10 GiB.
+N0, N1, N2 = "eui.000000000000000001", "eui.000000000000000101", "eui.000000000000000102"
+# GetPreferredAllocation on that node: (available, must include, allocation size) -> preferred IDs.
+PREFERENCES = [
+    (([N0, N1, N2], [], 1), [N1]),            # the largest
+    (([N0, N1, N2], [], 2), [N1, N0]),        # the largest ones
+    (([N0, N2], [], 1), [N0]),                # the largest of what the kubelet still has free
+    (([N0, N1, N2], [N2], 2), [N2, N1]),      # already granted ones are kept, then the largest
+    (([N0, N1, N2], [N2, N0], 2), [N2, N0]),  # already granted ones fill the request
+    (([N0, N2], [], 3), [N0, N2]),            # fewer available than asked: all of them, largest first
+    (([N0, "eui.gone"], [], 2), [N0]),        # an ID this plugin does not offer is never preferred
+]
 
 
 class Agent:
@@ -182,3 +200,56 @@ def test_once_prints_inventory_and_a_malformed_tree_exits_2(cli, case_copy) -> N
     done = cli(*args[:4], str(bad / "sys"), *args[5:], env=env)
     assert done.returncode == 2
     assert f"{bad / 'sys' / 'block' / 'nvme0n1' / 'nsid'}: expected an integer, found 'one'" in done.stderr
+
+
+def preferred_via_kubelet(stub: KubeletStub, available: list[str], must: list[str], size: int) -> list[str]:
+    stub.send(op="preferred", resource=RESOURCE_NVME, available=available, ids=must, size=size)
+    got = stub.wait_for("preferred", resource=RESOURCE_NVME)
+    assert "error" not in got, got
+    return list(got["ids"])
+
+
+def test_kubelet_is_told_to_grant_the_namespaces_the_plan_counted(node, cli) -> None:
+    root, stub, _ = node
+    options = {e["resource"]: e["options"] for e in (stub.wait_for("options", resource=r)
+                                                     for r in (RESOURCE_NVME, RESOURCE_CXL_GIB))}
+    assert options[RESOURCE_NVME]["get_preferred_allocation_available"] is True
+    assert options[RESOURCE_CXL_GIB]["get_preferred_allocation_available"] is False  # any GiB unit will do
+    listed = devices(stub, RESOURCE_NVME)
+    for (available, must, size), want in PREFERENCES:
+        assert preferred_via_kubelet(stub, available, must, size) == want, (available, must, size)
+
+    # The planner, over the inventory the agent discovers on this node, counts exactly those namespaces.
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "runtime")])}
+    done = cli("nodeagent", "--", "--once", "--sysfs-root", str(root / "sys"), "--dev-root", str(root / "dev"),
+               "--mountinfo", str(root / "proc" / "mounts"), env=env)
+    assert done.returncode == 0, done.stderr
+    inventory = NodeInventory.model_validate(json.loads(done.stdout)["inventory"])
+    name_of = {ns.wwid or ns.name: ns.name for ns in inventory.free_namespaces}
+    healthy = [i for i, (health, _) in listed.items() if health == "Healthy"]
+    job = JobShape(model=PRESETS["gpt-125m"], sequence_length=128, micro_batch=1, gpus=0, engine="memstrata")
+    for count in range(1, len(healthy) + 1):
+        plan = plan_for_node(job, inventory, MemoryPolicy(engine="memstrata", nvme_namespaces=count,
+                                                          dram_budget=512 << 20))
+        ids = preferred_via_kubelet(stub, healthy, [], count)
+        assert plan.nvme_namespaces == [name_of[i] for i in ids]
+
+
+def _ns(id_: str, name: str, gib: int, healthy: bool = True) -> PluginDevice:
+    return PluginDevice(id=id_, healthy=healthy, numa_node=0, dev_path=f"/dev/{name}", name=name,
+                        size_bytes=gib << 30)
+
+
+@pytest.mark.parametrize(("available", "must", "size", "want"), [
+    (["a", "b", "c"], [], 2, ["b", "c"]),            # b, c are 200 GiB; equal sizes go by namespace name
+    (["a", "b", "c", "d"], [], 4, ["b", "c", "a", "d"]),
+    (["a", "b", "c"], ["a"], 1, ["a"]),              # what is already granted is never dropped
+    (["a", "b", "c"], ["a"], 2, ["a", "b"]),
+    (["a", "b", "c", "d"], [], 0, []),
+    (["a", "d", "sick"], [], 2, ["a", "d"]),         # an unhealthy namespace is never preferred
+])
+def test_preference_rule(available: list[str], must: list[str], size: int, want: list[str]) -> None:
+    devs = [_ns("a", "nvme0n1", 100), _ns("b", "nvme1n1", 200), _ns("c", "nvme2n1", 200), _ns("d", "nvme3n1", 10),
+            _ns("sick", "nvme4n1", 900, healthy=False)]
+    assert preferred(RESOURCE_NVME, available, must, size, devs) == want
+    assert preferred(RESOURCE_CXL_GIB, available, must, size, devs) == must  # no preference: the kubelet's pick

@@ -1,25 +1,95 @@
-"""Where the memstrata engine's NVMe stratum and CXL nodes come from: the device plugin's env, else the plan."""
+"""The swap layer's settings from the plan: the DRAM cache and the namespace sizes follow `memory.dramBudget`,
+and the device plugin's env names the namespaces and CXL nodes where there is one."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from memstrata.api.strataplan import Plan
-from memstrata.runtime.swap.stratamap import create_file_namespaces, namespace_bytes, swap_settings
+from memstrata.api import load_job
+from memstrata.api.architecture import PRESETS, ModelArchitecture
+from memstrata.api.finetunejob import MemoryPolicy
+from memstrata.api.inventory import NodeInventory, NumaNode, NvmeNamespace
+from memstrata.api.strataplan import Allocation, CategoryPlan, Plan
+from memstrata.plan import JobShape, plan_for_node, plan_job
+from memstrata.runtime.swap.layer import SwapSettings
+from memstrata.runtime.swap.stratamap import create_file_namespaces, subgroup_state_bytes, swap_settings
+
+MiB, GiB = 1 << 20, 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+# 8 layers of hidden 512 and a 512-token vocabulary: sub-groups (one layer each) are small next to the
+# optimizer state, so a few MiB of budget buy whole sub-groups.
+ARCH = ModelArchitecture(family="gpt", layers=8, hidden=512, intermediate=2048, heads=8, kv_heads=8, vocab=512,
+                         tied=True, max_positions=512)
+NODE = NodeInventory(numa_nodes=[NumaNode(id=0, cpus=[0, 1], memory_bytes=64 * GiB)],
+                     nvme_namespaces=[NvmeNamespace(name="/scratch", size_bytes=1 << 40, free=True)])
 
 
-def _plan(namespaces: list[str], cxl: list[int] | None = None) -> Plan:
-    return Plan(parameters=10_000_000, engine="memstrata", feasible=True, categories=[], strata=[],
+def _budget_plan(budget_mib: int, arch: ModelArchitecture = ARCH) -> Plan:
+    job = JobShape(model=arch, sequence_length=128, micro_batch=1, gpus=0, engine="memstrata")
+    plan = plan_for_node(job, NODE, MemoryPolicy(engine="memstrata", dram_budget=budget_mib * MiB))
+    assert plan.feasible, plan.verdict()
+    return plan
+
+
+def _plan(namespaces: list[str], cxl: list[int] | None = None, categories: list[CategoryPlan] | None = None) -> Plan:
+    return Plan(parameters=10_000_000, engine="memstrata", feasible=True, categories=categories or [], strata=[],
                 nvme_namespaces=namespaces, cxl_nodes=cxl or [])
 
 
+def _on(plan: Plan, stratum: str, *categories: str) -> int:
+    return sum(plan.category(c).on(stratum) for c in categories)
+
+
+def test_a_larger_dram_budget_gives_a_larger_cache_and_smaller_namespaces(tmp_path: Path) -> None:
+    low, mid, high = (_budget_plan(b) for b in (160, 336, 384))
+    # 160 MiB: the Adam moments and the weights all on NVMe; 336: most of the moments in DRAM;
+    # 384: the whole optimizer state in DRAM and only the weights left on NVMe.
+    assert _on(low, "dram", "optimizer") == 0 and _on(mid, "nvme", "optimizer") > 0
+    assert _on(high, "nvme", "master", "optimizer") == 0 and _on(high, "nvme", "weights") > 0
+    got = {name: swap_settings(p, ARCH, job="j", run_dir=tmp_path, env={})
+           for name, p in (("low", low), ("mid", mid), ("high", high))}
+    cache = {k: s.settings.cache_subgroups for k, s in got.items()}
+    assert cache == {"low": 1, "mid": 4, "high": 6}
+    sizes = {k: s.file_bytes for k, s in got.items()}
+    # Partly cached optimizer state still owns its NVMe extents, so the namespace only shrinks once
+    # the whole group has left NVMe.
+    assert sizes["low"] == sizes["mid"] > sizes["high"] + 250 * MiB
+    for name, plan in (("mid", mid), ("high", high)):
+        # Never more cached than the plan gave the optimizer state in DRAM.
+        assert cache[name] * subgroup_state_bytes(ARCH) <= _on(plan, "dram", "master", "optimizer")
+
+
+def test_namespace_sizes_are_the_plans_nvme_groups_plus_the_stated_slack(tmp_path: Path) -> None:
+    plan = _budget_plan(336)
+    whole = sum(plan.category(c).bytes for c in ("master", "optimizer", "weights"))
+    assert plan.bytes_on("nvme") < whole  # the DRAM share of the moments is a cache, not a hole in the stratum
+    extents = 5 * 132  # the model's 132 parameter tensors: one extent each, and at most 4 per sub-group
+    one = swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env={})
+    assert one.file_bytes == -(-(MiB + whole + extents * 4096) // MiB) * MiB
+    two = swap_settings(plan.model_copy(update={"nvme_namespaces": ["/a", "/b"]}), ARCH, job="j", run_dir=tmp_path,
+                        env={})
+    assert two.file_namespaces == [str(tmp_path / "nvme0.img"), str(tmp_path / "nvme1.img")]
+    # Striped: half each, and per extent up to two stripe units more on the first namespace.
+    assert two.file_bytes == -(-(MiB + -(-whole // 2) + extents * (4096 + 2 * MiB)) // MiB) * MiB
+
+
+def test_the_default_demo_keeps_the_cache_it_always_had(tmp_path: Path) -> None:
+    job = load_job(REPO / "examples" / "finetune-tiny.yaml")
+    node = NODE.model_copy(update={"numa_nodes": [NumaNode(id=0, cpus=[0, 1], memory_bytes=8 * GiB)]})
+    plan = plan_job(job.spec, node)
+    assert _on(plan, "nvme", "optimizer", "weights") > 0
+    strata = swap_settings(plan, PRESETS["gpt-tiny"], job="j", run_dir=tmp_path, env={})
+    assert strata.settings.cache_subgroups == SwapSettings().cache_subgroups == 1
+    assert strata.file_bytes >= MiB + 14 * plan.parameters  # bf16 weights + fp32 master + 2 moments, whole
+
+
 def test_local_run_gets_one_sparse_file_namespace_per_plan_namespace(tmp_path: Path) -> None:
-    strata = swap_settings(_plan(["/scratch"], cxl=[2]), job="j", run_dir=tmp_path, env={})
+    strata = swap_settings(_budget_plan(160).model_copy(update={"cxl_nodes": [2]}), ARCH, job="j", run_dir=tmp_path,
+                           env={})
     assert strata.source == "plan"
     assert strata.settings.nvme == [str(tmp_path / "nvme0.img")] == strata.file_namespaces
     assert strata.settings.cxl_nodes == [2] and strata.settings.job == "j"
-    assert strata.file_bytes == namespace_bytes(10_000_000, 1) >= 10_000_000 * 18
     create_file_namespaces(strata)
     st = (tmp_path / "nvme0.img").stat()
     assert st.st_size == strata.file_bytes and st.st_blocks * 512 < 1 << 20, "sparse: no DRAM or disk spent up front"
@@ -27,15 +97,22 @@ def test_local_run_gets_one_sparse_file_namespace_per_plan_namespace(tmp_path: P
         create_file_namespaces(strata)  # never reuses (or truncates) a file it did not just create
 
 
-def test_device_plugin_env_wins_over_the_plan(tmp_path: Path) -> None:
+def test_device_plugin_env_wins_over_the_plan_and_the_cache_still_follows_it(tmp_path: Path) -> None:
     env = {"MEMSTRATA_NVME_DEVICES": "/dev/nvme1n1,/dev/nvme2n1", "MEMSTRATA_CXL_NODES": "3,4"}
-    strata = swap_settings(_plan(["/scratch"], cxl=[2]), job="j", run_dir=tmp_path, env=env)
+    strata = swap_settings(_budget_plan(336).model_copy(update={"cxl_nodes": [2]}), ARCH, job="j", run_dir=tmp_path,
+                           env=env)
     assert strata.source == "device-plugin" and strata.file_namespaces == []
     assert strata.settings.nvme == ["/dev/nvme1n1", "/dev/nvme2n1"] and strata.settings.cxl_nodes == [3, 4]
+    assert strata.settings.cache_subgroups == 4
 
 
-def test_bad_cxl_env_and_missing_stratum_are_named(tmp_path: Path) -> None:
+def test_bad_plans_and_env_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="MEMSTRATA_CXL_NODES='a,b'"):
-        swap_settings(_plan(["/s"]), job="j", run_dir=tmp_path, env={"MEMSTRATA_CXL_NODES": "a,b"})
-    with pytest.raises(ValueError, match="plan.nvme_namespaces is empty"):
-        swap_settings(_plan([]), job="j", run_dir=tmp_path, env={})
+        swap_settings(_plan(["/s"]), ARCH, job="j", run_dir=tmp_path, env={"MEMSTRATA_CXL_NODES": "a,b"})
+    with pytest.raises(ValueError, match="plan.nvme_namespaces is empty and MEMSTRATA_NVME_DEVICES is not set"):
+        swap_settings(_plan([]), ARCH, job="j", run_dir=tmp_path, env={})
+    on_nvme = [CategoryPlan(category="optimizer", description="", bytes=3 * MiB,
+                            placement=[Allocation(stratum="nvme", bytes=3 * MiB)])]
+    with pytest.raises(ValueError, match=r"plan.nvme_namespaces is empty but plan.categories place 3.0 MiB on nvme"):
+        swap_settings(_plan([], categories=on_nvme), ARCH, job="j", run_dir=tmp_path, env={})
+    assert not list(tmp_path.iterdir()), "a refused plan leaves nothing behind"

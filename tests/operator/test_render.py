@@ -1,11 +1,17 @@
 """The objects of one attempt: what the API server, the scheduler, PodSecurity and the runtime will see."""
 from __future__ import annotations
 
+import ast
 import json
+import re
+from pathlib import Path
 
-from ftj_factories import inventory, job_dict, node_dict
+from ftj_factories import REPO, inventory, job_dict, node_dict
 
+from memstrata.api.inventory import NodeInventory, NumaNode, NvmeNamespace, RESOURCE_CXL_GIB, RESOURCE_NVME
 from memstrata.api.runtimeconfig import CONFIGMAP_KEY, RuntimeConfig
+from memstrata.api.strataplan import Allocation, CategoryPlan, Plan
+from memstrata.nodeagent.devices import DEVICES, grant
 from memstrata.operator import names
 from memstrata.operator.nodes import node_view, pod_requests
 from memstrata.operator.observe import job_view
@@ -99,3 +105,122 @@ def test_command_overrides_the_entrypoint():
     job["spec"]["command"] = ["python", "-m", "my.trainer"]
     _, pod = attempt_objects(job_view(job), "cxl-1", PLACED.plan, 0)
     assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "my.trainer"]
+
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def _cat(name: str, *placed: tuple[str, int]) -> CategoryPlan:
+    return CategoryPlan(category=name, description=name, bytes=sum(b for _, b in placed),
+                        placement=[Allocation(stratum=s, bytes=b) for s, b in placed])
+
+
+def test_memory_request_and_limit_are_the_plans_dram_plus_the_process_overhead():
+    """A CPU job: working set 3 GiB + pinned 512 MiB + gradients 1 GiB + 2 GiB of the fp32 master weights
+    = 6.5 GiB of DRAM (the other 2 GiB of master, the moments and the weights are on NVMe or CXL),
+    + 2 GiB for the one rank process = 8.5 GiB = 8704 MiB."""
+    plan = Plan(parameters=1, engine="memstrata", feasible=True, strata=[], categories=[
+        _cat("working", ("dram", 3 * GiB)), _cat("pinned", ("dram", 512 * MiB)), _cat("gradients", ("dram", GiB)),
+        _cat("master", ("dram", 2 * GiB), ("nvme", 2 * GiB)), _cat("optimizer", ("nvme", 8 * GiB)),
+        _cat("weights", ("cxl", GiB))], requests={"memstrata.dev/nvme-ns": 1})
+    cpu = job_dict()
+    cpu["spec"]["resources"]["gpus"] = 0
+    _, pod = attempt_objects(job_view(cpu), "cxl-1", plan, 0)
+    res = pod["spec"]["containers"][0]["resources"]
+    assert res["requests"] == res["limits"] == {"memory": "8704Mi", "memstrata.dev/nvme-ns": "1"}
+    two_gpus = job_dict()
+    two_gpus["spec"]["resources"]["gpus"] = 2
+    _, pod = attempt_objects(job_view(two_gpus), "cxl-1", plan, 0)
+    # One rank process per GPU: 6.5 GiB + 2 x 2 GiB = 10.5 GiB.
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["memory"] == "10752Mi"
+
+
+def test_a_tighter_dram_budget_lowers_the_pods_memory_limit():
+    spec_file = "examples/finetune-tiny.yaml"
+    node = node_view(node_dict("n", NodeInventory(
+        numa_nodes=[NumaNode(id=0, cpus=[0, 1], memory_bytes=64 * GiB)],
+        nvme_namespaces=[NvmeNamespace(name="nvme0n1", size_bytes=1 << 40, free=True)])))
+    limits = {}
+    for budget in ("8Mi", "1Gi"):
+        job = job_dict(spec_file=spec_file)
+        job["spec"]["memory"]["dramBudget"] = budget
+        placed = place(job_view(job).spec, [node], {})
+        assert placed.plan is not None and placed.plan.feasible
+        _, pod = attempt_objects(job_view(job), "n", placed.plan, 0)
+        limits[budget] = int(pod["spec"]["containers"][0]["resources"]["limits"]["memory"].removesuffix("Mi"))
+        assert limits[budget] * MiB >= placed.plan.bytes_on("dram") + 2 * GiB
+    assert limits["8Mi"] < limits["1Gi"]
+
+
+# --- every environment variable set for a container is read by some module -------------------------------------
+
+SOURCES = [REPO / "operator" / "memstrata", REPO / "runtime" / "memstrata"]
+CHART = REPO / "charts" / "memstrata" / "templates"
+
+
+def _str_constants(trees: list[ast.Module]) -> dict[str, str]:
+    """Module-level NAME = "literal" assignments, by name (ENV_NVME_DEVICES -> MEMSTRATA_NVME_DEVICES)."""
+    out: dict[str, str] = {}
+    for tree in trees:
+        for node in tree.body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        out[target.id] = node.value.value
+    return out
+
+
+def names_read_from_the_environment() -> set[str]:
+    """Names some module reads: os.environ.get / os.environ[...] / os.getenv, an `env` mapping's get or
+    item, or a helper handed the environment together with the name (`_env_list(env, ENV_CXL_NODES)`).
+    The name may be a literal or a module constant holding it."""
+    trees = [ast.parse(f.read_text()) for root in SOURCES for f in root.rglob("*.py") if "_pb2" not in f.name]
+    consts = _str_constants(trees)
+
+    def value(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        return consts.get(name) if name else None
+
+    def is_env(node: ast.expr) -> bool:
+        text = ast.unparse(node)
+        return text.endswith("environ") or text == "env"
+
+    read: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and is_env(node.value):
+                read.add(value(node.slice) or "")
+            elif isinstance(node, ast.Call):
+                func = node.func
+                env_method = isinstance(func, ast.Attribute) and (is_env(func.value)
+                                                                  or ast.unparse(func) == "os.getenv")
+                if env_method or any(is_env(a) for a in node.args):
+                    read.update(v for a in node.args if (v := value(a)))
+    return read - {""}
+
+
+def _set_in_chart() -> set[str]:
+    # Upper-case names in the templates are environment variables: Kubernetes object names are lower case.
+    return {m for f in CHART.glob("*.yaml") for m in re.findall(r"(?:-\s+name:|\{name:)\s*([A-Z][A-Z0-9_]*)\b",
+                                                                   f.read_text())}
+
+
+def test_every_env_var_the_pod_the_device_plugin_or_the_chart_sets_is_read():
+    _, pod = objects()
+    set_by = {f"pod {pod['metadata']['name']}": {e["name"] for c in pod["spec"]["containers"] for e in c["env"]}}
+    inv = inventory("n", dram_gib=64, cxl_gib=4)
+    for resource in (RESOURCE_NVME, RESOURCE_CXL_GIB):
+        devices = DEVICES[resource](inv)
+        set_by[f"device plugin {resource}"] = set(grant(resource, [devices[0].id], devices).envs)
+    set_by["chart"] = _set_in_chart()
+    read = names_read_from_the_environment()
+    # The scanner itself finds the readers it must (so an empty result cannot pass for "all read").
+    assert {"MEMSTRATA_RUNTIME_CONFIG", "MEMSTRATA_NVME_DEVICES", "MEMSTRATA_CXL_NODES", "NODE_NAME"} <= read
+    assert set_by["chart"] >= {"NODE_NAME", "PYTHONUNBUFFERED"}
+    for who, env in set_by.items():
+        # PYTHON* are read by the interpreter itself.
+        unread = sorted(n for n in env if n not in read and not n.startswith("PYTHON"))
+        assert not unread, f"{who} sets {unread}, which no module of operator/ or runtime/ reads"

@@ -124,6 +124,23 @@ def test_dram_budget_spills_to_nvme() -> None:
     assert "page-locked buffers of 1.7 GiB exceed the 1.0 GiB" in stock.verdict()
 
 
+@pytest.mark.parametrize("sizes,count,want", [
+    ([1 << 40, 4 << 40, 2 << 40], 2, ["nvme1n1", "nvme2n1"]),          # the largest ones
+    ([2 << 40, 2 << 40, 2 << 40], 2, ["nvme0n1", "nvme1n1"]),          # equal sizes: by name
+    ([1 << 40, 4 << 40, 4 << 40, 8 << 40], 3, ["nvme3n1", "nvme1n1", "nvme2n1"]),
+])
+def test_planner_counts_the_namespaces_the_device_plugin_prefers(sizes: list[int], count: int,
+                                                                 want: list[str]) -> None:
+    """The device plugin answers the kubelet's GetPreferredAllocation with the same rule
+    (memstrata.api.namespacechoice), so the pod gets these; striping is bounded by the smallest."""
+    job = JobShape(model=PRESETS["llama3-70b"], sequence_length=8192, micro_batch=1, gpus=1, engine="memstrata")
+    plan = plan_for_node(job, _small_node(512 * GiB, nvme=sizes), MemoryPolicy(engine="memstrata",
+                                                                               nvme_namespaces=count))
+    assert plan.nvme_namespaces == want
+    nvme = next(s for s in plan.strata if s.stratum == "nvme")
+    assert nvme.capacity == count * min(sizes[int(n[4])] for n in want)
+
+
 def test_same_inputs_same_plan(cxl_node: NodeInventory) -> None:
     job = JobShape(model=PRESETS["qwen2.5-14b"], sequence_length=16384, micro_batch=2, gpus=1)
     a = plan_for_node(job, cxl_node, MemoryPolicy(nvme_namespaces=2))

@@ -2,9 +2,9 @@
 
 Reads in lifecycle order: start (serve on our socket) → register (tell the
 kubelet on kubelet.sock) → ListAndWatch (the whole list first, again on
-every change published) → Allocate → stop. What is offered and granted is
-decided by the pure functions in `memstrata.nodeagent.devices`; this module
-is only the wire. Restarts (kubelet restart, SIGHUP) are the caller's event
+every change published) → GetPreferredAllocation → Allocate → stop. What is
+offered, preferred and granted is decided by the pure functions in
+`memstrata.nodeagent.devices`; this module is only the wire. Restarts (kubelet restart, SIGHUP) are the caller's event
 loop: it stops a server and starts a new one.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from memstrata.nodeagent.devices import AllocationError, PluginDevice, grant, merge
+from memstrata.api.inventory import RESOURCE_NVME
+from memstrata.nodeagent.devices import AllocationError, PluginDevice, grant, merge, preferred
 from memstrata.nodeagent.proto import deviceplugin_pb2 as pb
 from memstrata.nodeagent.proto import deviceplugin_pb2_grpc as pb_grpc
 
@@ -111,7 +112,9 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
     # --- the DevicePlugin service ---------------------------------------------
 
     def _options(self) -> pb.DevicePluginOptions:
-        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
+        # Only namespaces have a preference: the kubelet must grant the ones the plan counted.
+        return pb.DevicePluginOptions(pre_start_required=False,
+                                      get_preferred_allocation_available=self.resource == RESOURCE_NVME)
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
         return self._options()
@@ -126,6 +129,15 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
                     return
                 sent, devices = self._version, list(self._devices)
             yield pb.ListAndWatchResponse(devices=[_device_pb(d) for d in devices])
+
+    def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
+                               context: grpc.ServicerContext) -> pb.PreferredAllocationResponse:
+        devices = self.devices
+        return pb.PreferredAllocationResponse(container_responses=[
+            pb.ContainerPreferredAllocationResponse(deviceIDs=preferred(
+                self.resource, list(c.available_deviceIDs), list(c.must_include_deviceIDs), c.allocation_size,
+                devices))
+            for c in request.container_requests])
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         devices = self.devices

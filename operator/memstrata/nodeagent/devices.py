@@ -7,6 +7,7 @@ Two resources (names from memstrata.api.inventory):
   reports one, so that a renamed namespace (nvme0n1 and nvme1n1 swap after a
   reboot) keeps its identity in the kubelet's checkpoint; else its name.
   A container gets the /dev node (DeviceSpec) and MEMSTRATA_NVME_DEVICES.
+  The plugin prefers the namespaces the planner counted (`preferred`).
 - `memstrata.dev/cxl-gib`: one device per whole GiB of each CXL NUMA node,
   on that node. A container gets MEMSTRATA_CXL_NODES, the nodes its units
   lie on, to bind its CXL arenas to.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory
+from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
 from memstrata.api.units import GiB
 
 HEALTHY = "Healthy"
@@ -34,6 +36,8 @@ class PluginDevice:
     numa_node: int | None
     dev_path: str = ""  # nvme-ns: the namespace's /dev node
     cxl_node: int | None = None  # cxl-gib: the NUMA node the GiB lies on
+    name: str = ""  # nvme-ns: the namespace's block device name, and its size: what the planner ranks by
+    size_bytes: int = 0
 
     @property
     def health(self) -> str:
@@ -53,7 +57,8 @@ class AllocationError(ValueError):
 
 
 def nvme_devices(inventory: NodeInventory) -> list[PluginDevice]:
-    return [PluginDevice(id=ns.wwid or ns.name, healthy=True, numa_node=ns.numa_node, dev_path=ns.dev_path)
+    return [PluginDevice(id=ns.wwid or ns.name, healthy=True, numa_node=ns.numa_node, dev_path=ns.dev_path,
+                         name=ns.name, size_bytes=ns.size_bytes)
             for ns in inventory.free_namespaces]
 
 
@@ -95,3 +100,18 @@ def grant(resource: str, ids: list[str], devices: list[PluginDevice]) -> Contain
         nodes = sorted({d.cxl_node for d in chosen if d.cxl_node is not None})
         return ContainerGrant(envs={ENV_CXL_NODES: ",".join(map(str, nodes))})
     raise AllocationError(f"unknown resource {resource}")
+
+
+def preferred(resource: str, available: list[str], must_include: list[str], size: int,
+              devices: list[PluginDevice]) -> list[str]:
+    """GetPreferredAllocation for one container: of the kubelet's `available` IDs, the `size` namespaces
+    the planner would choose (memstrata.api.namespacechoice), always keeping `must_include`.
+
+    Only the NVMe resource has a preference; for any other the kubelet's own choice stands
+    (`must_include` alone is returned, which the kubelet tops up)."""
+    if resource != RESOURCE_NVME:
+        return list(must_include)
+    offered = set(available)
+    known = [NamespaceCandidate(id=d.id, name=d.name or d.id, size_bytes=d.size_bytes)
+             for d in devices if d.id in offered and d.healthy]
+    return choose_namespaces(known, size, must_include)

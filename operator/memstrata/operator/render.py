@@ -4,6 +4,8 @@ Every object is owned by the FineTuneJob (so the garbage collector removes what
 the finalizer might miss) and labelled with the job's UID (so cleanup and the
 reconciler find exactly the job's children). The pod meets PodSecurity
 `restricted`: devices arrive through the device plugin, never `privileged`.
+Its memory request and limit are the plan's DRAM for the pod (`memory_bytes`),
+so the kubelet enforces the DRAM budget the planner assumed.
 """
 from __future__ import annotations
 
@@ -13,11 +15,28 @@ from typing import Any
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
 from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU
 from memstrata.api.runtimeconfig import CONFIGMAP_KEY, ENV_RUNTIME_CONFIG, JobRef, RuntimeConfig
+from memstrata.api.units import GiB
 from memstrata.operator import names
 from memstrata.operator.observe import JobView
 from memstrata.api.strataplan import Plan
 
 RUNTIME_UID = 1000  # the runtime image's non-root user (docker/runtime.Dockerfile)
+# DRAM of one rank process that the plan does not count, because it is not the job's tensors:
+# the interpreter with torch and DeepSpeed imported (0.52 GiB), their allocator arenas, the swap
+# layer's locked pool growing in whole chunks, and on a GPU the CUDA runtime's host side (about
+# 1 GiB more). Measured on the CPU: the tiny example peaks at 0.83 GiB RSS for a 17 MiB plan.
+RUNTIME_PROCESS_BYTES = 2 * GiB
+MiB = 1 << 20
+
+
+def memory_bytes(plan: Plan, ranks: int) -> int:
+    """The training container's memory request (and limit), in whole MiB.
+
+    = every byte the plan puts in DRAM on this node — offloaded state, page-locked
+      buffers, gradients, checkpoints, and the working set when training on the CPU —
+    + RUNTIME_PROCESS_BYTES for each of the pod's rank processes (one per GPU, one on a CPU)."""
+    total = plan.bytes_on("dram") + RUNTIME_PROCESS_BYTES * max(ranks, 1)
+    return -(-total // MiB) * MiB
 
 
 def owner_reference(job: JobView) -> dict[str, Any]:
@@ -86,6 +105,7 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
     spec = job.spec
     assert spec is not None
     requests = {r: str(n) for r, n in sorted(plan.requests.items()) if n}
+    memory = f"{memory_bytes(plan, spec.resources.gpus) // MiB}Mi"
     labels = {**names.user_labels(dict(job.labels)), names.LABEL_ATTEMPT: str(attempt)}
     node_terms = [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]},
@@ -96,14 +116,15 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": names.CONTAINER,
         "image": spec.image,
-        "env": [
-            {"name": ENV_RUNTIME_CONFIG, "value": f"{names.CONFIG_MOUNT}/{CONFIGMAP_KEY}"},
-            {"name": "MEMSTRATA_JOB_NAME", "value": job.name},
-            {"name": "MEMSTRATA_JOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-            {"name": "MEMSTRATA_ATTEMPT", "value": str(attempt)},
-        ],
-        # Extended resources cannot be overcommitted: requests must equal limits.
-        "resources": {"requests": dict(requests), "limits": dict(requests)},
+        # Only what the runtime reads (the job, attempt and node are in the runtime config);
+        # the device plugin adds the namespaces and CXL nodes it grants.
+        "env": [{"name": ENV_RUNTIME_CONFIG, "value": f"{names.CONFIG_MOUNT}/{CONFIGMAP_KEY}"}],
+        # Extended resources cannot be overcommitted: requests must equal limits. Memory too, by choice:
+        # the scheduler reserves the request, so a limit above it would let this job take DRAM the planner
+        # counted as another job's or the node's, and the node, not this pod, would pay (eviction of a
+        # neighbour). At the limit the kernel OOM-kills this container and its status says OOMKilled:
+        # a plan that undercounts fails loudly, on its own job.
+        "resources": {"requests": {**requests, "memory": memory}, "limits": {**requests, "memory": memory}},
         "volumeMounts": [{"name": "runtime-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
         "securityContext": {
             "allowPrivilegeEscalation": False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from memstrata.api.finetunejob import MemoryPolicy
 from memstrata.api.inventory import NodeInventory
+from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.api.units import GiB, format_bytes
 from memstrata.plan.accounting import DESCRIPTIONS, JobShape, category_bytes, pinned_buffers, working_set
@@ -76,12 +77,15 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
 
     namespaces: list[str] = []
     if policy.nvme_namespaces:
-        candidates = sorted(node.free_namespaces, key=lambda ns: (-ns.size_bytes, ns.name))
+        candidates = {ns.name: ns for ns in node.free_namespaces}
         if len(candidates) < policy.nvme_namespaces:
             short("nvme", "optimizer", 0,
                   f"NVMe: memory.nvmeNamespaces wants {policy.nvme_namespaces} free namespaces, "
                   f"node has {len(candidates)}")
-        chosen = candidates[: policy.nvme_namespaces]
+        # The device plugin's GetPreferredAllocation follows the same rule, so the pod gets these.
+        picked = choose_namespaces((NamespaceCandidate(id=ns.name, name=ns.name, size_bytes=ns.size_bytes)
+                                    for ns in candidates.values()), policy.nvme_namespaces)
+        chosen = [candidates[name] for name in picked]
         namespaces = [ns.name for ns in chosen]
         # Striping spreads bytes evenly, so the smallest namespace bounds each share.
         free["nvme"] = len(chosen) * min((ns.size_bytes for ns in chosen), default=0)

@@ -1,31 +1,56 @@
-"""Which namespaces and CXL nodes memstrata's swap layer uses, from the plan and the device plugin's env.
+"""The swap layer's settings for one run, from the plan's bytes and the device plugin's env.
 
-On a node the device plugin hands the container its namespaces in
+Where: on a node the device plugin hands the container its namespaces in
 MEMSTRATA_NVME_DEVICES (raw block devices) and its CXL NUMA nodes in
 MEMSTRATA_CXL_NODES; those are the truth there, because the kubelet chose
-them. A local run has no device plugin: the plan's NVMe namespace is the
-scratch directory, so the stratum becomes one file-backed namespace per plan
-namespace inside the run's own directory (sparse; deleted with it).
+them. A local run has no device plugin: the stratum becomes one sparse
+file-backed namespace per plan namespace inside the run's own directory.
+
+How much, both from the plan, so `memory.dramBudget` reaches the swap layer:
+
+- DRAM cache. The plan's DRAM bytes for optimizer state (categories master +
+  optimizer on stratum dram) buy whole sub-groups of the DRAM cache: as many as
+  fit, counted at the largest size a sub-group can have (`subgroup_state_bytes`),
+  so the cache never holds more than the plan gave it. At least one, which is
+  what the layer always kept: the sub-group the next (reversed) step walks first.
+- Namespace sizes. DeepSpeed offloads per group (`STOCK_GROUPS`: the weights;
+  master + moments), so a group with any byte on NVMe lives there whole; the
+  plan's DRAM share of the optimizer state is a cache of sub-groups that keep
+  their NVMe extents (the cached set changes every step). Each namespace holds
+  an even share of those bytes plus the slack in `namespace_bytes`.
 
 `swap_settings` is pure; `create_file_namespaces` is the one side effect.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
+from memstrata.api.units import format_bytes
+from memstrata.node.header import DATA_OFFSET
+from memstrata.plan.assignment import STOCK_GROUPS
+from memstrata.plan.stock import align_elements, largest_param, param_tensors, sub_group_size
 from memstrata.runtime.swap.layer import SwapSettings
 
-__all__ = ["SwapStrata", "swap_settings", "create_file_namespaces", "namespace_bytes"]
+__all__ = ["SwapStrata", "cache_subgroups", "create_file_namespaces", "namespace_bytes", "nvme_state_bytes",
+           "subgroup_state_bytes", "swap_settings"]
 
-# What one rank's stratum holds per parameter: 16-bit weights, then fp32 master,
-# two Adam moments and the fp32 gradients streamed by sub-group (4 x 4 B).
-_BYTES_PER_PARAMETER = 2 + 4 * 4
+OPTIMIZER_STATE = ("master", "optimizer")
+# What a cached sub-group keeps in DRAM per element: fp32 master weights and the two Adam moments.
+STATE_BYTES_PER_ELEMENT = 3 * 4
+# The cache size the swap layer always had; the plan can only raise it.
+MIN_CACHE_SUBGROUPS = 1
+# Extents one sub-group can own: master, two moments, and fp32 gradients where they are swapped.
+EXTENTS_PER_SUBGROUP = 4
+# The largest logical block of a namespace (and the block of a file-backed one): each extent is padded to it.
+BLOCK_BYTES = 4096
+MiB = 1 << 20
 
 
 class SwapStrata(BaseModel):
@@ -35,18 +60,62 @@ class SwapStrata(BaseModel):
     source: str  # "device-plugin" | "plan" - for the report
 
 
-def namespace_bytes(parameters: int, namespaces: int) -> int:
-    """Size of each file-backed namespace: the state striped over all, with slack for alignment and headers."""
-    total = int(parameters * _BYTES_PER_PARAMETER * 1.5) + (256 << 20)
-    per = -(-total // max(namespaces, 1))
-    return -(-per // (1 << 20)) * (1 << 20)
+def _bytes(plan: Plan, categories: Iterable[str], stratum: str) -> int:
+    wanted = set(categories)
+    return sum(c.on(stratum) for c in plan.categories if c.category in wanted)
+
+
+def subgroup_state_bytes(arch: ModelArchitecture, ranks: int = 1) -> int:
+    """The most DRAM one cached sub-group of one rank can hold.
+
+    ZeRO-3 closes a sub-group once it reaches sub_group_size elements (the value
+    memstrata.runtime.train.dsconfig configures), so it overshoots by less than one
+    (partitioned) tensor; each of its three fp32 tensors is padded to the swapper's
+    4 KiB alignment."""
+    elements = sub_group_size(arch) + -(-largest_param(arch) // max(ranks, 1))
+    return align_elements(elements) * STATE_BYTES_PER_ELEMENT
+
+
+def cache_subgroups(plan: Plan, arch: ModelArchitecture, ranks: int = 1) -> int:
+    """Sub-groups each rank keeps in DRAM: as many whole ones as fit in the plan's DRAM bytes for optimizer
+    state (split evenly over the node's ranks), and never fewer than MIN_CACHE_SUBGROUPS."""
+    per_rank = _bytes(plan, OPTIMIZER_STATE, "dram") // max(ranks, 1)
+    return max(MIN_CACHE_SUBGROUPS, per_rank // subgroup_state_bytes(arch, ranks))
+
+
+def nvme_state_bytes(plan: Plan) -> int:
+    """Bytes the runtime keeps on the NVMe stratum: every offload group with any byte there, whole."""
+    total, counted = 0, set[str]()
+    for c in plan.categories:
+        if c.category in counted or not c.on("nvme"):
+            continue
+        group = STOCK_GROUPS.get(c.category, (c.category,))
+        counted.update(group)
+        total += sum(g.bytes for g in plan.categories if g.category in group)
+    return total
+
+
+def namespace_bytes(plan: Plan, arch: ModelArchitecture, namespaces: int, stripe_bytes: int) -> int:
+    """Size of each file-backed namespace: an even share of `nvme_state_bytes`, plus slack, in whole MiB.
+
+    Slack: DATA_OFFSET ahead of the data (the header and its reserved area), and per extent one
+    BLOCK_BYTES of padding; striped over several namespaces, the first one also takes up to two more
+    stripe units per extent (a tensor is cut into stripe units dealt round-robin from the first).
+    A sub-group holds at least one tensor, so there are at most as many sub-groups as tensors."""
+    n = max(namespaces, 1)
+    tensors = param_tensors(arch)
+    extents = tensors + EXTENTS_PER_SUBGROUP * tensors
+    per_extent = BLOCK_BYTES + (2 * stripe_bytes if n > 1 else 0)
+    size = DATA_OFFSET + -(-nvme_state_bytes(plan) // n) + extents * per_extent
+    return -(-size // MiB) * MiB
 
 
 def _env_list(env: Mapping[str, str], key: str) -> list[str]:
     return [p.strip() for p in env.get(key, "").split(",") if p.strip()]
 
 
-def swap_settings(plan: Plan, *, job: str, run_dir: Path, env: Mapping[str, str]) -> SwapStrata:
+def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Path, env: Mapping[str, str],
+                  ranks: int = 1) -> SwapStrata:
     """The swap layer's settings for this run. Raises ValueError naming the env/plan field when unusable."""
     cxl_env = _env_list(env, ENV_CXL_NODES)
     try:
@@ -54,16 +123,21 @@ def swap_settings(plan: Plan, *, job: str, run_dir: Path, env: Mapping[str, str]
     except ValueError:
         raise ValueError(f"{ENV_CXL_NODES}={env[ENV_CXL_NODES]!r}: expected comma-separated NUMA node numbers") \
             from None
+    base = SwapSettings(job=job, cxl_nodes=cxl, cache_subgroups=cache_subgroups(plan, arch, ranks))
     devices = _env_list(env, ENV_NVME_DEVICES)
     if devices:
-        return SwapStrata(settings=SwapSettings(nvme=devices, job=job, cxl_nodes=cxl), source="device-plugin")
+        return SwapStrata(settings=base.model_copy(update={"nvme": devices}), source="device-plugin")
     if not plan.nvme_namespaces:
+        on_nvme = plan.bytes_on("nvme")
+        if on_nvme:
+            raise ValueError(f"plan.nvme_namespaces is empty but plan.categories place {format_bytes(on_nvme)} on "
+                             "nvme: a plan that uses the NVMe stratum must name its namespaces")
         raise ValueError("plan.nvme_namespaces is empty and MEMSTRATA_NVME_DEVICES is not set: memory.engine "
                          "memstrata needs an NVMe stratum (give `memstrata run` an --nvme-path)")
     files = [str(run_dir / f"nvme{i}.img") for i in range(len(plan.nvme_namespaces))]
-    size = namespace_bytes(plan.parameters, len(files))
-    return SwapStrata(settings=SwapSettings(nvme=files, job=job, cxl_nodes=cxl), file_namespaces=files,
-                      file_bytes=size, source="plan")
+    size = namespace_bytes(plan, arch, len(files), base.stripe_bytes)
+    return SwapStrata(settings=base.model_copy(update={"nvme": files}), file_namespaces=files, file_bytes=size,
+                      source="plan")
 
 
 def create_file_namespaces(strata: SwapStrata) -> None:

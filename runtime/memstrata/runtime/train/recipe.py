@@ -23,6 +23,7 @@ from memstrata.api.finetunejob import FineTuneJob
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.data import Blocks, ByteTokenizer, build_dataset
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config
+from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces, swap_settings
 
 
@@ -91,7 +92,7 @@ class FineTuneRecipe:
         # path), so it is a subfolder of its own, apart from memstrata's file-backed namespaces.
         self.ds_swap_dir = self.swap_dir / "deepspeed" if self.engine_name == "memstrata" else self.swap_dir
         self.strata: SwapStrata | None = None
-        self.swap_status: dict[str, Any] | None = None  # memstrata's per-stratum counters, kept past cleanup
+        self.swap_status: SwapStatus | None = None  # memstrata's per-stratum counters, kept past cleanup
         self.data: Blocks | None = None
         self.ds: DsConfig | None = None
         self.engine: Any = None
@@ -109,8 +110,9 @@ class FineTuneRecipe:
         self.ds = build_ds_config(self.plan, self.arch, self.spec.training, self.ds_swap_dir, self.on_gpu)
         if self.engine_name == "memstrata":
             try:
-                self.strata = swap_settings(self.plan, job=self.job.metadata.name, run_dir=self.swap_dir,
-                                            env=os.environ)
+                # The plan's bytes size the DRAM cache and the namespaces; one process is one rank.
+                self.strata = swap_settings(self.plan, self.arch, job=self.job.metadata.name, run_dir=self.swap_dir,
+                                            env=os.environ, ranks=1)
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
         self.swap_dir.mkdir(parents=True, exist_ok=False)
@@ -158,7 +160,7 @@ class FineTuneRecipe:
                                      swap=self.strata.settings)
         return engine
 
-    def memstrata_status(self) -> dict[str, Any] | None:
+    def memstrata_status(self) -> SwapStatus | None:
         """memstrata's own per-stratum counters (None on the stock engine); live while the engine is."""
         layer = getattr(self.engine, "memstrata", None)
         if layer is not None:
