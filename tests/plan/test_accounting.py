@@ -35,10 +35,10 @@ def test_llama3_8b_bf16_categories() -> None:
     assert b["checkpoints"] == 8_589_934_592     # 32 layers x 32768 tokens x 4096 x 2 B
 
 
-def test_fp32_has_no_separate_master_copy() -> None:
+def test_fp32_still_has_zero3s_own_master_copy() -> None:
     job = JobShape(model=PRESETS["llama3-8b"], sequence_length=1024, micro_batch=1, precision="fp32", gpus=1)
     b = category_bytes(job)
-    assert b["master"] == 0
+    assert b["master"] == 32_121_044_992  # 4 B x 8,030,261,248: ZeRO-3's fp32 partitions, beside the weights
     assert b["weights"] == 32_121_044_992
     assert b["gradients"] == 32_121_044_992
 

@@ -108,15 +108,16 @@ def category_bytes(job: JobShape) -> dict[str, int]:
     """Node-wide bytes of the state that ZeRO-3 partitions across ranks (so it does not scale with GPUs).
 
     With P parameters in 16-bit training: weights 2P, gradients 2P, fp32 master 4P,
-    Adam moments 8P. In fp32 training the weights are the master copy: weights 4P,
-    gradients 4P, master 0, moments 8P. Activation checkpoints keep one hidden-state
+    Adam moments 8P. In fp32 training weights and gradients are 4P each, and the master is
+    still 4P: ZeRO-3 keeps its own flat fp32 partitions (stage3 `_create_fp32_partitions`)
+    beside the parameters in every precision. Activation checkpoints keep one hidden-state
     tensor per layer per rank: layers·s·b·h in the training precision.
     """
     p, m, w = job.model.parameters(), job.model, job.weight_bytes
     return {
         "weights": p * w,
         "gradients": p * w,
-        "master": 0 if job.precision == "fp32" else 4 * p,
+        "master": 4 * p,
         "optimizer": 8 * p,
         "checkpoints": m.layers * job.sequence_length * job.micro_batch * m.hidden * w * job.ranks,
     }
