@@ -31,10 +31,20 @@ PRINTER_COLUMNS = [
 IMMUTABLE = ("model", "dataset", "training", "resources", "memory")
 
 
+def _unchanged(field: str) -> str:
+    """CEL for "spec.<field> did not change". An optional field may be absent on either side, and
+    `self.f` on an absent key is an error that fails every update of the object (finalizers, labels,
+    status): absent on both sides is unchanged, absent on one is a change. (Optional selection,
+    `self.?f == oldSelf.?f`, says the same but its estimated cost is over the API server's budget.)"""
+    if field in FineTuneJobSpec.model_fields and FineTuneJobSpec.model_fields[field].is_required():
+        return f"self.{field} == oldSelf.{field}"
+    return f"(has(self.{field}) ? has(oldSelf.{field}) && self.{field} == oldSelf.{field} : !has(oldSelf.{field}))"
+
+
 def spec_rules() -> list[JsonDict]:
     """Cross-field rules on the whole spec, mirrored by FineTuneJobSpec's validators."""
     rules = [
-        cel(" && ".join(f"self.{f} == oldSelf.{f}" for f in IMMUTABLE),
+        cel(" && ".join(_unchanged(f) for f in IMMUTABLE),
             "only spec.runPolicy, spec.image and spec.command may change after creation; "
             "spec." + ", spec.".join(IMMUTABLE) + " are immutable"),
         cel("!has(self.model.architecture) || self.model.architecture.family != 'gpt' || "
