@@ -2,7 +2,10 @@
 
 The extension is compiled by the package build (pip install), never on import,
 so a runtime image starts without a compiler. Its C sources live in the
-repository's top-level native/ (the runtime is their only user).
+repository's top-level native/ (the runtime is their only user), so this
+distribution is built as a wheel from a checkout, never from an sdist; and
+it is installed together with the operator floor's wheel from the same checkout
+(`memstrata==0.1.0`), as docker/runtime.Dockerfile does, never resolved from an index.
 """
 import os
 from pathlib import Path
@@ -20,7 +23,7 @@ setup(
         Extension(
             "memstrata.runtime._native._core",
             sources=SOURCES,
-            include_dirs=[str(Path("..") / "native")],
+            include_dirs=[str(HERE.parent / "native")],
             libraries=["uring", "numa"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-std=gnu11"],
         )

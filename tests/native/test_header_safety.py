@@ -1,6 +1,7 @@
 """The memstrata header and the device-safety probes, on real images made by real tools."""
 from __future__ import annotations
 
+import pickle
 import subprocess
 import uuid
 from pathlib import Path
@@ -101,6 +102,9 @@ def test_check_device_refuses_a_file_with_a_filesystem_unless_forced(tmp_path: P
                                                 r"\(force overrides the signature check, nothing else\)") as info:
         check_device(str(img))
     assert info.value.device == str(img)
+    # A refusal raised in a worker process reaches its parent whole (pickled), device and reason intact.
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (type(again), again.device, str(again)) == (DeviceUnsafeError, str(img), str(info.value))
     check_device(str(img), force=True)  # force overrides only the signature check
     check_device(str(_image(tmp_path, "blank.img")))
 

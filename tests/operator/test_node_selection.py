@@ -132,3 +132,20 @@ def test_init_containers_count_once_at_their_largest():
             "initContainers": [{"resources": {"requests": {"nvidia.com/gpu": "2"}}},
                                {"resources": {"requests": {"nvidia.com/gpu": "1"}}}]}
     assert pod_requests(spec)["nvidia.com/gpu"] == 2
+
+
+def test_no_room_now_when_the_nodes_memory_is_taken_though_gpus_are_free():
+    """The pod requests the plan's host memory, and the scheduler will not bind it where the node's
+    allocatable memory (256Gi here) minus other pods' requests is less; the operator must not either."""
+    candidates = nodes(node_dict("g1", inventory("g1", dram_gib=1024, gpus=2)))
+    taken = pod_use(pod_dict("other", 0, "Running", node="g1", requests={"memory": "200Gi"}))
+    p = place(SPEC, candidates, usage_by_node([taken]))
+    assert p.outcome == "no-room" and "g1: memory needs " in p.message and "56.0 GiB free" in p.message
+    assert place(SPEC, candidates, {}).outcome == "chosen"
+
+
+def test_a_node_advertising_less_memory_than_the_pod_requests_can_never_hold_it():
+    small = node_dict("tiny-mem", inventory("tiny-mem", dram_gib=1024))
+    small["status"]["allocatable"]["memory"] = "8Gi"
+    p = place(SPEC, nodes(small), {})
+    assert p.outcome == "impossible" and "memory: needs " in p.message and "node advertises 8.0 GiB" in p.message

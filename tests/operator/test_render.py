@@ -16,7 +16,7 @@ from memstrata.operator import names
 from memstrata.operator.nodes import node_view, pod_requests
 from memstrata.operator.observe import job_view
 from memstrata.operator.scheduling import place
-from memstrata.operator.render import attempt_objects
+from memstrata.operator.render import attempt_objects, memory_bytes
 
 JOB = job_view(job_dict("llama", labels={"team": "nlp"}))
 CXL_NODE = node_view(node_dict("cxl-1", inventory("cxl-1", dram_gib=512, cxl_gib=256)))
@@ -31,7 +31,8 @@ def objects(attempt: int = 2):
 def test_pod_requests_exactly_what_the_plan_asks_and_is_pinned_to_the_node():
     _, pod = objects()
     assert PLACED.plan.requests == {"nvidia.com/gpu": 1, "memstrata.dev/cxl-gib": 23}
-    assert pod_requests(pod["spec"]) == {"nvidia.com/gpu": 1, "memstrata.dev/nvme-ns": 0, "memstrata.dev/cxl-gib": 23}
+    assert pod_requests(pod["spec"]) == {"nvidia.com/gpu": 1, "memstrata.dev/nvme-ns": 0, "memstrata.dev/cxl-gib": 23,
+                                         "memory": memory_bytes(PLACED.plan, 1)}
     res = pod["spec"]["containers"][0]["resources"]
     assert res["requests"] == res["limits"]  # extended resources cannot be overcommitted
     terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -115,10 +116,10 @@ def _cat(name: str, *placed: tuple[str, int]) -> CategoryPlan:
                         placement=[Allocation(stratum=s, bytes=b) for s, b in placed])
 
 
-def test_memory_request_and_limit_are_the_plans_dram_plus_the_process_overhead():
+def test_memory_request_and_limit_are_the_plans_host_memory_plus_the_process_overhead():
     """A CPU job: working set 3 GiB + pinned 512 MiB + gradients 1 GiB + 2 GiB of the fp32 master weights
-    = 6.5 GiB of DRAM (the other 2 GiB of master, the moments and the weights are on NVMe or CXL),
-    + 2 GiB for the one rank process = 8.5 GiB = 8704 MiB."""
+    = 6.5 GiB of DRAM (the other 2 GiB of master and the moments are on NVMe), + 1 GiB of weights on
+    CXL (the memory cgroup charges CXL pages too), + 2 GiB for the one rank process = 9.5 GiB = 9728 MiB."""
     plan = Plan(parameters=1, engine="memstrata", feasible=True, strata=[], categories=[
         _cat("working", ("dram", 3 * GiB)), _cat("pinned", ("dram", 512 * MiB)), _cat("gradients", ("dram", GiB)),
         _cat("master", ("dram", 2 * GiB), ("nvme", 2 * GiB)), _cat("optimizer", ("nvme", 8 * GiB)),
@@ -127,12 +128,12 @@ def test_memory_request_and_limit_are_the_plans_dram_plus_the_process_overhead()
     cpu["spec"]["resources"]["gpus"] = 0
     _, pod = attempt_objects(job_view(cpu), "cxl-1", plan, 0)
     res = pod["spec"]["containers"][0]["resources"]
-    assert res["requests"] == res["limits"] == {"memory": "8704Mi", "memstrata.dev/nvme-ns": "1"}
+    assert res["requests"] == res["limits"] == {"memory": "9728Mi", "memstrata.dev/nvme-ns": "1"}
     two_gpus = job_dict()
     two_gpus["spec"]["resources"]["gpus"] = 2
     _, pod = attempt_objects(job_view(two_gpus), "cxl-1", plan, 0)
-    # One rank process per GPU: 6.5 GiB + 2 x 2 GiB = 10.5 GiB.
-    assert pod["spec"]["containers"][0]["resources"]["limits"]["memory"] == "10752Mi"
+    # One rank process per GPU: 7.5 GiB + 2 x 2 GiB = 11.5 GiB.
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["memory"] == "11776Mi"
 
 
 def test_a_tighter_dram_budget_lowers_the_pods_memory_limit():

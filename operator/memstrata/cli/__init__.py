@@ -64,11 +64,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     created = not args.nvme_path.exists()
     rc = EXIT_USAGE
     try:
-        node = local_inventory(args.nvme_path)
+        from memstrata.runtime.train.local import run_local, torch_gpus
+
+        node = local_inventory(args.nvme_path, gpus=torch_gpus)
         plan = plan_job(spec, node)
         if not plan.feasible:
             raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
-        from memstrata.runtime.train.local import run_local
 
         rc = run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json)
         return rc

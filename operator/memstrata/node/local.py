@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
-from memstrata.api.inventory import Gpu, NodeInventory, NumaNode, NvmeNamespace
+from memstrata.api.inventory import CxlNode, Gpu, NodeInventory, NumaNode, NvmeNamespace
+from memstrata.node.discovery import numa_and_cxl
 from memstrata.node.safety import parse_mounts
-from memstrata.node.sysfs import parse_list
+from memstrata.node.sysfs import SysfsError, SysfsTree
 
 # Filesystems that live in RAM: swapping "to NVMe" there only moves bytes around DRAM.
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "overlay_tmpfs"}
@@ -26,19 +28,14 @@ class ScratchError(LocalNodeError):
     """The NVMe scratch path cannot be used; the message names the path and why."""
 
 
-def numa_nodes(sysfs: Path = Path("/sys")) -> list[NumaNode]:
-    root = sysfs / "devices/system/node"
-    nodes = []
-    for d in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
-        meminfo = (d / "meminfo").read_text()
-        kb = next(int(line.split()[-2]) for line in meminfo.splitlines() if "MemTotal" in line)
-        cpus = parse_list((d / "cpulist").read_text())
-        nodes.append(NumaNode(id=int(d.name[4:]), kind="dram" if cpus else "memory-only", cpus=cpus,
-                              memory_bytes=kb * 1024, distances=[int(x) for x in (d / "distance").read_text().split()]))
-    if not nodes:  # kernels without NUMA support still have memory
+def numa_and_cxl_nodes(sysfs: Path = Path("/sys")) -> tuple[list[NumaNode], list[CxlNode]]:
+    """This machine's NUMA and CXL nodes, read by node discovery's own reader (memstrata.node.discovery),
+    so a local run sees the CXL expanders the node agent would advertise."""
+    try:
+        return numa_and_cxl(SysfsTree(sysfs))
+    except SysfsError:  # a kernel without NUMA support still has memory: one node with all of it
         kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-        nodes.append(NumaNode(id=0, cpus=list(range(os.cpu_count() or 1)), memory_bytes=kb * 1024))
-    return nodes
+        return [NumaNode(id=0, cpus=list(range(os.cpu_count() or 1)), memory_bytes=kb * 1024)], []
 
 
 def filesystem_type(path: Path) -> str:
@@ -79,41 +76,56 @@ def check_scratch(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+SMI_QUERY = ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"]
+GpuLister = Callable[[], list[Gpu]]
+
+
 def parse_nvidia_smi(text: str, visible: str | None) -> list[Gpu]:
-    """GPUs from `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`
-    (MiB), restricted to CUDA_VISIBLE_DEVICES' indices the way CUDA numbers them. Pure."""
+    """GPUs from SMI_QUERY's CSV (memory in MiB), as CUDA numbers them under CUDA_VISIBLE_DEVICES
+    (indices or GPU UUIDs, in the listed order; set but empty hides every device). Pure; raises
+    LocalNodeError naming what it cannot read."""
     rows = []
     for line in text.strip().splitlines():
-        index, name, mib = (f.strip() for f in line.split(","))
-        rows.append((int(index), name, int(float(mib)) << 20))
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 4 or not fields[0].isdigit():
+            raise LocalNodeError(f"nvidia-smi: cannot read the GPU line {line.strip()!r}")
+        index, uuid, name, mib = fields
+        if not mib.isdigit():  # "[N/A]" on some virtualised or MIG-enabled GPUs
+            raise LocalNodeError(f"nvidia-smi reports no memory size for GPU {index} ({name}): {mib!r}; "
+                                 "describe the node with `--node FILE` instead")
+        rows.append((int(index), uuid, name, int(mib) << 20))
     if visible is not None:
-        # Set but empty hides every device from CUDA; UUIDs/MIG names are kept as listed by the driver.
-        wanted = [v.strip() for v in visible.split(",") if v.strip()]
-        if not wanted:
-            return []
-        if all(w.isdigit() for w in wanted):
-            by_index = {r[0]: r for r in rows}
-            rows = [by_index[int(w)] for w in wanted if int(w) in by_index]
-    return [Gpu(index=i, name=name, hbm_bytes=hbm) for i, (_, name, hbm) in enumerate(rows)]
+        chosen = []
+        for want in (v.strip() for v in visible.split(",") if v.strip()):
+            match = [r for r in rows if (str(r[0]) == want if want.isdigit() else r[1].startswith(want))]
+            if not match:
+                # CUDA stops at the first entry it cannot resolve (MIG instances included): so do we.
+                break
+            chosen.append(match[0])
+        rows = chosen
+    return [Gpu(index=i, name=name, hbm_bytes=hbm) for i, (_, _, name, hbm) in enumerate(rows)]
 
 
-def _gpus() -> list[Gpu]:
-    # nvidia-smi, not torch: the operator floor (the CLI's `plan`) must not need torch.
+def nvidia_smi_gpus() -> list[Gpu]:
+    """This machine's GPUs through nvidia-smi; none without an NVIDIA driver."""
     if not Path("/proc/driver/nvidia/gpus").exists():
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+        out = subprocess.run(SMI_QUERY, capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        raise LocalNodeError(f"this machine has an NVIDIA driver but nvidia-smi cannot list its GPUs: {exc}") from None
+        raise LocalNodeError(f"this machine has an NVIDIA driver but nvidia-smi cannot list its GPUs ({exc}); "
+                             "describe the node with `--node FILE` instead") from None
     return parse_nvidia_smi(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def local_inventory(nvme_path: Path | None) -> NodeInventory:
+def local_inventory(nvme_path: Path | None, gpus: GpuLister = nvidia_smi_gpus) -> NodeInventory:
+    """This machine. `gpus` lists its GPUs: nvidia-smi here on the operator floor (no torch); a local
+    training run, which has torch anyway, passes the runtime's lister instead, which needs no nvidia-smi."""
     namespaces = []
     if nvme_path is not None:
         free = check_scratch(nvme_path)
         namespaces.append(NvmeNamespace(name=str(nvme_path), controller="scratch-directory", size_bytes=free,
                                         logical_block_size=4096, free=True))
-    return NodeInventory(hostname=os.uname().nodename, numa_nodes=numa_nodes(), nvme_namespaces=namespaces,
-                         gpus=_gpus())
+    numa, cxl = numa_and_cxl_nodes()
+    return NodeInventory(hostname=os.uname().nodename, numa_nodes=numa, cxl_nodes=cxl, nvme_namespaces=namespaces,
+                         gpus=gpus())

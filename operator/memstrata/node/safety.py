@@ -25,7 +25,7 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -40,6 +40,10 @@ class DeviceUnsafeError(Exception):
         self.device = device
         self.reason = reason
         super().__init__(f"{device}: refusing to use it: {reason}")
+
+    def __reduce__(self) -> tuple[Callable[..., DeviceUnsafeError], tuple[object, ...]]:
+        # Picklable (a refusal raised in a worker process reaches its parent): rebuilt from both fields.
+        return type(self), (self.device, self.reason)
 
 
 # Enough for every probe below (btrfs's superblock sits at 64 KiB).

@@ -15,7 +15,10 @@ from memstrata.api.inventory import (
 from memstrata.api.units import quantity_value
 from memstrata.operator.names import LABEL_JOB_UID
 
-RESOURCES = (RESOURCE_GPU, RESOURCE_NVME, RESOURCE_CXL_GIB)
+# "memory" too: the training container requests the plan's host memory (render.memory_bytes), so
+# a node must have that much allocatable memory left, as the scheduler will check.
+RESOURCE_MEMORY = "memory"
+RESOURCES = (RESOURCE_GPU, RESOURCE_NVME, RESOURCE_CXL_GIB, RESOURCE_MEMORY)
 # Taints that the operator's pods tolerate: GPU nodes are commonly tainted so
 # that only GPU workloads land there, and a fine-tune is one.
 TOLERATED_TAINT_KEYS = frozenset({RESOURCE_GPU})

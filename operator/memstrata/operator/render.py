@@ -4,7 +4,7 @@ Every object is owned by the FineTuneJob (so the garbage collector removes what
 the finalizer might miss) and labelled with the job's UID (so cleanup and the
 reconciler find exactly the job's children). The pod meets PodSecurity
 `restricted`: devices arrive through the device plugin, never `privileged`.
-Its memory request and limit are the plan's DRAM for the pod (`memory_bytes`),
+Its memory request and limit are the plan's DRAM and CXL bytes for the pod (`memory_bytes`),
 so the kubelet enforces the DRAM budget the planner assumed.
 """
 from __future__ import annotations
@@ -34,8 +34,10 @@ def memory_bytes(plan: Plan, ranks: int) -> int:
 
     = every byte the plan puts in DRAM on this node — offloaded state, page-locked
       buffers, gradients, checkpoints, and the working set when training on the CPU —
+    + every byte it puts on CXL: a CXL expander is a CPU-less NUMA node of ordinary memory,
+      and the memory cgroup charges its pages like any other
     + RUNTIME_PROCESS_BYTES for each of the pod's rank processes (one per GPU, one on a CPU)."""
-    total = plan.bytes_on("dram") + RUNTIME_PROCESS_BYTES * max(ranks, 1)
+    total = plan.bytes_on("dram") + plan.bytes_on("cxl") + RUNTIME_PROCESS_BYTES * max(ranks, 1)
     return -(-total // MiB) * MiB
 
 

@@ -17,7 +17,8 @@ from typing import Callable, Literal, Mapping, Sequence
 
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.units import format_bytes
-from memstrata.operator.nodes import NodeView, Usage, free_now
+from memstrata.operator.nodes import RESOURCE_MEMORY, NodeView, Usage, free_now
+from memstrata.operator.render import memory_bytes
 from memstrata.plan import Plan, plan_job
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES
 
@@ -55,9 +56,9 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
     never: list[tuple[NodeView, Plan]] = []
     for node in sorted(managed, key=lambda n: n.name):
         plan = plan_for(spec, node)
-        (ever if plan.feasible and not _over_capacity(plan, node) else never).append((node, plan))
+        (ever if plan.feasible and not _over_capacity(spec, plan, node) else never).append((node, plan))
     if not ever:
-        return _impossible(never)
+        return _impossible(spec, never)
 
     ready: list[tuple[tuple[int, int, int, str], NodeView, Plan]] = []
     waiting: list[str] = []
@@ -66,7 +67,8 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
             waiting.append(f"{node.name}: {node.why_not}")
             continue
         free = free_now(node, usage.get(node.name))
-        lacking = [f"{r} needs {n}, {max(free[r], 0)} free" for r, n in sorted(plan.requests.items()) if n > free[r]]
+        lacking = [f"{r} needs {_show(r, n)}, {_show(r, max(free[r], 0))} free"
+                   for r, n in sorted(pod_requests_of(spec, plan).items()) if n > free[r]]
         if lacking:
             waiting.append(f"{node.name}: {', '.join(lacking)}")
             continue
@@ -82,27 +84,39 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
                      node=node.name, plan=plan)
 
 
-def _over_capacity(plan: Plan, node: NodeView) -> bool:
-    """A plan asking for more of a resource than the node advertises can never be scheduled there."""
-    return any(n > node.allocatable.get(r, 0) for r, n in plan.requests.items())
+def pod_requests_of(spec: FineTuneJobSpec, plan: Plan) -> dict[str, int]:
+    """What the job's pod will request (render.attempt_objects): the plan's extended resources and its
+    host memory."""
+    return {**plan.requests, RESOURCE_MEMORY: memory_bytes(plan, spec.resources.gpus)}
 
 
-def _impossible(never: list[tuple[NodeView, Plan]]) -> Placement:
+def _show(resource: str, n: int) -> str:
+    return format_bytes(n) if resource == RESOURCE_MEMORY else str(n)
+
+
+def _over_capacity(spec: FineTuneJobSpec, plan: Plan, node: NodeView) -> bool:
+    """A pod asking for more of a resource than the node advertises can never be scheduled there."""
+    return any(n > node.allocatable.get(r, 0) for r, n in pod_requests_of(spec, plan).items())
+
+
+def _impossible(spec: FineTuneJobSpec, never: list[tuple[NodeView, Plan]]) -> Placement:
     """Fail with the shortfall of the closest node, one entry per stratum."""
     def missing(item: tuple[NodeView, Plan]) -> tuple[int, int, str]:
         node, plan = item
         return (len({s.stratum for s in plan.shortfalls}), sum(s.missing_bytes for s in plan.shortfalls), node.name)
 
     node, plan = min(never, key=missing)
+    spec_requests = pod_requests_of(spec, plan)
     per: dict[str, list[str]] = OrderedDict()
     lost: dict[str, int] = {}
     for s in plan.shortfalls:
         per.setdefault(s.stratum, []).append(s.message)
         lost[s.stratum] = lost.get(s.stratum, 0) + s.missing_bytes
-    for resource, n in sorted(plan.requests.items()):
+    for resource, n in sorted(spec_requests.items()):
         if n > node.allocatable.get(resource, 0):
             per.setdefault("resources", []).append(
-                f"{resource}: needs {n}, node advertises {node.allocatable.get(resource, 0)}")
+                f"{resource}: needs {_show(resource, n)}, node advertises "
+                f"{_show(resource, node.allocatable.get(resource, 0))}")
     order = [s for s in STRATA if s in per] + [s for s in per if s not in STRATA]
     shortfalls = tuple(
         StratumShortfall(s, lost.get(s, 0), "; ".join(dict.fromkeys(per[s]))) for s in order

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import errno as errno_names
 import os
+from collections.abc import Callable
+
+from memstrata.node.safety import DeviceUnsafeError
 
 
 class StrataError(Exception):
@@ -43,6 +46,20 @@ class NvmeError(StrataError):
             err = f" [{name}: {os.strerror(errno)}]"
         super().__init__(f"{where}: {reason}{err}")
 
+
+class DeviceRefusedError(NvmeError, DeviceUnsafeError):
+    """The engine refused a device under the namespace-safety rule (memstrata.node.safety): an
+    NvmeError like every engine failure, and the rule's own DeviceUnsafeError."""
+
+    def __init__(self, unsafe: DeviceUnsafeError) -> None:
+        # Both bases' constructors chain through super() and want other arguments: set what each
+        # promises (device, reason, offset, length, errno) and the rule's message directly.
+        self.device, self.reason = unsafe.device, unsafe.reason
+        self.offset = self.length = self.errno = None
+        Exception.__init__(self, str(unsafe))
+
+    def __reduce__(self) -> tuple[Callable[..., DeviceUnsafeError], tuple[object, ...]]:
+        return DeviceRefusedError, (DeviceUnsafeError(self.device, self.reason),)
 
 
 class NumaError(StrataError):

@@ -11,7 +11,6 @@ minimal guest that has only python3 and numpy.
 from __future__ import annotations
 
 import errno as E
-import sys
 from collections.abc import Sequence
 from enum import IntEnum
 from pathlib import Path
@@ -120,9 +119,8 @@ class NumaArena:
 
     def tensor(self, dtype: Any, count: int = -1, offset: int = 0) -> Any:
         """A 1-D torch tensor over the arena (no copy); torch must already be importable."""
-        torch = sys.modules.get("torch")
-        if torch is None:
-            import torch  # noqa: F811 — imported only on request: the arena works without it
+        import torch  # only on request: the arena works without torch
+
         return torch.frombuffer(self._region, dtype=dtype, count=count, offset=offset)
 
     def node_of_pages(self, offset: int = 0, length: int | None = None) -> list[int]:

@@ -27,7 +27,8 @@ from typing import Any
 
 from memstrata.runtime import _native
 from memstrata.runtime.strata.buffers import as_byte_view
-from memstrata.runtime.strata.errors import NvmeError
+from memstrata.node.safety import DeviceUnsafeError
+from memstrata.runtime.strata.errors import DeviceRefusedError, NvmeError
 from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError, FreeStats, per_device_bytes, round_up, stripe_chunks
 from memstrata.node.header import DATA_OFFSET, HEADER_BYTES, Header, HeaderError, State, parse_header, render_header
 from memstrata.node.safety import check_device
@@ -126,13 +127,21 @@ def _open_excl(path: str, is_block: bool) -> int:
     return fd
 
 
+def _checked(path: str, force: bool) -> bool:
+    """The namespace-safety rule for `path` (True for a block device), refusals as engine errors."""
+    try:
+        return check_device(path, force=force)
+    except DeviceUnsafeError as exc:
+        raise DeviceRefusedError(exc) from None
+
+
 def _open_fd(path: str, force: bool, busy_timeout_s: float) -> tuple[int, int, int]:
     """(fd, logical block size, size in bytes) of a safe, exclusively held device.
 
     A process killed with I/O in flight keeps its files referenced until the
     kernel has torn its io_uring down (asynchronously, after the exit), so
     "busy" is retried for `busy_timeout_s` before it is reported."""
-    is_block = check_device(path, force=force)
+    is_block = _checked(path, force)
     deadline = time.monotonic() + busy_timeout_s
     while True:
         try:
@@ -150,6 +159,10 @@ def _open_fd(path: str, force: bool, busy_timeout_s: float) -> tuple[int, int, i
             raise NvmeError(why, device=path, errno=exc.errno) from None
         time.sleep(0.05)
     try:
+        # Again, now that the device is held: a writer that does not take it exclusively (dd, sgdisk,
+        # wipefs) may have labelled it between the first check and the open, and nothing here has
+        # written yet. With O_EXCL held no filesystem can be mounted on it from now on.
+        _checked(path, force)
         if is_block:
             lbs = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4))[0]
             size = struct.unpack("Q", fcntl.ioctl(fd, _BLKGETSIZE64, b"\0" * 8))[0]

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, release_free_heap
+from memstrata.runtime.swap.stratamap import unplanned_namespace_bytes
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
 from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed, ensure_verified
 
@@ -123,9 +124,8 @@ def _trim_after_step(optimizer: ZeroOptimizer, layer: SwapLayer) -> None:
 
 
 def _needed_bytes(model: torch.nn.Module | None) -> int:
-    """NVMe bytes for one rank: 16-bit weights, fp32 master + 2 moments + fp32 gradients, with slack."""
     numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
-    return int(numel * (2 + 4 * 4) * 1.5) + (256 << 20)
+    return unplanned_namespace_bytes(numel)
 
 
 def _nvme_path(config: dict[str, Any] | str | os.PathLike[str] | None) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +82,18 @@ class Engine(Protocol):
     memstrata: SwapLayer  # memstrata's own, set by initialize: how swap_layer_of finds the layer
 
     def fp16_enabled(self) -> bool: ...
+
+
+class TrainingEngine(Protocol):
+    """DeepSpeedEngine as a training loop drives it: forward, backward, step, on its device."""
+
+    device: Any
+
+    def __call__(self, *inputs: Any) -> Any: ...
+
+    def backward(self, loss: Any) -> Any: ...
+
+    def step(self) -> None: ...
 
 
 class ZeroConfig(Protocol):

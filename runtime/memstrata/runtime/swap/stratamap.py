@@ -95,6 +95,14 @@ def nvme_state_bytes(plan: Plan) -> int:
     return total
 
 
+def unplanned_namespace_bytes(parameters: int) -> int:
+    """NVMe bytes for one rank when `initialize` is called directly, with no plan (a user's own script):
+    every category that can be on NVMe is — 16-bit weights, fp32 master, two moments and fp32
+    gradients (2 + 4 x 4 B per parameter) — with half again and 256 MiB of slack, since nothing says
+    how the state is cut into extents."""
+    return int(parameters * (2 + 4 * 4) * 1.5) + (256 << 20)
+
+
 def namespace_bytes(plan: Plan, arch: ModelArchitecture, namespaces: int, stripe_bytes: int) -> int:
     """Size of each file-backed namespace: an even share of `nvme_state_bytes`, plus slack, in whole MiB.
 

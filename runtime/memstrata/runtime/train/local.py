@@ -16,6 +16,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.inventory import Gpu
 from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
@@ -26,6 +27,15 @@ from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, StepResu
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+
+
+def torch_gpus() -> list[Gpu]:
+    """This machine's GPUs as CUDA sees them (CUDA_VISIBLE_DEVICES, MIG included), for `memstrata run`:
+    it trains with torch anyway, and a container may have the driver but no nvidia-smi."""
+    import torch
+
+    return [Gpu(index=i, name=torch.cuda.get_device_name(i), hbm_bytes=torch.cuda.get_device_properties(i).total_memory)
+            for i in range(torch.cuda.device_count())]
 
 
 def _check_report_path(path: Path | None) -> None:

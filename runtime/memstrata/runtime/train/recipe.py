@@ -23,6 +23,7 @@ from memstrata.api.finetunejob import FineTuneJob
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.data import Blocks, ByteTokenizer, build_dataset
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config
+from memstrata.runtime.swap.protocols import TrainingEngine
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces, swap_settings
 
@@ -95,7 +96,7 @@ class FineTuneRecipe:
         self.swap_status: SwapStatus | None = None  # memstrata's per-stratum counters, kept past cleanup
         self.data: Blocks | None = None
         self.ds: DsConfig | None = None
-        self.engine: Any = None
+        self.engine: TrainingEngine | None = None
         self.phases = Phases()
 
     # --- setup ------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class FineTuneRecipe:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", verbose=False)
 
-    def _setup_engine(self, ds: DsConfig) -> Any:
+    def _setup_engine(self, ds: DsConfig) -> TrainingEngine:
         import deepspeed
         import torch
 
