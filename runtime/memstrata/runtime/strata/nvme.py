@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno as E
-import fcntl
 import itertools
-import mmap
 import os
-import struct
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -27,19 +24,13 @@ from typing import Any
 
 from memstrata.runtime import _native
 from memstrata.runtime.strata.buffers import as_byte_view
-from memstrata.node.safety import DeviceUnsafeError
-from memstrata.runtime.strata.errors import DeviceRefusedError, NvmeError
+from memstrata.runtime.strata.claim import aligned_io, claim_device, open_device
+from memstrata.runtime.strata.errors import NvmeError
 from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError, FreeStats, per_device_bytes, round_up, stripe_chunks
-from memstrata.node.header import DATA_OFFSET, HEADER_BYTES, Header, HeaderError, State, parse_header, render_header
-from memstrata.node.safety import check_device
+from memstrata.node.header import DATA_OFFSET, HEADER_BYTES, Header, State, render_header
 
 __all__ = ["NvmeEngine", "NvmeError", "Extent", "Handle", "DeviceStats"]
 
-_BLKSSZGET = 0x1268
-_BLKGETSIZE64 = 0x80081272
-# O_DIRECT on regular files must be aligned to the filesystem block; 4 KiB
-# covers every filesystem in use.
-_FILE_BLOCK = 4096
 _PAGE = _native.PAGE_SIZE
 
 
@@ -96,109 +87,6 @@ class Handle:
         self._keep: list[Any] = []  # bounce regions and views alive until completion
 
 
-def _aligned_io(fd: int, path: str, offset: int, data: bytes | None, nbytes: int) -> bytes:
-    """One synchronous O_DIRECT pread/pwrite through a page-aligned buffer."""
-    buf = mmap.mmap(-1, round_up(nbytes, _PAGE))
-    try:
-        if data is not None:
-            buf[: len(data)] = data
-            done = os.pwritev(fd, [memoryview(buf)[:nbytes]], offset)
-        else:
-            done = os.preadv(fd, [memoryview(buf)[:nbytes]], offset)
-        if done != nbytes:
-            raise NvmeError(f"short {'write' if data else 'read'} of {done} bytes", device=path,
-                            offset=offset, length=nbytes, errno=E.EIO)
-        return bytes(buf[:nbytes])
-    except OSError as exc:
-        raise NvmeError(f"header {'write' if data else 'read'} failed", device=path, offset=offset,
-                        length=nbytes, errno=exc.errno) from None
-    finally:
-        buf.close()
-
-
-def _open_excl(path: str, is_block: bool) -> int:
-    """Open and take the device exclusively, or raise BlockingIOError/OSError(EBUSY)."""
-    fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | (os.O_EXCL if is_block else 0))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _checked(path: str, force: bool) -> bool:
-    """The namespace-safety rule for `path` (True for a block device), refusals as engine errors."""
-    try:
-        return check_device(path, force=force)
-    except DeviceUnsafeError as exc:
-        raise DeviceRefusedError(exc) from None
-
-
-def _open_fd(path: str, force: bool, busy_timeout_s: float) -> tuple[int, int, int]:
-    """(fd, logical block size, size in bytes) of a safe, exclusively held device.
-
-    A process killed with I/O in flight keeps its files referenced until the
-    kernel has torn its io_uring down (asynchronously, after the exit), so
-    "busy" is retried for `busy_timeout_s` before it is reported."""
-    is_block = _checked(path, force)
-    deadline = time.monotonic() + busy_timeout_s
-    while True:
-        try:
-            fd = _open_excl(path, is_block)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise NvmeError("in use by another memstrata engine", device=path, errno=E.EBUSY) from None
-        except OSError as exc:
-            if exc.errno == E.EBUSY and time.monotonic() < deadline:
-                time.sleep(0.05)
-                continue
-            why = {E.EBUSY: "busy: mounted or held exclusively by another process",
-                   E.EINVAL: "its filesystem does not support O_DIRECT"}.get(exc.errno or 0, "cannot open")
-            raise NvmeError(why, device=path, errno=exc.errno) from None
-        time.sleep(0.05)
-    try:
-        # Again, now that the device is held: a writer that does not take it exclusively (dd, sgdisk,
-        # wipefs) may have labelled it between the first check and the open, and nothing here has
-        # written yet. With O_EXCL held no filesystem can be mounted on it from now on.
-        _checked(path, force)
-        if is_block:
-            lbs = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4))[0]
-            size = struct.unpack("Q", fcntl.ioctl(fd, _BLKGETSIZE64, b"\0" * 8))[0]
-        else:
-            lbs, size = _FILE_BLOCK, os.fstat(fd).st_size
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, lbs, size
-
-
-def _claim(path: str, fd: int, lbs: int, size: int, job: str, set_id: uuid.UUID, index: int,
-           count: int) -> tuple[Header, Header | None]:
-    """Stamp a fresh OPEN header; returns it and the stale one it replaced (if any).
-
-    The rest of the reserved zone [HEADER_BYTES, DATA_OFFSET) is zeroed first: a
-    signature a forced open overrode (btrfs at 64 KiB, GPT at 4 KiB) must not
-    outlive it, or the next check, which probes behind memstrata's header too,
-    would refuse memstrata's own device."""
-    capacity = (size - DATA_OFFSET) // lbs * lbs if size > DATA_OFFSET else 0
-    if capacity < lbs:
-        raise NvmeError(f"too small: {size} bytes, memstrata needs more than {DATA_OFFSET}", device=path)
-    head = _aligned_io(fd, path, 0, None, HEADER_BYTES)
-    _aligned_io(fd, path, HEADER_BYTES, bytes(DATA_OFFSET - HEADER_BYTES), DATA_OFFSET - HEADER_BYTES)
-    try:
-        old = parse_header(head)
-    except HeaderError:
-        old = None  # ours but damaged (killed mid header write): nothing to keep
-    header = Header(owner_job=job, generation=(old.generation + 1) if old else 1, state=State.OPEN,
-                    set_id=set_id, set_index=index, set_size=count, logical_block_size=lbs,
-                    capacity_bytes=capacity, owner_pid=os.getpid(), updated_ns=time.time_ns())
-    _aligned_io(fd, path, 0, render_header(header), HEADER_BYTES)
-    os.fsync(fd)
-    return header, old if old is not None and old.state == State.OPEN else None
-
-
 class NvmeEngine:
     """Extents, asynchronous I/O and statistics over a set of opened devices."""
 
@@ -228,9 +116,9 @@ class NvmeEngine:
         recovered: list[tuple[str, Header]] = []
         try:
             for i, path in enumerate(paths):
-                fd, lbs, size = _open_fd(path, force, busy_timeout_s)
+                fd, lbs, size = open_device(path, force, busy_timeout_s)
                 try:
-                    header, stale = _claim(path, fd, lbs, size, job, set_id, i, len(paths))
+                    header, stale = claim_device(path, fd, lbs, size, job, set_id, i, len(paths))
                 except BaseException:
                     os.close(fd)
                     raise
@@ -446,7 +334,7 @@ class NvmeEngine:
         for d in self._devices:
             try:
                 closed = dataclasses.replace(d.header, state=State.CLOSED, updated_ns=time.time_ns())
-                _aligned_io(d.fd, d.path, 0, render_header(closed), HEADER_BYTES)
+                aligned_io(d.fd, d.path, 0, render_header(closed), HEADER_BYTES)
                 os.fsync(d.fd)
             except (NvmeError, OSError) as exc:
                 first = first or exc
