@@ -40,6 +40,10 @@ def _rv(body: Mapping[str, Any]) -> int:
         return 0
 
 
+def _rv_str(body: Mapping[str, Any] | None) -> str:
+    return str(((body or {}).get("metadata") or {}).get("resourceVersion") or "")
+
+
 class Reconciler:
     def __init__(self, kube: Kube, policy: LifecyclePolicy = LifecyclePolicy(), workers: int = 16,
                  report_interval_seconds: float = 10.0, cleanup_tries: int = 60) -> None:
@@ -142,6 +146,12 @@ class Reconciler:
                 self._errors.pop(key, None)
             except asyncio.CancelledError:
                 raise
+            except Conflict as exc:
+                # Someone wrote the job since we read it: what we decided may be stale. Forget our copy
+                # and decide again on a fresh read, at once; a conflict is not an error to back off from.
+                log.info("reconcile %s/%s: conflict (%s); again on a fresh read", *key, exc)
+                self._bodies.pop(key, None)
+                self.enqueue(key)
             except Exception as exc:  # noqa: BLE001 — one job's error must not stop the others
                 n = self._errors[key] = self._errors.get(key, 0) + 1
                 delay = min(0.5 * 2 ** (n - 1), 60.0)
@@ -172,10 +182,10 @@ class Reconciler:
         job = job_view(body)
         if not job.uid:
             return
-        # A job we never touched (no finalizer, no status) has no pods, except if we crashed right
-        # after creating one; then the pod create below answers 409 and the next run LISTs.
-        untouched = not job.status and names.FINALIZER not in job.finalizers and not job.deleting
-        pods = [] if untouched else await self.kube.list(api_path("v1", "pods", namespace), names.selector(job.uid))
+        # Always LIST, even for a job that looks untouched (no finalizer, no status): a pod may exist
+        # from a reconcile whose later writes failed (a 409 on the finalizer), and deciding without it
+        # would place the job a second time and point its ConfigMap at the other node.
+        pods = await self.kube.list(api_path("v1", "pods", namespace), names.selector(job.uid))
         views = [pod_view(p) for p in pods]
         for p in views:
             if p.terminal or p.deleting:
@@ -206,7 +216,7 @@ class Reconciler:
         return place(spec, list(self.nodes()), usage, self.plans)
 
     async def apply(self, job: JobView, decision: Decision) -> None:
-        finalizer: asyncio.Task[None] | None = None
+        finalizer: asyncio.Task[str] | None = None
         try:
             for action in decision.actions:
                 if isinstance(action, AddFinalizer):
@@ -220,10 +230,12 @@ class Reconciler:
                 elif isinstance(action, CreateAttempt):
                     await self._create_attempt(job, action)
                 elif isinstance(action, PatchStatus):
-                    if finalizer is not None:
-                        await finalizer
+                    # Compare-and-swap on the version this decision read, or on our own write of the
+                    # finalizer after it: a status decided on a stale copy is refused with a 409, then re-read.
+                    rv = (await finalizer) if finalizer is not None else job.resource_version
                     path = api_path(API_VERSION, PLURAL, job.namespace, job.name, "status")
-                    self.observe_fresh(await self.kube.merge_patch(path, {"status": action.patch}))
+                    self.observe_fresh(await self.kube.merge_patch(path, {
+                        "metadata": {"resourceVersion": rv}, "status": action.patch}))
                 elif isinstance(action, Event):
                     self._spawn(self.post_event(job, action))
                 elif isinstance(action, DeleteJob):
@@ -235,11 +247,13 @@ class Reconciler:
             if finalizer is not None:
                 await finalizer
 
-    async def _add_finalizer(self, job: JobView) -> None:
+    async def _add_finalizer(self, job: JobView) -> str:
+        """Add our finalizer; the job's resourceVersion after it."""
         # resourceVersion makes it a compare-and-swap: a concurrent writer of the list gets a 409, not lost.
         body = await self.kube.merge_patch(api_path(API_VERSION, PLURAL, job.namespace, job.name), {"metadata": {
             "finalizers": [*job.finalizers, names.FINALIZER], "resourceVersion": job.resource_version}})
         self.observe_fresh(body)
+        return _rv_str(body)
 
     async def _cleanup(self, job: JobView, release: bool) -> None:
         key = (job.namespace, job.name)

@@ -1,0 +1,102 @@
+"""One 409 must not place a job twice. The reconciler runs in this process against a real API server
+that no operator watches, so the only other writer is the test itself: it moves the job's
+resourceVersion (a label, as any user or controller may add) just before the reconciler's finalizer
+patch, so the server answers that patch with a real 409 Conflict.
+
+Before the fix, the next pass saw a job with no finalizer and no status, skipped listing its pods,
+placed it again on the other node (the first one was claimed by the pod just created) and pointed
+its ConfigMap at that node while the pod ran on the first.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any, Mapping
+
+import pytest
+
+from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
+from e2e.operator.harness import CRD, apply_yaml, inventory, job, memstrata_node
+
+pytestmark = pytest.mark.cluster
+
+kube_mod = pytest.importorskip("memstrata.operator.kube", reason="the operator's dependencies are not installed")
+from memstrata.api.finetunejob import API_VERSION, PLURAL  # noqa: E402
+from memstrata.operator import names  # noqa: E402
+from memstrata.operator.kube import Conflict, Kube, api_path  # noqa: E402
+from memstrata.operator.nodes import node_view  # noqa: E402
+from memstrata.operator.reconciler import Reconciler  # noqa: E402
+
+NS = "conflicts"
+
+
+@pytest.fixture(scope="module")
+def quiet_cluster() -> Iterator[ControlPlane]:
+    """A control plane of its own: the session's operator must not reconcile these jobs too."""
+    bin_dir, reason = bin_dir_from_env()
+    if bin_dir is None:
+        pytest.skip(f"no real control plane: {reason}")
+    cp = ControlPlane(bin_dir)
+    cp.start()
+    try:
+        cp.kubectl("apply", "--server-side", "-f", str(CRD))
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+        cp.create_namespace(NS)
+        for name in ("n1", "n2"):
+            cp.apply(memstrata_node(name, inventory(name, dram_gib=1024, gpus=2)))
+        yield cp
+    finally:
+        cp.stop()
+
+
+class ConcurrentWriter(Kube):
+    """The real client; before the first finalizer patch of a job, another writer labels the job."""
+
+    bumped = 0
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        if "finalizers" in (patch.get("metadata") or {}) and not self.bumped:
+            self.bumped += 1
+            await super().merge_patch(path, {"metadata": {"labels": {"example.test/touched": "yes"}}})
+        return await super().merge_patch(path, patch)
+
+
+async def _reconcile_until_settled(cp: ControlPlane, name: str) -> tuple[int, list[str]]:
+    kube = ConcurrentWriter.from_config(str(cp.kubeconfig))
+    try:
+        reconciler = Reconciler(kube)
+        views = [node_view(n) for n in await kube.list(api_path("v1", "nodes"))]
+        reconciler.nodes = lambda: views
+        key, conflicts, outcomes = (NS, name), 0, []
+        for _ in range(4):
+            try:
+                await reconciler.reconcile(key)
+                outcomes.append("ok")
+            except Conflict:
+                conflicts += 1
+                outcomes.append("conflict")
+                reconciler._bodies.pop(key, None)  # what the work loop does on a 409
+            # What the watch would deliver: the job as it is now.
+            reconciler.observe_job(await kube.get(api_path(API_VERSION, PLURAL, NS, name)))
+        return conflicts + kube.bumped, outcomes
+    finally:
+        await kube.close()
+
+
+def test_a_conflict_on_the_finalizer_patch_does_not_place_the_job_twice(quiet_cluster: ControlPlane) -> None:
+    cp = quiet_cluster
+    apply_yaml(cp, job("once"), NS)
+    conflicts, outcomes = asyncio.run(_reconcile_until_settled(cp, "once"))
+    assert conflicts >= 2, f"the 409 never happened, so this test proved nothing: {outcomes}"
+
+    uid = cp.get_json("ftj", "once", "-n", NS)["metadata"]["uid"]
+    pods = json.loads(cp.kubectl("get", "pods", "-n", NS, "-l", names.selector(uid), "-o", "json"))["items"]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    # The node the pod is pinned to (the scheduler may not have bound it yet).
+    terms = pods[0]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (node,) = next(e["values"] for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"]
+                   if e["key"] == "kubernetes.io/hostname")
+    config = json.loads(cp.get_json("configmap", names.configmap_name("once"), "-n", NS)["data"]["runtime-config.json"])
+    status = cp.get_json("ftj", "once", "-n", NS)["status"]
+    assert config["node"] == node and status["node"] == node, (config["node"], status["node"], node)
