@@ -10,8 +10,11 @@ from typing import Any
 
 import pytest
 
+from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
 from e2e.cluster.kwok import pod_failure_stage
-from e2e.operator.harness import CRD, PEERING, PEERING_CRDS, OperatorProcess, inventory, memstrata_node, succeed_stage
+from e2e.operator.harness import (
+    CHART, CRD, PEERING, PEERING_CRDS, OperatorProcess, inventory, memstrata_node, succeed_stage,
+)
 
 try:  # the operator's own dependencies; without them it cannot run at all
     import kopf  # noqa: F401
@@ -35,7 +38,33 @@ def memstrata_cluster(cluster: Any) -> Any:
                     "crd/clusterkopfpeerings.kopf.dev")
     cluster.apply({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}},
                   succeed_stage(), pod_failure_stage())
+    install_status_policy(cluster)
     return cluster
+
+
+def install_status_policy(cluster: Any) -> None:
+    """The chart's admission policy on what a job's runtime may write into its status, as installed."""
+    cluster.kubectl("apply", "-f", "-", input=cluster.helm(
+        "template", "memstrata", str(CHART), "--namespace", "memstrata-system", "--kube-version", "v1.36.4",
+        "--show-only", "templates/runtime-status-policy.yaml"))
+
+
+@pytest.fixture(scope="session")
+def quiet_cluster() -> Iterator[ControlPlane]:
+    """A control plane of its own, with memstrata's CRD and status policy, that no operator watches:
+    for tests in which the test itself (or an in-process reconciler) must be the only writer."""
+    bin_dir, reason = bin_dir_from_env()
+    if bin_dir is None:
+        pytest.skip(f"no real control plane: {reason}")
+    cp = ControlPlane(bin_dir)
+    cp.start()
+    try:
+        cp.kubectl("apply", "--server-side", "-f", str(CRD))
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+        install_status_policy(cp)
+        yield cp
+    finally:
+        cp.stop()
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from memstrata.api import NodeInventory, render_node
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "finetunejob.yaml"
 PEERING_CRDS = REPO / "charts" / "memstrata" / "crds" / "kopfpeering.yaml"
+CHART = REPO / "charts" / "memstrata"
 SUCCEED_LABEL = "memstrata.dev/e2e-succeed"
 PEERING = "memstrata-e2e"
 

@@ -8,10 +8,9 @@ import subprocess
 import pytest
 import yaml
 
-from e2e.operator.harness import REPO
+from e2e.operator.harness import CHART
 
 pytestmark = pytest.mark.cluster
-CHART = REPO / "charts" / "memstrata"
 
 
 def _template(cluster, namespace: str, *values: str) -> list[dict]:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any, Mapping
 
 import pytest
 
-from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
-from e2e.operator.harness import CRD, apply_yaml, inventory, job, memstrata_node
+from e2e.cluster.controlplane import ControlPlane
+from e2e.operator.harness import apply_yaml, inventory, job, memstrata_node
 
 pytestmark = pytest.mark.cluster
 
@@ -32,22 +31,11 @@ NS = "conflicts"
 
 
 @pytest.fixture(scope="module")
-def quiet_cluster() -> Iterator[ControlPlane]:
-    """A control plane of its own: the session's operator must not reconcile these jobs too."""
-    bin_dir, reason = bin_dir_from_env()
-    if bin_dir is None:
-        pytest.skip(f"no real control plane: {reason}")
-    cp = ControlPlane(bin_dir)
-    cp.start()
-    try:
-        cp.kubectl("apply", "--server-side", "-f", str(CRD))
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
-        cp.create_namespace(NS)
-        for name in ("n1", "n2"):
-            cp.apply(memstrata_node(name, inventory(name, dram_gib=1024, gpus=2)))
-        yield cp
-    finally:
-        cp.stop()
+def conflict_cluster(quiet_cluster: ControlPlane) -> ControlPlane:
+    quiet_cluster.create_namespace(NS)
+    for name in ("n1", "n2"):
+        quiet_cluster.apply(memstrata_node(name, inventory(name, dram_gib=1024, gpus=2)))
+    return quiet_cluster
 
 
 class ConcurrentWriter(Kube):
@@ -84,8 +72,8 @@ async def _reconcile_until_settled(cp: ControlPlane, name: str) -> tuple[int, li
         await kube.close()
 
 
-def test_a_conflict_on_the_finalizer_patch_does_not_place_the_job_twice(quiet_cluster: ControlPlane) -> None:
-    cp = quiet_cluster
+def test_a_conflict_on_the_finalizer_patch_does_not_place_the_job_twice(conflict_cluster: ControlPlane) -> None:
+    cp = conflict_cluster
     apply_yaml(cp, job("once"), NS)
     conflicts, outcomes = asyncio.run(_reconcile_until_settled(cp, "once"))
     assert conflicts >= 2, f"the 409 never happened, so this test proved nothing: {outcomes}"

@@ -16,6 +16,11 @@ from memstrata.api.finetunejob import Progress
 RuntimeStage = Literal["initializing", "training", "finished", "failed"]
 
 
+# The only status fields a job's runtime writes (status_patch); every other one is the operator's.
+# charts/memstrata/templates/runtime-status-policy.yaml enforces it at the API server.
+RUNTIME_STATUS_FIELDS = ("progress", "peakMemory")
+
+
 class StratumCounters(ApiModel):
     peak_bytes: int = Field(0, ge=0)
     bytes_written: int = Field(0, ge=0)
@@ -56,7 +61,7 @@ class RuntimeReport(ApiModel):
     def status_patch(self) -> dict[str, object]:
         """The merge patch of the job's status subresource."""
         peak = {name: c.peak_bytes for name, c in self.strata.items() if c.peak_bytes}
-        patch: dict[str, object] = {"progress": self.progress().wire()}
+        patch: dict[str, object] = {"progress": self.progress().wire()}  # RUNTIME_STATUS_FIELDS
         if peak:
             patch["peakMemory"] = peak
         return {"status": patch}

@@ -1,0 +1,59 @@
+"""A job's runtime token may write its job's progress and peak memory, and nothing else of the status:
+clearing status.startTime would disable activeDeadlineSeconds. The chart's ValidatingAdmissionPolicy
+(applied as the chart installs it) holds that at the API server. The test runs on a control plane no
+operator watches, so that the only writers of the job are the test, as operator, and the runtime's token."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.operator.harness import job, token_kubeconfig
+
+pytestmark = pytest.mark.cluster
+
+kube = pytest.importorskip("kubernetes", reason="the operator's dependencies are not installed")
+from memstrata.api.inventory import NodeInventory  # noqa: E402
+from memstrata.operator import names  # noqa: E402
+from memstrata.operator.observe import job_view  # noqa: E402
+from memstrata.operator.render import attempt_objects  # noqa: E402
+from memstrata.plan import plan_job  # noqa: E402
+
+START = "2026-11-23T08:00:00Z"
+
+
+def _patch(cluster: Any, kubeconfig: Path, ns: str, name: str, status: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(kubeconfig), "patch", "finetunejob",
+                           name, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cluster: Any, tmp_path: Path) -> None:
+    cluster, namespace = quiet_cluster, "status-ownership"
+    cluster.create_namespace(namespace)
+    doc = job("owned")
+    doc["metadata"]["namespace"] = namespace
+    cluster.apply(doc)
+    body = cluster.get_json("finetunejob", "owned", "-n", namespace)
+    # The operator's part, as it writes it: the phase, the node and when the attempt started.
+    cluster.kubectl("patch", "finetunejob", "owned", "-n", namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": {"phase": "Running", "node": "n1", "startTime": START}}))
+    inv = NodeInventory.model_validate({"hostname": "n1", "numaNodes": [{"id": 0, "memoryBytes": "64Gi"}]})
+    companions, _ = attempt_objects(job_view(body), "n1", plan_job(job_view(body).spec, inv), attempt=0)
+    cluster.apply(*[o for o in companions if o["kind"] != "ConfigMap"], namespace=namespace)
+    runtime = token_kubeconfig(cluster, namespace, names.runtime_account_name("owned"), tmp_path / "runtime")
+
+    allowed = _patch(cluster, runtime, namespace, "owned", {"progress": {"step": 3, "total": 10}, "peakMemory": {"dram": 1}})
+    assert allowed.returncode == 0, allowed.stderr
+    for status, field in (({"startTime": None}, "startTime"), ({"phase": "Succeeded"}, "phase"),
+                          ({"node": "elsewhere"}, "node"), ({"conditions": []}, "conditions")):
+        denied = _patch(cluster, runtime, namespace, "owned", status)
+        assert denied.returncode != 0, f"the runtime's token changed status.{field}"
+        assert f"status.{field} is the operator's" in denied.stderr, denied.stderr
+
+    status = cluster.get_json("finetunejob", "owned", "-n", namespace)["status"]
+    assert (status["startTime"], status["phase"], status["node"]) == (START, "Running", "n1")
+    assert status["progress"]["step"] == 3 and status["peakMemory"] == {"dram": 1}
