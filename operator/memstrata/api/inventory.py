@@ -26,13 +26,15 @@ ANNOTATION_INVENTORY = f"{PREFIX}/inventory"
 RESOURCE_NVME = f"{PREFIX}/nvme-ns"
 RESOURCE_CXL_GIB = f"{PREFIX}/cxl-gib"
 RESOURCE_GPU = "nvidia.com/gpu"
+# The training container requests its plan's host memory too (operator.render.container_requests).
+RESOURCE_MEMORY = "memory"
 # Env the device plugin sets in a container (see the node agent).
 ENV_NVME_DEVICES = "MEMSTRATA_NVME_DEVICES"
 ENV_CXL_NODES = "MEMSTRATA_CXL_NODES"
 
 
 class Bandwidth(ApiModel):
-    """Sustained bytes/s of one stratum. Defaults are public datasheet figures (REFERENCE.md)."""
+    """Sustained bytes/s of one stratum. Defaults are public datasheet figures, one per line below."""
 
     read: float = Field(gt=0)
     write: float = Field(gt=0)

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from memstrata.api.inventory import (
-    RESOURCE_CXL_GIB, RESOURCE_GPU, RESOURCE_NVME, NodeInventory, NodeNotManagedError, read_node,
+    RESOURCE_CXL_GIB, RESOURCE_GPU, RESOURCE_MEMORY, RESOURCE_NVME, NodeInventory, NodeNotManagedError, read_node,
 )
 from memstrata.api.units import quantity_value
 from memstrata.operator.names import LABEL_JOB_UID
 
-# "memory" too: the training container requests the plan's host memory (render.memory_bytes), so
-# a node must have that much allocatable memory left, as the scheduler will check.
-RESOURCE_MEMORY = "memory"
+# Memory too: the training container requests its plan's host memory, so a node must have that much
+# allocatable memory left, as the scheduler will check.
 RESOURCES = (RESOURCE_GPU, RESOURCE_NVME, RESOURCE_CXL_GIB, RESOURCE_MEMORY)
 # Taints that the operator's pods tolerate: GPU nodes are commonly tainted so
 # that only GPU workloads land there, and a fine-tune is one.

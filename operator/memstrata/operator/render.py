@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
-from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU
+from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
+from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU, RESOURCE_MEMORY
 from memstrata.api.runtimeconfig import CONFIGMAP_KEY, ENV_RUNTIME_CONFIG, JobRef, RuntimeConfig
 from memstrata.api.units import GiB
 from memstrata.operator import names
@@ -39,6 +39,12 @@ def memory_bytes(plan: Plan, ranks: int) -> int:
     + RUNTIME_PROCESS_BYTES for each of the pod's rank processes (one per GPU, one on a CPU)."""
     total = plan.bytes_on("dram") + plan.bytes_on("cxl") + RUNTIME_PROCESS_BYTES * max(ranks, 1)
     return -(-total // MiB) * MiB
+
+
+def container_requests(spec: FineTuneJobSpec, plan: Plan) -> dict[str, int]:
+    """What the training container requests (and is limited to): the plan's extended resources and
+    `memory_bytes`. The operator's placement fits exactly this to a node's allocatable."""
+    return {**{r: n for r, n in plan.requests.items() if n}, RESOURCE_MEMORY: memory_bytes(plan, spec.resources.gpus)}
 
 
 def owner_reference(job: JobView) -> dict[str, Any]:
@@ -106,8 +112,8 @@ def role_binding(job: JobView) -> dict[str, Any]:
 def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
     spec = job.spec
     assert spec is not None
-    requests = {r: str(n) for r, n in sorted(plan.requests.items()) if n}
-    memory = f"{memory_bytes(plan, spec.resources.gpus) // MiB}Mi"
+    amounts = {r: f"{n // MiB}Mi" if r == RESOURCE_MEMORY else str(n)
+               for r, n in sorted(container_requests(spec, plan).items())}
     labels = {**names.user_labels(dict(job.labels)), names.LABEL_ATTEMPT: str(attempt)}
     node_terms = [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]},
@@ -126,7 +132,7 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
         # counted as another job's or the node's, and the node, not this pod, would pay (eviction of a
         # neighbour). At the limit the kernel OOM-kills this container and its status says OOMKilled:
         # a plan that undercounts fails loudly, on its own job.
-        "resources": {"requests": {**requests, "memory": memory}, "limits": {**requests, "memory": memory}},
+        "resources": {"requests": amounts, "limits": dict(amounts)},
         "volumeMounts": [{"name": "runtime-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
         "securityContext": {
             "allowPrivilegeEscalation": False,

@@ -17,8 +17,9 @@ from typing import Callable, Literal, Mapping, Sequence
 
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.units import format_bytes
-from memstrata.operator.nodes import RESOURCE_MEMORY, NodeView, Usage, free_now
-from memstrata.operator.render import memory_bytes
+from memstrata.api.inventory import RESOURCE_MEMORY
+from memstrata.operator.nodes import NodeView, Usage, free_now
+from memstrata.operator.render import container_requests
 from memstrata.plan import Plan, plan_job
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES
 
@@ -68,7 +69,7 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
             continue
         free = free_now(node, usage.get(node.name))
         lacking = [f"{r} needs {_show(r, n)}, {_show(r, max(free[r], 0))} free"
-                   for r, n in sorted(pod_requests_of(spec, plan).items()) if n > free[r]]
+                   for r, n in sorted(container_requests(spec, plan).items()) if n > free[r]]
         if lacking:
             waiting.append(f"{node.name}: {', '.join(lacking)}")
             continue
@@ -84,19 +85,13 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
                      node=node.name, plan=plan)
 
 
-def pod_requests_of(spec: FineTuneJobSpec, plan: Plan) -> dict[str, int]:
-    """What the job's pod will request (render.attempt_objects): the plan's extended resources and its
-    host memory."""
-    return {**plan.requests, RESOURCE_MEMORY: memory_bytes(plan, spec.resources.gpus)}
-
-
 def _show(resource: str, n: int) -> str:
     return format_bytes(n) if resource == RESOURCE_MEMORY else str(n)
 
 
 def _over_capacity(spec: FineTuneJobSpec, plan: Plan, node: NodeView) -> bool:
     """A pod asking for more of a resource than the node advertises can never be scheduled there."""
-    return any(n > node.allocatable.get(r, 0) for r, n in pod_requests_of(spec, plan).items())
+    return any(n > node.allocatable.get(r, 0) for r, n in container_requests(spec, plan).items())
 
 
 def _impossible(spec: FineTuneJobSpec, never: list[tuple[NodeView, Plan]]) -> Placement:
@@ -106,7 +101,7 @@ def _impossible(spec: FineTuneJobSpec, never: list[tuple[NodeView, Plan]]) -> Pl
         return (len({s.stratum for s in plan.shortfalls}), sum(s.missing_bytes for s in plan.shortfalls), node.name)
 
     node, plan = min(never, key=missing)
-    spec_requests = pod_requests_of(spec, plan)
+    spec_requests = container_requests(spec, plan)
     per: dict[str, list[str]] = OrderedDict()
     lost: dict[str, int] = {}
     for s in plan.shortfalls:

@@ -1,6 +1,6 @@
 """The operator's settings, and how they become Kopf's.
 
-Each Kopf default changed here answers a known pitfall (REFERENCE.md): peers of
+Each Kopf default changed here answers a pitfall of Kopf's: peers of
 equal priority both freeze (so priority is random per process unless given);
 handler retries are infinite by default (so the only retried work, the cleanup of a deleted job,
 is bounded); a

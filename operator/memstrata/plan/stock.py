@@ -17,7 +17,7 @@ DS_ALIGN_ELEMENTS = 1024
 # module of ours owns at most 2 tensors (Linear weight + bias); the module
 # being computed, those prefetched behind it and the tied embedding (gathered
 # at both ends of the step) need a few more. With too few the swapper asserts
-# "Not enough buffers" (REFERENCE.md); DeepSpeed's 5 ran gpt-tiny, 8 is margin.
+# "Not enough buffers"; DeepSpeed's 5 ran gpt-tiny, 8 is margin.
 PARAM_BUFFER_COUNT = 8
 # DeepSpeed's default: one sub-group being updated, one being read, two being written.
 OPTIMIZER_BUFFER_COUNT = 4

@@ -1,6 +1,6 @@
 """The DeepSpeed config of a stock ZeRO-Infinity run, derived from the plan and the job.
 
-Stock ZeRO-3 with NVMe offload does not run with its defaults (REFERENCE.md):
+Stock ZeRO-3 with NVMe offload does not run with its defaults (measured with DeepSpeed 0.19.8):
 its parameter swapper refuses tensors larger than `buffer_size`, runs out of
 swap buffers when parameters stay live, silently keeps small tensors in DRAM,
 and pins gigabytes of host memory for a model of any size. Every setting that
@@ -73,7 +73,7 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         buffer_count = note(
             "zero_optimization.offload_param.buffer_count", param_buffer_count(arch), 5,
             f"one buffer per parameter tensor in flight; 5 ran gpt-tiny here, 8 leaves the prefetcher room "
-            f"(with too few the swapper asserts 'Not enough buffers', REFERENCE.md); never more than the "
+            f"(with too few the swapper asserts 'Not enough buffers'); never more than the "
             f"model's {tensors} tensors")
         offload_param.update(
             nvme_path=str(swap_dir), buffer_size=buffer_size, buffer_count=buffer_count,
@@ -116,8 +116,8 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         "stage3_max_reuse_distance": note(
             "zero_optimization.stage3_max_reuse_distance", 0, int(1e9),
             "a parameter reused within this many elements stays gathered and keeps its swap buffer; 0 releases "
-            "it after use so the buffer pool bounds what is live (the 162M run in REFERENCE.md died with the "
-            "default). Cost measured on gpt-tiny: ~2x fewer tokens/s than the default, which re-reads nothing"),
+            "it after use so the buffer pool bounds what is live (a 162M-parameter GPT died with the default "
+            "at step 1: 'Not enough buffers 0 for swapping 1'). Cost measured on gpt-tiny: ~2x fewer tokens/s than the default, which re-reads nothing"),
         "stage3_prefetch_bucket_size": note(
             "zero_optimization.stage3_prefetch_bucket_size", align_elements(largest), int(5e7),
             "prefetch about one largest tensor ahead: enough to overlap I/O, small enough to leave buffers free"),
@@ -150,7 +150,7 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         "zero_optimization": zero,
         "aio": {
             "block_size": note("aio.block_size", AIO_BLOCK_SIZE, AIO_BLOCK_SIZE,
-                               "1 MiB: the size at which this machine's NVMe reaches its bandwidth (REFERENCE.md)"),
+                               "1 MiB: DeepSpeed's default, the size at which NVMe reaches its sequential bandwidth"),
             "queue_depth": AIO_QUEUE_DEPTH,
             "intra_op_parallelism": note("aio.intra_op_parallelism", 1, 1,
                                          "one I/O thread per handle: the node has 2 cores, both busy with compute"),
