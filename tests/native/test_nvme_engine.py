@@ -94,13 +94,12 @@ def test_striping_spreads_one_tensor_over_every_device(devices, ndev: int) -> No
         assert out == data
         written = [s.bytes_written for s in eng.stats()]
         assert all(w >= stripe for w in written) and sum(written) == ext.padded
-        bases = ext.bases
-    # The bytes are really on the devices, in round-robin stripe order.
-    for k in range(10):
-        dev, row = k % ndev, k // ndev
-        with open(paths[dev], "rb") as f:
-            f.seek(bases[dev] + row * stripe)
-            assert f.read(stripe) == data[k * stripe : (k + 1) * stripe], (k, dev)
+        # The bytes are really on the devices, in round-robin stripe order (while open: close zeroes them).
+        for k in range(10):
+            dev, row = k % ndev, k // ndev
+            with open(paths[dev], "rb") as f:
+                f.seek(ext.bases[dev] + row * stripe)
+                assert f.read(stripe) == data[k * stripe : (k + 1) * stripe], (k, dev)
 
 
 def test_registered_arena_uses_fixed_buffers_and_header_tracks_state(devices) -> None:
@@ -121,7 +120,7 @@ def test_registered_arena_uses_fixed_buffers_and_header_tracks_state(devices) ->
         assert on_disk.owner_pid == os.getpid() and ext.bases[0] >= DATA_OFFSET
         view.release()
     closed = parse_header(read_head(paths[0], 4096))
-    assert closed is not None and closed.state == State.CLOSED and closed.generation == on_disk.generation
+    assert closed is not None and closed.state == State.SCRUBBED and closed.generation == on_disk.generation
 
 
 def test_many_handles_in_flight_beyond_queue_depth(devices) -> None:

@@ -165,8 +165,9 @@ def gpt_over_memstrata_head() -> bytes:
     return bytes(head)
 
 
-def memstrata_head() -> bytes:
-    return render_header(Header(owner_job="default/llama", generation=3, state=State.CLOSED,
+def memstrata_head(state: State = State.SCRUBBED) -> bytes:
+    """A namespace memstrata used: SCRUBBED (free to offer) unless told otherwise."""
+    return render_header(Header(owner_job="default/llama", generation=3, state=state,
                                 set_id=uuid.UUID(int=7), set_index=0, set_size=1, logical_block_size=4096,
                                 capacity_bytes=8 * GiB))
 

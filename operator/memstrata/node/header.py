@@ -8,6 +8,11 @@ Layout (little-endian, HEADER_BYTES long, zero padded, CRC32 over the fields):
 magic 16s | version u32 | state u32 | generation u64 | updated_ns u64 |
 owner_pid u32 | set_index u32 | set_size u32 | logical_block_size u32 |
 capacity_bytes u64 | data_offset u64 | set_id 16s | owner_job 256s | crc32 u32
+
+The state says whether the last owner's data may still be on the device: only
+SCRUBBED promises it is not (memstrata.node.scrub holds the rule built on that).
+SCRUBBED came later than CLOSED and OPEN, in the same format version: headers an
+older build wrote read as before, and all of them as not scrubbed.
 """
 from __future__ import annotations
 
@@ -35,8 +40,11 @@ class HeaderError(ValueError):
 
 
 class State(IntEnum):
-    CLOSED = 0  # the owner closed it cleanly
-    OPEN = 1  # an engine had it open; seen on a later open = the owner died
+    # Closed by a build that did not scrub: the owner's data is still there. Never written any more;
+    # kept so that such headers read as dirty rather than as damaged.
+    CLOSED = 0
+    OPEN = 1  # an engine has it, or had it and died: its data may be anywhere in the data area
+    SCRUBBED = 2  # every byte the last owner may have written reads back as zero; safe to offer again
 
 
 @dataclass(frozen=True)

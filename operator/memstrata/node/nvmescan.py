@@ -6,6 +6,11 @@ module only gathers its facts: the namespace's sysfs entry, the mount table,
 /proc/swaps and its first blocks. The first blocks come from a `HeadReader`,
 so tests feed captured bytes and the agent reads the real device; everything
 else is parsing.
+
+`free` is that rule alone. A namespace whose memstrata header says a finished
+job's data may still be on it is free too (it is memstrata's capacity, which the
+planner counts), but the device plugin lists it Unhealthy until the node agent
+has scrubbed it (memstrata.node.scrub, memstrata.nodeagent.scrubber).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -41,12 +41,21 @@ def socket_name(resource: str) -> str:
     return resource.replace(".dev/", "-").replace("/", "-") + ".sock"
 
 
-class DevicePluginServer(pb_grpc.DevicePluginServicer):
-    """Serves one resource's devices. The constructor does no I/O; start() does."""
+# Why a device may not be granted right now (read from the device itself), None when it may.
+Vet = Callable[[PluginDevice], str | None]
 
-    def __init__(self, resource: str, plugin_dir: Path) -> None:
+
+class DevicePluginServer(pb_grpc.DevicePluginServicer):
+    """Serves one resource's devices. The constructor does no I/O; start() does.
+
+    `vet`, when given, is asked about every device of an Allocate: the list the kubelet acted on
+    may be older than what happened since (a job killed a moment ago left its data on a namespace
+    the last scan still saw in use), and a device it refuses is never handed to a container."""
+
+    def __init__(self, resource: str, plugin_dir: Path, vet: Vet | None = None) -> None:
         self.resource = resource
         self.plugin_dir = Path(plugin_dir)
+        self._vet = vet
         self.endpoint = socket_name(resource)
         self._server: grpc.Server | None = None
         self._changed = threading.Condition()
@@ -145,6 +154,7 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
         for container in request.container_requests:
             try:
                 given = grant(self.resource, list(container.devices_ids), devices)
+                self._check(list(container.devices_ids), devices)
             except AllocationError as exc:
                 log.warning("refusing Allocate: %s", exc)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -153,6 +163,15 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
                 devices=[pb.DeviceSpec(container_path=p, host_path=p, permissions="rw") for p in given.device_paths],
             ))
         return pb.AllocateResponse(container_responses=responses)
+
+    def _check(self, ids: list[str], devices: list[PluginDevice]) -> None:
+        if self._vet is None:
+            return
+        by_id = {d.id: d for d in devices}
+        refused = {i: why for i in ids if (why := self._vet(by_id[i])) is not None}
+        if refused:
+            raise AllocationError(f"{self.resource}: devices not available now: "
+                                  + "; ".join(f"{i} ({by_id[i].dev_path or i}): {why}" for i, why in refused.items()))
 
     def PreStartContainer(self, request: pb.PreStartContainerRequest,
                           context: grpc.ServicerContext) -> pb.PreStartContainerResponse:

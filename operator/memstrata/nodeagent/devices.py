@@ -3,9 +3,11 @@
 Two resources (names from memstrata.api.inventory):
 
 - `memstrata.dev/nvme-ns`: one device per free NVMe namespace, on its
-  controller's NUMA node. Its ID is the namespace's WWID when the kernel
-  reports one, so that a renamed namespace (nvme0n1 and nvme1n1 swap after a
-  reboot) keeps its identity in the kubelet's checkpoint; else its name.
+  controller's NUMA node; Unhealthy while it holds a finished job's data,
+  until the node agent has scrubbed it (memstrata.nodeagent.scrubber). Its ID
+  is the namespace's WWID when the kernel reports one, so that a renamed
+  namespace (nvme0n1 and nvme1n1 swap after a reboot) keeps its identity in the
+  kubelet's checkpoint; else its name.
   A container gets the /dev node (DeviceSpec) and MEMSTRATA_NVME_DEVICES.
   The plugin prefers the namespaces the planner counted (`preferred`).
 - `memstrata.dev/cxl-gib`: one device per whole GiB of each CXL NUMA node,
@@ -19,6 +21,7 @@ a silent capacity drop.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory
@@ -56,9 +59,11 @@ class AllocationError(ValueError):
     """An Allocate the plugin must refuse; the kubelet fails the pod with this message."""
 
 
-def nvme_devices(inventory: NodeInventory) -> list[PluginDevice]:
-    return [PluginDevice(id=ns.wwid or ns.name, healthy=True, numa_node=ns.numa_node, dev_path=ns.dev_path,
-                         name=ns.name, size_bytes=ns.size_bytes)
+def nvme_devices(inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[PluginDevice]:
+    """One device per free namespace; Unhealthy when its name is in `scrubbing` (a finished job's data is
+    on it: no pod may get it before the scrub), Healthy otherwise."""
+    return [PluginDevice(id=ns.wwid or ns.name, healthy=ns.name not in scrubbing, numa_node=ns.numa_node,
+                         dev_path=ns.dev_path, name=ns.name, size_bytes=ns.size_bytes)
             for ns in inventory.free_namespaces]
 
 
@@ -71,6 +76,13 @@ def cxl_devices(inventory: NodeInventory) -> list[PluginDevice]:
 
 
 DEVICES = {RESOURCE_NVME: nvme_devices, RESOURCE_CXL_GIB: cxl_devices}
+
+
+def offered(resource: str, inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[PluginDevice]:
+    """What the plugin for `resource` lists; `scrubbing` as for nvme_devices."""
+    if resource == RESOURCE_NVME:
+        return nvme_devices(inventory, scrubbing)
+    return DEVICES[resource](inventory)
 
 
 def merge(previous: list[PluginDevice], current: list[PluginDevice]) -> list[PluginDevice]:

@@ -5,7 +5,8 @@
 
 The DaemonSet pod needs the host's /sys, /dev (hostPath) and mount table
 (hostPID, so /proc/1/mountinfo is the host's), and
-/var/lib/kubelet/device-plugins.
+/var/lib/kubelet/device-plugins. It writes to a namespace only to scrub what a
+job left on it (memstrata.nodeagent.scrubber), after the namespace-safety rule.
 """
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memstrata.api.inventory import NodeInventory, render_node
 from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
+from memstrata.nodeagent.scrubber import Scrubber
+
+if TYPE_CHECKING:
+    from memstrata.nodeagent.devices import PluginDevice
 
 log = logging.getLogger("memstrata.nodeagent")
 PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -67,11 +73,18 @@ def read_inventory(args: argparse.Namespace) -> NodeInventory:
                     hostname=args.node_name or socket.gethostname())
 
 
+def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: None) -> Scrubber:
+    """The scrubber over the same device nodes, sysfs, mount table and swaps discovery reads."""
+    return Scrubber(args.dev_root, sysfs_root=args.sysfs_root, mountinfo=args.mountinfo, swaps=args.swaps,
+                    on_done=on_done)
+
+
 def once(args: argparse.Namespace) -> int:
-    from memstrata.nodeagent.devices import DEVICES
+    from memstrata.nodeagent.devices import DEVICES, offered
 
     inventory = read_inventory(args)
-    devices = {r: [d.__dict__ for d in fn(inventory)] for r, fn in DEVICES.items()}
+    scrubbing = scrubber(args).update(inventory, start=False)  # reported Unhealthy; --once writes nothing
+    devices = {r: [d.__dict__ for d in offered(r, inventory, scrubbing)] for r in DEVICES}
     print(json.dumps({"inventory": inventory.wire(), "node": render_node(inventory), "devices": devices}, indent=2))
     return 0
 
@@ -110,12 +123,27 @@ class Agent:
         from memstrata.nodeagent.deviceplugin import DevicePluginServer
 
         self.args = args
-        # SimpleQueue.put is reentrant: safe to call from the signal handlers below.
+        # SimpleQueue.put is reentrant: safe to call from the signal handlers below and the scrub threads.
         self.events: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.servers = [DevicePluginServer(r, args.plugin_dir) for r in DEVICES]
-        self.devices = DEVICES
+        self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"))
+        self.servers = [DevicePluginServer(r, args.plugin_dir, vet=self.vet) for r in DEVICES]
         self.patcher = NodePatcher(args.node_name, args.kubeconfig)
         self.inventory: NodeInventory | None = None
+        self.scrubbing: frozenset[str] = frozenset()  # free namespaces holding a finished job's data
+
+    def vet(self, device: PluginDevice) -> str | None:
+        """Allocate's last look at a namespace (PluginDevice.name): refused while a job's data is on it."""
+        why = self.scrubber.pending(device.name) if device.name else None
+        if why is None:
+            return None
+        self.events.put("rescan")  # have the scrub start now, not at the next tick
+        return f"{why}; the node agent scrubs it before offering it again"
+
+    def offer(self, resource: str) -> list[PluginDevice]:
+        from memstrata.nodeagent.devices import offered
+
+        assert self.inventory is not None
+        return offered(resource, self.inventory, self.scrubbing)
 
     def rescan(self) -> None:
         """Re-discover; health changes reach ListAndWatch, label changes the Node."""
@@ -124,8 +152,10 @@ class Agent:
         except SysfsError as exc:  # a device mid-removal can leave a half-read tree; next scan retries
             log.warning("discovery failed, keeping the previous inventory: %s", exc)
             return
+        # Before publishing: a namespace a killed job left dirty must turn Unhealthy in this very scan.
+        self.scrubbing = self.scrubber.update(self.inventory)
         for server in self.servers:
-            server.publish(self.devices[server.resource](self.inventory))
+            server.publish(self.offer(server.resource))
         if self.args.nfd_dir.is_dir():
             write_atomically(self.args.nfd_dir / NFD_FILE, nfd_features(self.inventory))
         try:
@@ -139,11 +169,11 @@ class Agent:
             server.stop()
         from memstrata.nodeagent.deviceplugin import DevicePluginServer
 
-        self.servers = [DevicePluginServer(s.resource, self.args.plugin_dir) for s in self.servers]
+        self.servers = [DevicePluginServer(s.resource, self.args.plugin_dir, vet=self.vet) for s in self.servers]
         for server in self.servers:
             server.start()
             if self.inventory is not None:
-                server.publish(self.devices[server.resource](self.inventory))
+                server.publish(self.offer(server.resource))
             server.register()
 
     def run(self) -> int:
@@ -161,7 +191,8 @@ class Agent:
         #  - kubelet.sock re-created: a restarted kubelet forgot us and wiped our sockets;
         #  - SIGHUP: the operator asks for a full re-read and re-registration.
         # Between restarts a rescan every --rescan-seconds publishes health changes
-        # (ListAndWatch resends) and label changes. Ticks are 0.25 s so that a
+        # (ListAndWatch resends) and label changes; a finished scrub or a refused
+        # Allocate ("rescan") asks for one at once. Ticks are 0.25 s so that a
         # kubelet restart is answered well within the 5 s the kubelet allows.
         while True:
             try:
@@ -173,6 +204,8 @@ class Agent:
             if event == "sighup":
                 log.info("SIGHUP: re-discovering and re-registering")
                 next_scan = restart_due = 0.0
+            if event == "rescan":
+                next_scan = 0.0
             now = time.monotonic()
             if now >= next_scan:
                 self.rescan()
@@ -190,6 +223,7 @@ class Agent:
                     restart_due = now + 1.0
         for server in self.servers:
             server.stop()
+        self.scrubber.stop()
         log.info("stopped")
         return 0
 

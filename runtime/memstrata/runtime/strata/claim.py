@@ -1,15 +1,16 @@
-"""Opening and claiming one device of the raw-NVMe engine: the safety rule, exclusive hold, header.
+"""Opening, claiming and releasing one device of the raw-NVMe engine: safety rule, exclusive hold, header, scrub.
 
 Opening checks the device (memstrata.node.safety), takes it exclusively (O_EXCL for block
 devices, flock for all), checks it again now that it is held, and reads its size; claiming
-stamps a fresh OPEN header over whatever a killed run left. Plain synchronous O_DIRECT I/O,
-no io_uring: this is the part of the engine that runs before and after the ring.
+stamps a fresh OPEN header over whatever a killed run left; releasing zeroes what the job may
+have written (memstrata.node.scrub) and only then stamps the header SCRUBBED, so that the next
+job reads zeros, never this one's data. Plain synchronous O_DIRECT I/O, no io_uring: this is
+the part of the engine that runs before and after the ring.
 """
 from __future__ import annotations
 
 import errno as E
 import fcntl
-import mmap
 import os
 import struct
 import time
@@ -17,10 +18,11 @@ import uuid
 
 from memstrata.node.header import DATA_OFFSET, HEADER_BYTES, Header, HeaderError, State, parse_header, render_header
 from memstrata.node.safety import DeviceUnsafeError, check_device
+from memstrata.node.scrub import ScrubError, direct_read, direct_write, pending_reason, scrubbed_header, \
+    write_scrubbed, zero_range
 from memstrata.runtime.strata.errors import DeviceRefusedError, NvmeError
-from memstrata.runtime.strata.extents import round_up
 
-__all__ = ["aligned_io", "claim_device", "open_device"]
+__all__ = ["aligned_io", "claim_device", "open_device", "release_device"]
 
 _BLKSSZGET = 0x1268
 _BLKGETSIZE64 = 0x80081272
@@ -30,23 +32,19 @@ _FILE_BLOCK = 4096
 
 
 def aligned_io(fd: int, path: str, offset: int, data: bytes | None, nbytes: int) -> bytes:
-    """One synchronous O_DIRECT pread/pwrite through a page-aligned buffer."""
-    buf = mmap.mmap(-1, round_up(nbytes, mmap.PAGESIZE))
+    """One synchronous O_DIRECT pread/pwrite through a page-aligned buffer (memstrata.node.scrub's)."""
     try:
         if data is not None:
-            buf[: len(data)] = data
-            done = os.pwritev(fd, [memoryview(buf)[:nbytes]], offset)
-        else:
-            done = os.preadv(fd, [memoryview(buf)[:nbytes]], offset)
-        if done != nbytes:
-            raise NvmeError(f"short {'write' if data else 'read'} of {done} bytes", device=path,
-                            offset=offset, length=nbytes, errno=E.EIO)
-        return bytes(buf[:nbytes])
+            block = data[:nbytes].ljust(nbytes, b"\0")
+            direct_write(fd, offset, block)
+            return block
+        got = direct_read(fd, offset, nbytes)
     except OSError as exc:
         raise NvmeError(f"header {'write' if data else 'read'} failed", device=path, offset=offset,
                         length=nbytes, errno=exc.errno) from None
-    finally:
-        buf.close()
+    if len(got) != nbytes:
+        raise NvmeError(f"short read of {len(got)} bytes", device=path, offset=offset, length=nbytes, errno=E.EIO)
+    return got
 
 
 def _open_excl(path: str, is_block: bool) -> int:
@@ -108,18 +106,24 @@ def open_device(path: str, force: bool, busy_timeout_s: float) -> tuple[int, int
 
 
 def claim_device(path: str, fd: int, lbs: int, size: int, job: str, set_id: uuid.UUID, index: int,
-           count: int) -> tuple[Header, Header | None]:
-    """Stamp a fresh OPEN header; returns it and the stale one it replaced (if any).
+           count: int) -> tuple[Header, Header | None, int]:
+    """Stamp a fresh OPEN header; returns it, the stale OPEN one it replaced (if any), and the end of
+    what a clean close must zero so far (`release_device`).
 
     The rest of the reserved zone [HEADER_BYTES, DATA_OFFSET) is zeroed first: a
     signature a forced open overrode (btrfs at 64 KiB, GPT at 4 KiB) must not
     outlive it, or the next check, which probes behind memstrata's header too,
-    would refuse memstrata's own device."""
+    would refuse memstrata's own device.
+
+    Where the replaced header was not SCRUBBED (a killed run, an old build's CLOSED, a damaged
+    header) someone's data may lie anywhere in the data area, so all of it is to be zeroed on
+    close; else only what this engine allocates (the engine moves the end as it does)."""
     capacity = (size - DATA_OFFSET) // lbs * lbs if size > DATA_OFFSET else 0
     if capacity < lbs:
         raise NvmeError(f"too small: {size} bytes, memstrata needs more than {DATA_OFFSET}", device=path)
     head = aligned_io(fd, path, 0, None, HEADER_BYTES)
     aligned_io(fd, path, HEADER_BYTES, bytes(DATA_OFFSET - HEADER_BYTES), DATA_OFFSET - HEADER_BYTES)
+    dirty_end = DATA_OFFSET + capacity if pending_reason(head) is not None else DATA_OFFSET
     try:
         old = parse_header(head)
     except HeaderError:
@@ -129,4 +133,19 @@ def claim_device(path: str, fd: int, lbs: int, size: int, job: str, set_id: uuid
                     capacity_bytes=capacity, owner_pid=os.getpid(), updated_ns=time.time_ns())
     aligned_io(fd, path, 0, render_header(header), HEADER_BYTES)
     os.fsync(fd)
-    return header, old if old is not None and old.state == State.OPEN else None
+    return header, old if old is not None and old.state == State.OPEN else None, dirty_end
+
+
+def release_device(path: str, fd: int, header: Header, lbs: int, dirty_end: int) -> str:
+    """Zero [DATA_OFFSET, dirty_end), then stamp the header SCRUBBED; returns what was done, for the log.
+
+    Only a clean close calls this, once no I/O is in flight. If zeroing fails the header stays OPEN,
+    which the node agent reads as "scrub me before anyone gets it": the error says so."""
+    try:
+        done = zero_range(fd, path, DATA_OFFSET, dirty_end, block=lbs)
+        write_scrubbed(fd, path, scrubbed_header(header, logical_block_size=lbs, size=0, now_ns=time.time_ns()))
+    except ScrubError as exc:
+        raise NvmeError(f"scrub on close failed: {exc.reason}; its header stays OPEN, so the node agent scrubs "
+                        "it before another job may have it", device=path, offset=exc.offset, length=exc.length,
+                        errno=exc.errno) from None
+    return done
