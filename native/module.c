@@ -49,18 +49,19 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "memstrata.runtime._native._core",
-    "io_uring raw-NVMe ring, NUMA/pinned memory regions, one-pass overflow scan.", -1, module_methods,
+    "io_uring raw-NVMe ring (and its pread/pwrite thread fallback), NUMA/pinned memory regions, one-pass overflow scan.", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__core(void)
 {
-    if (PyType_Ready(&Ring_Type) < 0 || PyType_Ready(&Region_Type) < 0)
+    if (PyType_Ready(&Ring_Type) < 0 || PyType_Ready(&Threads_Type) < 0 || PyType_Ready(&Region_Type) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "Ring", (PyObject *)&Ring_Type) < 0 ||
+        PyModule_AddObjectRef(m, "Threads", (PyObject *)&Threads_Type) < 0 ||
         PyModule_AddObjectRef(m, "Region", (PyObject *)&Region_Type) < 0 ||
         PyModule_AddIntConstant(m, "PAGE_SIZE", sysconf(_SC_PAGESIZE)) < 0) {
         Py_DECREF(m);

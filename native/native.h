@@ -12,6 +12,7 @@
 #include <Python.h>
 
 extern PyTypeObject Ring_Type;
+extern PyTypeObject Threads_Type; /* Ring's interface over pread/pwrite threads (threads.c) */
 extern PyTypeObject Region_Type;
 
 /* Raise OSError(err, "<what>: <strerror>") and return NULL. */

@@ -24,7 +24,8 @@ setup(
             "memstrata.runtime._native._core",
             sources=SOURCES,
             include_dirs=[str(HERE.parent / "native")],
-            libraries=["uring", "numa"],
+            # pthread: the I/O thread fallback (native/threads.c), for when io_uring is refused.
+            libraries=["uring", "numa", "pthread"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-std=gnu11"],
         )
     ],

@@ -1,22 +1,29 @@
 """Raw-NVMe engine: O_DIRECT io_uring I/O on extents of one or more devices.
 
+Where the kernel refuses io_uring (a pod's RuntimeDefault seccomp profile, kernel.io_uring_disabled),
+the same I/O goes through pread/pwrite worker threads with one warning naming the cause
+(memstrata.runtime.strata.iobackend; MEMSTRATA_IO_BACKEND forces either path).
+
 One engine owns a set of devices (raw namespaces, loop devices, or regular
 files where no spare namespace exists). Opening a device checks it is safe
 (memstrata.node.safety), takes it exclusively (O_EXCL for block devices,
 flock for all), and stamps memstrata's header; a header left OPEN by a run
 that was killed is simply superseded, and the allocator starts empty, so
-`kill -9` mid-write never leaks space. Tensors larger than one stripe are
-striped round-robin over the engine's devices (multi-path).
+`kill -9` mid-write never leaks space. Closing cleanly zeroes every byte the
+engine may have written and only then stamps the header SCRUBBED
+(claim.release_device), so the next job reads zeros; a killed run's OPEN
+header tells the node agent to scrub the namespace before offering it again.
+Tensors larger than one stripe are striped round-robin over the engine's
+devices (multi-path).
 
 Single-threaded by design: one engine per rank, driven by its swap layer.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno as E
 import itertools
+import logging
 import os
-import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,14 +31,16 @@ from typing import Any
 
 from memstrata.runtime import _native
 from memstrata.runtime.strata.buffers import as_byte_view
-from memstrata.runtime.strata.claim import aligned_io, claim_device, open_device
+from memstrata.runtime.strata.claim import claim_device, open_device, release_device
 from memstrata.runtime.strata.errors import NvmeError
 from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError, FreeStats, per_device_bytes, round_up, stripe_chunks
-from memstrata.node.header import DATA_OFFSET, HEADER_BYTES, Header, State, render_header
+from memstrata.runtime.strata.iobackend import OpenedQueue, choose_backend, open_queue, register_fixed
+from memstrata.node.header import DATA_OFFSET, Header
 
 __all__ = ["NvmeEngine", "NvmeError", "Extent", "Handle", "DeviceStats"]
 
 _PAGE = _native.PAGE_SIZE
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class _Device:
     writes: int = 0
     fixed_ios: int = 0
     errors: int = 0
+    # [DATA_OFFSET, dirty_end) may hold a job's data: zeroed on close. Only grows: freed extents keep their bytes.
+    dirty_end: int = DATA_OFFSET
 
 
 class Handle:
@@ -91,9 +102,12 @@ class NvmeEngine:
     """Extents, asynchronous I/O and statistics over a set of opened devices."""
 
     def __init__(self, devices: list[_Device], ring: Any, *, stripe_bytes: int, max_io_bytes: int,
-                 recovered: list[tuple[str, Header]]) -> None:
+                 recovered: list[tuple[str, Header]], io_backend: str = "io_uring",
+                 io_fallback: str | None = None) -> None:
         self._devices = devices
         self._ring = ring
+        self.io_backend = io_backend  # "io_uring" | "threads"
+        self.io_fallback = io_fallback  # why io_uring is not used, when the kernel refused it
         self.stripe_bytes = stripe_bytes
         self.max_io_bytes = max_io_bytes
         self.recovered = recovered  # stale headers of killed runs that open() reset
@@ -105,10 +119,14 @@ class NvmeEngine:
 
     @classmethod
     def open(cls, paths: Sequence[str], *, job: str, queue_depth: int = 32, stripe_bytes: int = 1 << 20,
-             max_io_bytes: int = 1 << 20, force: bool = False, busy_timeout_s: float = 5.0) -> NvmeEngine:
-        """Open `paths` for job `job`; `force` overrides only the signature check."""
+             max_io_bytes: int = 1 << 20, force: bool = False, busy_timeout_s: float = 5.0,
+             io_backend: str | None = None) -> NvmeEngine:
+        """Open `paths` for job `job`; `force` overrides only the signature check.
+
+        `io_backend`: auto | io_uring | threads (default: $MEMSTRATA_IO_BACKEND, else auto)."""
         if not paths:
             raise ValueError("NvmeEngine.open needs at least one device path")
+        choose_backend(io_backend)  # a misspelt backend fails before any device is claimed
         if len(set(map(os.path.realpath, paths))) != len(paths):
             raise ValueError(f"device list names the same device twice: {list(paths)}")
         set_id = uuid.uuid4()
@@ -118,27 +136,26 @@ class NvmeEngine:
             for i, path in enumerate(paths):
                 fd, lbs, size = open_device(path, force, busy_timeout_s)
                 try:
-                    header, stale = claim_device(path, fd, lbs, size, job, set_id, i, len(paths))
+                    header, stale, dirty_end = claim_device(path, fd, lbs, size, job, set_id, i, len(paths))
                 except BaseException:
                     os.close(fd)
                     raise
                 devices.append(_Device(path, fd, lbs, ExtentAllocator(DATA_OFFSET, header.capacity_bytes, lbs),
-                                       header))
+                                       header, dirty_end=dirty_end))
                 if stale is not None:
                     recovered.append((path, stale))
             align = max(d.lbs for d in devices)
             for name, value in (("stripe_bytes", stripe_bytes), ("max_io_bytes", max_io_bytes)):
                 if value <= 0 or value % align:
                     raise ValueError(f"{name}={value} must be a positive multiple of the block size {align}")
-            try:
-                ring = _native.Ring(queue_depth, [d.fd for d in devices])
-            except OSError as exc:
-                raise NvmeError("cannot set up io_uring", device=paths[0], errno=exc.errno) from None
+            opened: OpenedQueue = open_queue(queue_depth, [d.fd for d in devices], device=paths[0],
+                                             backend=io_backend)
         except BaseException:
             for d in devices:
                 os.close(d.fd)
             raise
-        return cls(devices, ring, stripe_bytes=stripe_bytes, max_io_bytes=max_io_bytes, recovered=recovered)
+        return cls(devices, opened.queue, stripe_bytes=stripe_bytes, max_io_bytes=max_io_bytes, recovered=recovered,
+                   io_backend=opened.backend, io_fallback=opened.fallback)
 
     # -- extents -------------------------------------------------------------------------------
     def allocate(self, nbytes: int, *, devices: Iterable[int] | None = None) -> Extent:
@@ -159,7 +176,9 @@ class NvmeEngine:
             for slot, size in zip(slots, sizes):
                 dev = self._devices[slot]
                 try:
-                    bases.append(dev.alloc.allocate(size)[0])
+                    base, length = dev.alloc.allocate(size)
+                    bases.append(base)
+                    dev.dirty_end = max(dev.dirty_end, base + length)
                 except ExtentError as exc:
                     raise NvmeError(str(exc), device=dev.path, length=size,
                                     errno=E.ENOSPC if exc.no_space else E.EINVAL) from None
@@ -182,15 +201,14 @@ class NvmeEngine:
             self._devices[slot].alloc.free(base)
 
     # -- I/O -----------------------------------------------------------------------------------
-    def register_buffers(self, buffers: Sequence[Any]) -> None:
+    def register_buffers(self, buffers: Sequence[Any]) -> bool:
         """Register long-lived host buffers (arenas) as io_uring fixed buffers.
 
-        I/O whose memory lies inside one of them skips the per-op page pinning."""
+        I/O whose memory lies inside one of them skips the per-op page pinning. Where the kernel
+        refuses (RLIMIT_MEMLOCK in a pod), one warning and I/O goes on without; False then."""
         self._check_open()
-        try:
-            self._ring.register_buffers([as_byte_view(b, writable=True) for b in buffers])
-        except OSError as exc:
-            raise NvmeError("cannot register buffers", device=self._devices[0].path, errno=exc.errno) from None
+        return register_fixed(self._ring, [as_byte_view(b, writable=True) for b in buffers],
+                              device=self._devices[0].path)
 
     def write(self, extent: Extent, data: Any) -> Handle:
         """Start writing `data` (exactly extent.nbytes) to `extent`."""
@@ -321,7 +339,10 @@ class NvmeEngine:
                             d.fixed_ios, d.errors) for d in self._devices]
 
     def close(self) -> None:
-        """Finish in-flight I/O, mark every header CLOSED, release the devices."""
+        """Finish in-flight I/O, zero what this engine wrote and mark every header SCRUBBED, release the devices.
+
+        Where in-flight I/O could not be finished, or zeroing fails, the header stays OPEN: nothing may
+        land after the zeros, and the node agent scrubs an OPEN namespace before anyone else gets it."""
         if self._closed:
             return
         self._closed = True
@@ -331,11 +352,11 @@ class NvmeEngine:
         except BaseException as exc:  # the ring must still be torn down
             first = exc
         self._ring.close()
+        drained = first is None
         for d in self._devices:
             try:
-                closed = dataclasses.replace(d.header, state=State.CLOSED, updated_ns=time.time_ns())
-                aligned_io(d.fd, d.path, 0, render_header(closed), HEADER_BYTES)
-                os.fsync(d.fd)
+                if drained:
+                    log.info("%s: %s", d.path, release_device(d.path, d.fd, d.header, d.lbs, d.dirty_end))
             except (NvmeError, OSError) as exc:
                 first = first or exc
             finally:

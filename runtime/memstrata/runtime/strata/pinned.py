@@ -9,12 +9,21 @@ placed on its NUMA nodes (mbind before the first touch) and mlock'ed, so
 `locked_bytes` is what the kernel counts (VmLck); a too-low RLIMIT_MEMLOCK is
 reported with the number needed.
 
+A pod cannot raise that limit itself: with every capability dropped (PodSecurity
+`restricted`) it keeps the container runtime's RLIMIT_MEMLOCK, 8 MiB on current
+kernels, and CAP_IPC_LOCK would not reach a non-root process anyway. With
+`lock_fallback` the pool then warns once, with the same numbers, and goes on with
+unlocked regions: O_DIRECT I/O pins each op's pages itself, so only the guarantee
+that the buffers stay resident is lost, never correctness.
+
 This is the only locked-memory allocator of the runtime: memstrata.runtime.swap
 builds two per rank (optimizer operands on DRAM, parameter staging over CXL)
 and DeepSpeed's swappers receive their buffers from them.
 """
 from __future__ import annotations
 
+import errno as E
+import logging
 import resource
 import sys
 from collections.abc import Callable
@@ -29,6 +38,12 @@ from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError
 __all__ = ["ALIGN", "LockedPool", "PinnedMemoryError", "vm_locked_bytes"]
 
 ALIGN = 4096
+# What mlock answers when the limit, not the memory, is short: over RLIMIT_MEMLOCK (ENOMEM),
+# a limit of 0 without CAP_IPC_LOCK (EPERM), some pages not lockable (EAGAIN).
+_LIMIT_ERRNOS = (E.ENOMEM, E.EPERM, E.EAGAIN)
+
+log = logging.getLogger(__name__)
+_warned = False  # one warning per process: every pool of every rank meets the same limit
 
 
 def vm_locked_bytes(pid: str = "self") -> int:
@@ -69,11 +84,14 @@ class LockedPool:
     and a region is only added when no free run fits. Constructing a pool
     allocates nothing."""
 
-    def __init__(self, chunk_bytes: int = 64 << 20, lock: bool = True, placement: Placement | None = None) -> None:
+    def __init__(self, chunk_bytes: int = 64 << 20, lock: bool = True, placement: Placement | None = None,
+                 lock_fallback: bool = False) -> None:
         if chunk_bytes < ALIGN:
             raise ValueError(f"chunk_bytes must be at least {ALIGN}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.lock = lock
+        self.lock_fallback = lock_fallback  # an mlock refused by the limit: warn, go on unlocked
+        self.unlocked_reason: str | None = None  # set when that happened
         self.placement = placement
         self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
         self._region_use: dict[int, int] = {}  # id -> bytes handed out
@@ -149,13 +167,26 @@ class LockedPool:
             try:
                 region.lock()
             except OSError as exc:
-                region.close()
-                raise _lock_error(size, exc) from None
+                error = _lock_error(size, exc)
+                if not (self.lock_fallback and exc.errno in _LIMIT_ERRNOS):
+                    region.close()
+                    raise error from None
+                self._go_unlocked(str(error))
         alloc = ExtentAllocator(0, size, ALIGN)
         idx, self._next_region = self._next_region, self._next_region + 1
         self._regions[idx], self._region_use[idx] = (region, alloc), 0
         self.locked_bytes += size
         return idx, region, alloc
+
+    def _go_unlocked(self, why: str) -> None:
+        """Stop locking (this region and every later one): the limit will not grow while the process runs."""
+        global _warned
+        self.lock = False
+        self.unlocked_reason = why
+        if not _warned:
+            _warned = True
+            log.warning("memstrata: %s; going on with unlocked host buffers (correct, but the kernel may page "
+                        "them out)", why)
 
     def _hand_out(self, idx: int, region: Any, off: int, size: int, nbytes: int) -> memoryview:
         view = memoryview(region)[off : off + nbytes]

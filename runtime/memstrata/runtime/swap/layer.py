@@ -49,6 +49,9 @@ class SwapSettings(BaseModel):
                                      description="Locked bytes the parameter prefetcher may fill ahead of use.")
     pool_chunk_bytes: int = Field(32 << 20, ge=1 << 20, description="Growth step of the locked pool.")
     lock_memory: bool = Field(True, description="mlock the pool (pinned); off only where RLIMIT_MEMLOCK is tiny.")
+    lock_required: bool = Field(
+        False, description="Fail when RLIMIT_MEMLOCK refuses to lock the pool, instead of warning once and going on "
+                           "unlocked: a restricted pod keeps the runtime's limit (8 MiB) and cannot raise it.")
     checksums: bool = Field(False, description="Verify every read against a hash of what was written (tests).")
     file_bytes: int = Field(0, ge=0, description="Size of the fallback file-backed namespace created here when "
                                                  "`nvme` is empty; 0: from the model. A run from a plan names its "
@@ -116,6 +119,7 @@ def locked_pools(settings: SwapSettings) -> tuple[LockedPool, LockedPool]:
 
     def pool(kind: TensorKind) -> LockedPool:
         return LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory,
+                          lock_fallback=not settings.lock_required,
                           placement=place(kind, dram_nodes=dram, cxl_nodes=settings.cxl_nodes))
 
     return pool(TensorKind.OPTIMIZER), pool(TensorKind.PARAM_STAGING)

@@ -11,6 +11,7 @@ Pure: no I/O, no torch import.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,37 @@ class DsConfig(BaseModel):
     settings: list[Setting]
     offload_param: str
     offload_optimizer: str
+
+
+def deepspeed_swap_refusal(plan: Plan, engine: str, *, granted: Sequence[str], swap_dir: Path,
+                           swap_dir_on_root: bool) -> str | None:
+    """Why `memory.engine: deepspeed` must not start here, or None.
+
+    Stock ZeRO-Infinity swaps to files under `nvme_path`, a directory; a raw namespace has no
+    filesystem, and memstrata never creates one on a device (a namespace is offered precisely because
+    it has none). So where the device plugin `granted` namespaces, DeepSpeed would ignore them and
+    write `swap_dir` instead; and in a pod that directory is on the container's root filesystem
+    (`swap_dir_on_root`), which the swap would fill and lose with the container. Both are refused,
+    naming the field; a plan that offloads nothing to NVMe writes no swap file and is fine anywhere."""
+    if engine != "deepspeed":
+        return None
+    swapped = [name for name, device in (("parameters", plan.offload_device("weights")),
+                                         ("optimizer state", plan.offload_device("master", "optimizer")))
+               if device == "nvme"]
+    if not swapped:
+        return None
+    what = " and ".join(swapped)
+    fix = ("use memory.engine: memstrata, whose engine writes raw namespaces directly, or memory.nvmeNamespaces: 0 "
+           "(with DRAM enough for the plan) to offload to the CPU only")
+    if granted:
+        return (f"spec.memory.engine: deepspeed cannot swap to this job's NVMe namespaces ({', '.join(granted)}): "
+                f"stock DeepSpeed writes the {what} it offloads as files under a directory (nvme_path), the "
+                f"namespaces are raw devices without a filesystem, and memstrata does not create one on a device "
+                f"nor let DeepSpeed swap to {swap_dir} instead; {fix}")
+    if swap_dir_on_root:
+        return (f"spec.memory.engine: deepspeed would swap the {what} the plan puts on NVMe to {swap_dir}, on the "
+                f"container's root filesystem (the pod was granted no NVMe namespace); {fix}")
+    return None
 
 
 def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swap_dir: Path,

@@ -11,6 +11,10 @@ through the ServiceAccount the operator made for the job (it may patch only
 this job's status). A patch that fails is logged and retried with the next
 report: an API server that is away for a minute must not end hours of
 training.
+
+A job that cannot swap where the pod would send it (`memory.engine: deepspeed` with NVMe in its
+plan: raw namespaces have no filesystem for DeepSpeed's swap files, and the container's root
+filesystem is no place for them) fails at once with the reason in the termination message.
 """
 from __future__ import annotations
 
@@ -26,10 +30,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from memstrata.api.finetunejob import GROUP, PLURAL, VERSION, FineTuneJob
+from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.manifest import describe_validation_error
 from memstrata.api.report import RuntimeReport
 from memstrata.api.runtimeconfig import ENV_RUNTIME_CONFIG, RUNTIME_CONFIG_VERSION, JobRef, RuntimeConfig
 from memstrata.api.strataplan import Plan
+from memstrata.runtime.train.dsconfig import deepspeed_swap_refusal
 
 __all__ = ["PodConfigError", "StatusReporter", "load_config", "job_and_plan", "kubernetes_patcher", "run_pod"]
 
@@ -137,6 +143,15 @@ def _say_why(message: str) -> None:
         pass  # not in a pod
 
 
+def on_root_filesystem(path: Path) -> bool:
+    """Whether `path` (or, while it does not exist yet, its nearest existing parent) is on the filesystem of
+    `/`: in a pod, the container's own writable layer rather than a volume."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return os.stat(p).st_dev == os.stat("/").st_dev
+
+
 def run_pod(nvme_path: Path, *, config_path: str | None = None,
             patcher: Callable[[JobRef], Callable[[dict[str, Any]], None]] = kubernetes_patcher) -> int:
     from memstrata.runtime.train.local import run_local
@@ -147,6 +162,12 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
         reporter = StatusReporter(patcher(cfg.job), cfg.report_interval_seconds)
     except PodConfigError as exc:
         _say_why(f"error: {exc}")
+        return EXIT_USAGE
+    granted = [p.strip() for p in os.environ.get(ENV_NVME_DEVICES, "").split(",") if p.strip()]
+    refusal = deepspeed_swap_refusal(plan, job.spec.memory.engine, granted=granted, swap_dir=nvme_path,
+                                     swap_dir_on_root=on_root_filesystem(nvme_path))
+    if refusal is not None:
+        _say_why(f"error: {refusal}")
         return EXIT_USAGE
     rc = run_local(job, plan, nvme_path=nvme_path, on_report=reporter)
     if rc != 0:

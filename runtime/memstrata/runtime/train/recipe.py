@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.data import Blocks, ByteTokenizer, build_dataset
-from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config
+from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.swap.protocols import TrainingEngine
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces, swap_settings
@@ -92,6 +93,13 @@ class FineTuneRecipe:
         # With memstrata, DeepSpeed's own swap folder must stay empty (no silent fallback to the stock
         # path), so it is a subfolder of its own, apart from memstrata's file-backed namespaces.
         self.ds_swap_dir = self.swap_dir / "deepspeed" if self.engine_name == "memstrata" else self.swap_dir
+        # Namespaces a device plugin granted are the NVMe stratum; stock DeepSpeed cannot write them and
+        # would silently swap to the scratch directory instead. (`memstrata pod` also refuses its root filesystem.)
+        granted = [p.strip() for p in os.environ.get(ENV_NVME_DEVICES, "").split(",") if p.strip()]
+        refusal = deepspeed_swap_refusal(plan, self.engine_name, granted=granted, swap_dir=self.ds_swap_dir,
+                                         swap_dir_on_root=False)
+        if refusal is not None:
+            raise RecipeError(refusal)
         self.strata: SwapStrata | None = None
         self.swap_status: SwapStatus | None = None  # memstrata's per-stratum counters, kept past cleanup
         self.data: Blocks | None = None
