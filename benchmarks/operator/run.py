@@ -30,7 +30,7 @@ sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "runtime")]
 
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env  # noqa: E402
 from e2e.operator.harness import (  # noqa: E402
-    CRD, PEERING, PEERING_CRDS, OperatorProcess, inventory, job, memstrata_node,
+    CRD, OperatorProcess, inventory, job, lease_holder, memstrata_node,
 )
 from memstrata.operator.kube import Conflict, Kube, api_path  # noqa: E402
 
@@ -183,9 +183,8 @@ def batch_job(name: str) -> dict[str, Any]:
 
 async def measure(cp: ControlPlane, jobs: int, nodes: int, workdir: Path) -> dict[str, Any]:
     crd = os.environ.get("MEMSTRATA_E2E_CRD", str(CRD))  # see e2e/operator/conftest.py
-    cp.kubectl("apply", "--server-side", "-f", crd, "-f", str(PEERING_CRDS))
+    cp.kubectl("apply", "--server-side", "-f", crd)
     cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
-    cp.apply({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}})
     per_node = -(-jobs // nodes)
     cp.create(*[memstrata_node(f"bench-{i:03d}", inventory(f"bench-{i:03d}", dram_gib=64, gpus=per_node))
                 for i in range(nodes)])
@@ -195,12 +194,11 @@ async def measure(cp: ControlPlane, jobs: int, nodes: int, workdir: Path) -> dic
     for ns in ("bench-jobs", "bench-ftj"):
         cp.create_namespace(ns)
 
-    op = OperatorProcess(cp.kubeconfig, workdir / "operator.log", 100, "--workers", "64").start()
+    op = OperatorProcess(cp.kubeconfig, workdir / "operator.log", "bench", "--workers", "64").start()
     kube = Kube.from_config(str(cp.kubeconfig), connections=128, timeout_s=120)
     try:
-        for _ in range(240):  # the operator has joined peering and filled its indices
-            status = cp.get_json("clusterkopfpeering", PEERING).get("status") or {}
-            if any(isinstance(v, dict) and v.get("priority") == 100 for v in status.values()):
+        for _ in range(240):  # the operator holds the Lease and has filled its indices
+            if lease_holder(cp) == op.identity:
                 break
             await asyncio.sleep(0.25)
         await asyncio.sleep(2)

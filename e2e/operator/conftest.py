@@ -13,7 +13,7 @@ import pytest
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
 from e2e.cluster.kwok import pod_failure_stage
 from e2e.operator.harness import (
-    CHART, CRD, PEERING, PEERING_CRDS, OperatorProcess, inventory, memstrata_node, succeed_stage,
+    CHART, CRD, LEASE, OperatorProcess, inventory, lease_holder, memstrata_node, succeed_stage,
 )
 
 try:  # the operator's own dependencies; without them it cannot run at all
@@ -26,18 +26,16 @@ except ImportError as exc:  # pragma: no cover - depends on the venv
 
 @pytest.fixture(scope="session")
 def memstrata_cluster(cluster: Any) -> Any:
-    """The control plane with the FineTuneJob CRD (from crds/, as a user installs it), Kopf's peering
-    CRDs and object, and the kwok stages that play the runtime's part."""
+    """The control plane with the FineTuneJob CRD (from crds/, as a user installs it) and the kwok
+    stages that play the runtime's part."""
     if MISSING:
         pytest.skip(MISSING)
     # MEMSTRATA_E2E_CRD only for developing against a CRD not yet committed; by default the test
     # installs exactly what a user installs.
     crd = os.environ.get("MEMSTRATA_E2E_CRD", str(CRD))
-    cluster.kubectl("apply", "--server-side", "-f", crd, "-f", str(PEERING_CRDS))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev",
-                    "crd/clusterkopfpeerings.kopf.dev")
-    cluster.apply({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}},
-                  succeed_stage(), pod_failure_stage())
+    cluster.kubectl("apply", "--server-side", "-f", crd)
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+    cluster.apply(succeed_stage(), pod_failure_stage())
     install_status_policy(cluster)
     return cluster
 
@@ -79,22 +77,18 @@ def operator(memstrata_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -
         print(f"\n[operator] log: {log}\n{op.tail(30)}")
 
 
-def peers(cluster: Any) -> dict[str, Any]:
-    obj = cluster.get_json("clusterkopfpeering", PEERING)
-    return {k: v for k, v in (obj.get("status") or {}).items() if isinstance(v, dict)}
-
-
 def wait_active(cluster: Any, op: OperatorProcess, timeout: float = 60) -> None:
-    """Kopf announces itself in the peering object once its watches run."""
+    """The operator acts once it holds the Lease."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not op.alive():
             raise AssertionError(f"the operator exited with {op.proc.returncode if op.proc else '?'}:\n{op.tail()}")
-        if any(p.get("priority") == op.priority for p in peers(cluster).values()):
-            time.sleep(1.0)  # its indices fill right after it joins
+        if lease_holder(cluster) == op.identity:
+            time.sleep(1.0)  # its indices fill as its watches start
             return
         time.sleep(0.25)
-    raise AssertionError(f"the operator did not join peering {PEERING} in {timeout:.0f}s:\n{op.tail()}")
+    raise AssertionError(f"the operator did not acquire Lease default/{LEASE} in {timeout:.0f}s "
+                         f"(held by {lease_holder(cluster)!r}):\n{op.tail()}")
 
 
 class Nodes:

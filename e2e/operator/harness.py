@@ -15,15 +15,17 @@ from typing import Any
 
 import yaml
 
+from e2e.cluster.controlplane import ControlPlaneError
 from e2e.cluster.kwok import fake_node
 from memstrata.api import NodeInventory, render_node
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "finetunejob.yaml"
-PEERING_CRDS = REPO / "charts" / "memstrata" / "crds" / "kopfpeering.yaml"
 CHART = REPO / "charts" / "memstrata"
 SUCCEED_LABEL = "memstrata.dev/e2e-succeed"
-PEERING = "memstrata-e2e"
+LEASE = "memstrata-e2e"  # in namespace default
+# Short, so takeovers in tests take seconds (production: 15/10/2).
+LEASE_TIMING = ("--lease-duration-seconds", "6", "--renew-deadline-seconds", "4", "--retry-period-seconds", "1")
 
 
 def inventory(name: str, dram_gib: int, cxl_gib: int = 0, nvme: int = 2, gpus: int = 1,
@@ -99,22 +101,27 @@ def job(name: str, base: str = "finetune-tiny.yaml", labels: dict[str, str] | No
 class OperatorProcess:
     """`memstrata operator` as a real process: restarts and kills are real."""
 
-    def __init__(self, kubeconfig: Path, log: Path, priority: int = 100, *extra: str) -> None:
-        self.kubeconfig, self.log, self.priority, self.extra = kubeconfig, log, priority, extra
+    def __init__(self, kubeconfig: Path, log: Path, name: str = "op", *extra: str) -> None:
+        self.kubeconfig, self.log, self.name, self.extra = kubeconfig, log, name, extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+
+    @property
+    def identity(self) -> str:
+        """This process's name in the Lease: a new one per start, as a restarted pod gets."""
+        return f"{self.name}-{self.starts}"
 
     def start(self) -> "OperatorProcess":
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO / "operator"), str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "memstrata.cli", "operator", "--kubeconfig", str(self.kubeconfig),
-               "--peering", PEERING, "--priority", str(self.priority), "--backoff-base-seconds", "1",
-               "--unschedulable-retry-seconds", "5", *self.extra]
+               "--lease", LEASE, "--lease-namespace", "default", "--identity", f"{self.name}-{self.starts + 1}",
+               *LEASE_TIMING, "--backoff-base-seconds", "1", "--unschedulable-retry-seconds", "5", *self.extra]
+        self.starts += 1
         with open(self.log, "ab") as out:
             out.write(f"\n===== start {self.starts}: {' '.join(cmd)}\n".encode())
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, cwd=REPO, start_new_session=True)
-        self.starts += 1
         return self
 
     @property
@@ -136,6 +143,11 @@ class OperatorProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
+    def signal(self, sig: signal.Signals) -> None:
+        """Send `sig` (SIGSTOP freezes it, as a long GC pause or a starved node would; SIGCONT thaws it)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, sig)
+
     def peak_rss_bytes(self) -> int:
         """The kernel's high-water mark of the process's resident set (VmHWM)."""
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
@@ -146,6 +158,17 @@ class OperatorProcess:
     def tail(self, lines: int = 40) -> str:
         text = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
         return "\n".join(text[-lines:])
+
+
+def lease_holder(cluster: Any) -> str:
+    """Who holds the operators' Lease now ("" if nobody)."""
+    try:
+        lease = cluster.get_json("lease", LEASE, "-n", "default")
+    except ControlPlaneError as exc:
+        if "NotFound" in str(exc):  # nobody has created it yet
+            return ""
+        raise
+    return (lease.get("spec") or {}).get("holderIdentity") or ""
 
 
 def token_kubeconfig(cluster: Any, namespace: str, service_account: str, path: Path) -> Path:

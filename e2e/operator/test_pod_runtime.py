@@ -66,7 +66,7 @@ def test_the_runtime_reports_into_its_jobs_status(memstrata_cluster: Any, namesp
     cluster.apply(*[o for o in companions if o["kind"] != "ConfigMap"], namespace=namespace)
     config = tmp_path / "runtime-config.json"
     config.write_text(next(o for o in companions if o["kind"] == "ConfigMap")["data"]["runtime-config.json"])
-    token = cluster.kubectl("create", "token", names.runtime_account_name("tiny-pod"), "-n", namespace).strip()
+    token = cluster.kubectl("create", "token", names.runtime_account_name("tiny-pod", body["metadata"]["uid"]), "-n", namespace).strip()
     kubeconfig = token_kubeconfig(cluster, token, tmp_path / "runtime.kubeconfig")
 
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MEMSTRATA_RUNTIME_CONFIG": str(config),

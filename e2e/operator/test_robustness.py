@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from e2e.operator.conftest import peers, wait_active
+from e2e.operator.conftest import wait_active
 from e2e.operator.harness import OperatorProcess, apply_yaml, ftj, job, kubectl_as, pods_of, token_kubeconfig, wait
 from memstrata.api import RuntimeReport, StratumCounters
 
@@ -34,22 +34,26 @@ def _submit(cluster, ns, docs):
 
 def test_operator_killed_mid_flight_loses_no_job_and_duplicates_no_pod(memstrata_cluster, operator, ns, nodes):
     cluster = memstrata_cluster
-    for i in range(5):
+    n = 40
+    for i in range(n // 4):  # room for every job: one GPU each
         nodes.add(f"n{i}", dram_gib=64, gpus=4)
-    n = 20
     _submit(cluster, ns, [job(f"j{i:02d}") for i in range(n)])
     wait("some pods created", lambda: 0 < len(_pods_per_job(cluster, ns)), timeout=30, interval=0.05)
     operator.stop(signal.SIGKILL)  # no cleanup, no goodbye: a crash
     created_while_up = len(_pods_per_job(cluster, ns))
-    operator.priority += 1  # the dead process's peering record has the old priority until it expires
-    operator.start()
+    unrecorded = [name for name, phase in _phases(cluster, ns).items() if phase != "Running"]
+    # Landed mid-flight: the operator still had work: jobs without a pod, or not yet recorded Running.
+    assert 0 < created_while_up < n or unrecorded, (
+        f"the kill came after every job was placed and recorded ({created_while_up}/{n} pods): "
+        "this run proved nothing about a crash mid-flight")
+    operator.start()  # a new identity: it waits out the dead process's Lease, as a restarted pod would
     wait_active(cluster, operator)
-    wait(f"all {n} jobs Running", lambda: list(_phases(cluster, ns).values()).count("Running") == n, timeout=90)
+    wait(f"all {n} jobs Running", lambda: list(_phases(cluster, ns).values()).count("Running") == n, timeout=120)
     per_job = _pods_per_job(cluster, ns)
     assert sorted(per_job) == [f"j{i:02d}" for i in range(n)]
     assert all(pods == [f"{name}-0"] for name, pods in per_job.items()), per_job
     assert all(ftj(cluster, ns, name)["status"]["attempts"] == 1 for name in per_job)
-    print(f"pods created before the kill: {created_while_up}/{n}")
+    print(f"kill landed with {created_while_up}/{n} pods created and {len(unrecorded)} jobs not yet recorded")
 
 
 def test_runtime_identity_may_patch_its_own_status_and_nothing_else(memstrata_cluster, ns, nodes, tmp_path):
@@ -78,29 +82,6 @@ def test_runtime_identity_may_patch_its_own_status_and_nothing_else(memstrata_cl
         denied = kubectl_as(cluster, kc, *args)
         assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), (args, denied.stderr)
     assert "progress" not in (ftj(cluster, ns, "theirs")["status"])
-
-
-def test_two_replicas_one_active_and_the_standby_takes_over(memstrata_cluster, operator, ns, nodes, tmp_path):
-    cluster = memstrata_cluster
-    nodes.add("gpu", dram_gib=64, gpus=4)
-    standby = OperatorProcess(cluster.kubeconfig, tmp_path / "standby.log", operator.priority - 50).start()
-    try:
-        wait("two peers", lambda: len([p for p in peers(cluster).values()
-                                       if p.get("priority") in (operator.priority, standby.priority)]) == 2)
-        apply_yaml(cluster, job("before"), ns)
-        wait("before Running", lambda: _phases(cluster, ns).get("before") == "Running")
-        operator.stop(signal.SIGTERM)  # a graceful exit removes its peering record at once
-        apply_yaml(cluster, job("after"), ns)
-        wait("after Running, handled by the standby", lambda: _phases(cluster, ns).get("after") == "Running",
-             timeout=60)
-        assert "paus" in standby.log.read_text().lower()  # it waited while the active replica lived
-        assert _pods_per_job(cluster, ns) == {"before": ["before-0"], "after": ["after-0"]}
-    finally:
-        standby.stop()
-        if not operator.alive():
-            operator.priority += 100
-            operator.start()
-            wait_active(cluster, operator)
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
     inv = NodeInventory.model_validate({"hostname": "n1", "numaNodes": [{"id": 0, "memoryBytes": "64Gi"}]})
     companions, _ = attempt_objects(job_view(body), "n1", plan_job(job_view(body).spec, inv), attempt=0)
     cluster.apply(*[o for o in companions if o["kind"] != "ConfigMap"], namespace=namespace)
-    runtime = token_kubeconfig(cluster, namespace, names.runtime_account_name("owned"), tmp_path / "runtime")
+    runtime = token_kubeconfig(cluster, namespace, names.runtime_account_name("owned", body["metadata"]["uid"]), tmp_path / "runtime")
 
     allowed = _patch(cluster, runtime, namespace, "owned", {"progress": {"step": 3, "total": 10}, "peakMemory": {"dram": 1}})
     assert allowed.returncode == 0, allowed.stderr

@@ -67,3 +67,26 @@ def test_rendered_operator_is_restricted_and_probed(tmp_path):
     assert verbs[("", "nodes")] == {"get", "list", "watch"} and ("", "secrets") not in verbs
     agent = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
     assert agent["containers"][0]["securityContext"]["privileged"] is True  # host block devices; see the template
+
+
+@pytest.mark.parametrize("sets,expect", [
+    ((), {"lease": "memstrata-operator", "lease_namespace": "memstrata-system", "gid": 6, "seccomp": "RuntimeDefault"}),
+    (("operator.leaderElection.enabled=false", "operator.replicas=1", "trainingPod.deviceGroup=null",
+      "trainingPod.seccompProfile=localhost/memstrata/io-uring.json"),
+     {"lease": None, "lease_namespace": "default", "gid": None, "seccomp": "localhost/memstrata/io-uring.json"}),
+])
+def test_the_deployments_args_are_what_the_operator_accepts(tmp_path, sets, expect):
+    """The chart's values become flags the operator's own parser takes, with the values meant."""
+    from memstrata.operator.main import build_parser, config_from_args
+
+    flags = [a for s in sets for a in ("--set", s)]
+    proc = _run("template", "x", str(CHART), *KUBE, "--namespace", "memstrata-system", *flags, tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    dep = next(d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["args"][0] == "operator"
+    config = config_from_args(build_parser().parse_args(c["args"][1:]))
+    assert config.lease == expect["lease"] and config.lease_namespace == expect["lease_namespace"]
+    assert config.pod_security.device_gid == expect["gid"]
+    assert config.pod_security.seccomp_profile == expect["seccomp"]
+    assert any(e["name"] == "POD_NAME" for e in c["env"])  # the replica's name in the Lease

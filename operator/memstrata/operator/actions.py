@@ -63,3 +63,17 @@ class Decision:
 
     def of(self, kind: type) -> list[Any]:
         return [a for a in self.actions if isinstance(a, kind)]
+
+    @property
+    def destructive(self) -> bool:
+        """Whether this decision ends something a user would miss: a pod deleted, the job failed or
+        deleted, or a retry started. Such a decision is acted on only if a fresh read of the job
+        decides it too — never on a cached copy that a user's later edit has outdated."""
+        for a in self.actions:
+            if isinstance(a, (DeletePods, DeleteJob)):
+                return True
+            if isinstance(a, CreateAttempt) and a.attempt > 0:
+                return True
+            if isinstance(a, PatchStatus) and a.patch.get("phase") == "Failed":
+                return True
+        return False

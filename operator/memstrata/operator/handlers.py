@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ import kopf
 
 from memstrata.api.finetunejob import GROUP, KIND, PLURAL, VERSION
 from memstrata.operator import names
+from memstrata.operator.leadership import Elector
 from memstrata.operator.nodes import NodeView, PodUse, node_view, pod_use
 from memstrata.operator.reconciler import Reconciler, holds_resources
 from memstrata.operator.settings import OperatorConfig, apply_settings
@@ -26,17 +28,26 @@ from memstrata.operator.settings import OperatorConfig, apply_settings
 log = logging.getLogger("memstrata.operator")
 
 
-def build_registry(reconciler: Reconciler, config: OperatorConfig) -> kopf.OperatorRegistry:
+def build_registry(reconciler: Reconciler, config: OperatorConfig,
+                   elector: Elector | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
+    election: list[asyncio.Task[None]] = []
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         apply_settings(settings, config)
         await reconciler.start()
+        if elector is not None:
+            election.append(asyncio.create_task(elector.run(), name="leader-election"))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        for task in election:
+            task.cancel()
+        await asyncio.gather(*election, return_exceptions=True)
         await reconciler.stop()
+        if elector is not None:
+            await elector.release()  # after the last write: the standby takes over at once
         await reconciler.kube.close()
 
     @kopf.on.login(registry=registry)

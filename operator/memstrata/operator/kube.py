@@ -51,7 +51,7 @@ def api_path(api_version: str, plural: str, namespace: str | None = None, name: 
 
 
 PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts", "Role": "roles",
-           "RoleBinding": "rolebindings", "Event": "events"}
+           "RoleBinding": "rolebindings", "Event": "events", "Lease": "leases"}
 
 
 def object_path(obj: Mapping[str, Any], with_name: bool = True) -> str:
@@ -188,6 +188,10 @@ class Kube:
         """Server-side apply: create or converge in one idempotent request."""
         return await self.request("PATCH", object_path(obj), obj, content_type=APPLY,
                                   params={"fieldManager": field_manager, "force": "true"})
+
+    async def replace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT: with metadata.resourceVersion set, a compare-and-swap (409 if someone wrote first)."""
+        return await self.request("PUT", object_path(obj), obj)
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", path, patch, content_type=MERGE)

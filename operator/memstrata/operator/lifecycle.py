@@ -108,6 +108,11 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
     return decision
 
 
+def fail(job: JobView, now: datetime, reason: str, message: str) -> Decision:
+    """The job Failed for a reason the edge found while acting (it has no pod of this attempt)."""
+    return _Run(job, (), now, StatusBuilder(job.status, now)).finish("Failed", reason, message)
+
+
 def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
             policy: LifecyclePolicy) -> Decision:
     run = _Run(job, pods, now, StatusBuilder(job.status, now))

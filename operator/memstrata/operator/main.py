@@ -1,15 +1,20 @@
 """`memstrata operator`: run the FineTuneJob operator until SIGTERM/SIGINT.
 
-    memstrata operator [--kubeconfig FILE] [--namespace NS ...] [--standalone | --peering NAME]
-                       [--priority N] [--liveness http://0.0.0.0:8080/healthz]
+    memstrata operator [--kubeconfig FILE] [--namespace NS ...] [--standalone | --lease NAME]
+                       [--lease-namespace NS] [--identity ID] [--liveness http://0.0.0.0:8080/healthz]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import socket
+import uuid
 
+from memstrata.operator.leadership import LeaseTiming
 from memstrata.operator.lifecycle import LifecyclePolicy
+from memstrata.operator.render import DISK_GID, PodSecurity
 from memstrata.operator.settings import OperatorConfig
 
 
@@ -19,10 +24,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", "-n", action="append", default=[],
                    help="serve only this namespace (repeatable; default: all namespaces)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--peering", default="memstrata",
-                       help="Kopf peering name shared by replicas; one is active (default: %(default)s)")
-    group.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
-    p.add_argument("--priority", type=int, help="peering priority (default: random, so replicas never tie)")
+    group.add_argument("--lease", default="memstrata-operator",
+                       help="coordination.k8s.io Lease the replicas elect a leader with; only the leader "
+                            "acts (default: %(default)s)")
+    group.add_argument("--standalone", action="store_true",
+                       help="no leader election: this must be the only replica")
+    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "default",
+                   help="namespace of the Lease (default: $POD_NAMESPACE, else %(default)s)")
+    p.add_argument("--identity", help="this replica's name in the Lease (default: $POD_NAME or the host name, "
+                                      "plus a random suffix)")
+    p.add_argument("--lease-duration-seconds", type=float, default=15.0,
+                   help="how long a silent leader keeps the others waiting (default: %(default)s)")
+    p.add_argument("--renew-deadline-seconds", type=float, default=10.0,
+                   help="how long the leader acts without renewing (default: %(default)s)")
+    p.add_argument("--retry-period-seconds", type=float, default=2.0,
+                   help="how often the Lease is renewed or tried (default: %(default)s)")
     p.add_argument("--liveness", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--workers", type=int, default=16, help="concurrent reconciles (default: %(default)s)")
     p.add_argument("--backoff-base-seconds", type=float, default=10.0,
@@ -32,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-place waiting jobs at least this often (default: %(default)s)")
     p.add_argument("--report-interval-seconds", type=float, default=10.0,
                    help="how often runtimes report progress (default: %(default)s)")
+    p.add_argument("--training-device-gid", default=str(DISK_GID),
+                   help="group owning the NVMe device nodes on the nodes, added to training pods; 'none' where "
+                        "containerd sets device_ownership_from_security_context (default: %(default)s, disk)")
+    p.add_argument("--training-seccomp-profile", default="RuntimeDefault",
+                   help="training pods' seccomp profile: RuntimeDefault or localhost/<file> (default: %(default)s)")
     p.add_argument("--verbose", "-v", action="store_true")
     return p
 
@@ -39,18 +60,34 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     if args.workers < 1:
         raise SystemExit("memstrata operator: --workers must be at least 1")
-    extra = {"priority": args.priority} if args.priority is not None else {}
+    try:
+        timing = LeaseTiming(args.lease_duration_seconds, args.renew_deadline_seconds, args.retry_period_seconds)
+    except ValueError as exc:
+        raise SystemExit(f"memstrata operator: --lease-duration-seconds/--renew-deadline-seconds/"
+                         f"--retry-period-seconds: {exc}") from None
+    gid = args.training_device_gid.strip().lower()
+    try:
+        if gid not in ("none", "") and not gid.isdigit():
+            raise ValueError(f"device group {args.training_device_gid!r}: expected a numeric group id or 'none'")
+        security = PodSecurity(device_gid=None if gid in ("none", "") else int(gid),
+                               seccomp_profile=args.training_seccomp_profile)
+    except ValueError as exc:
+        raise SystemExit(f"memstrata operator: --training-device-gid/--training-seccomp-profile: {exc}") from None
+    identity = args.identity or f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
     return OperatorConfig(
         kubeconfig=args.kubeconfig,
         namespaces=tuple(args.namespace),
-        peering=None if args.standalone else args.peering,
+        lease=None if args.standalone else args.lease,
+        lease_namespace=args.lease_namespace,
+        identity=identity,
+        lease_timing=timing,
         liveness=args.liveness,
         workers=args.workers,
         policy=LifecyclePolicy(backoff_base_seconds=args.backoff_base_seconds,
                                backoff_max_seconds=args.backoff_max_seconds,
                                unschedulable_retry_seconds=args.unschedulable_retry_seconds),
         report_interval_seconds=args.report_interval_seconds,
-        **extra,
+        pod_security=security,
     )
 
 
@@ -61,6 +98,7 @@ def main(argv: list[str]) -> int:
 
     from memstrata.operator.handlers import build_registry
     from memstrata.operator.kube import Kube
+    from memstrata.operator.leadership import AlwaysLeading, Elector
     from memstrata.operator.reconciler import Reconciler
 
     kopf.configure(verbose=args.verbose)
@@ -68,17 +106,20 @@ def main(argv: list[str]) -> int:
         # One "Handler succeeded" line per watch event is most of the operator's CPU under a burst.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kube = Kube.from_config(config.kubeconfig)
+    elector = (Elector(kube, config.lease_namespace, config.lease, config.identity, config.lease_timing)
+               if config.lease else None)
     reconciler = Reconciler(kube, config.policy, workers=config.workers,
                             report_interval_seconds=config.report_interval_seconds,
-                            cleanup_tries=config.cleanup_tries)
-    registry = build_registry(reconciler, config)
+                            cleanup_tries=config.cleanup_tries, gate=elector or AlwaysLeading(),
+                            pod_security=config.pod_security)
+    if elector is not None:
+        elector.on_started = reconciler.resume
+    registry = build_registry(reconciler, config, elector)
     asyncio.run(kopf.operator(
         registry=registry,
         clusterwide=not config.namespaces,
         namespaces=list(config.namespaces),
-        standalone=config.peering is None,
-        peering_name=config.peering,
-        priority=config.priority,
+        standalone=True,
         liveness_endpoint=config.liveness,
     ))
     return 0

@@ -5,6 +5,10 @@ deletion and the tests select the same objects. Children are selected by the
 job's UID, not its name: a label value is capped at 63 characters while a job
 name may be 253, and a re-created job with the same name must never adopt the
 pods of its predecessor.
+
+The ServiceAccount, Role, RoleBinding and ConfigMap carry a suffix from the job's UID, so a
+job can never be named to collide with an account that already exists (and run as it); an
+object the operator finds under one of its names but not owned by this job is never adopted.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ CONTAINER = "runtime"
 CONFIG_MOUNT = "/etc/memstrata"
 
 # Kubernetes object names are DNS subdomains (253); leave room for suffixes.
-_MAX_BASE = 230
+_MAX_BASE = 220
+UID_SUFFIX = 8
 
 
 def _base(job: str) -> str:
@@ -40,13 +45,17 @@ def pod_name(job: str, attempt: int) -> str:
     return f"{_base(job)}-{attempt}"
 
 
-def configmap_name(job: str) -> str:
-    return f"{_base(job)}-runtime-config"
+def _uid(uid: str) -> str:
+    return uid.replace("-", "")[:UID_SUFFIX]
 
 
-def runtime_account_name(job: str) -> str:
+def configmap_name(job: str, uid: str) -> str:
+    return f"{_base(job)}-runtime-config-{_uid(uid)}"
+
+
+def runtime_account_name(job: str, uid: str) -> str:
     """The ServiceAccount, Role and RoleBinding that let the job's runtime patch its status."""
-    return f"{_base(job)}-runtime"
+    return f"{_base(job)}-runtime-{_uid(uid)}"
 
 
 def selector(uid: str) -> str:

@@ -6,6 +6,10 @@ one key is never reconciled by two workers at once — a key that changes while 
 is being reconciled is simply run again afterwards. Each reconcile reads the
 job's pods with a consistent LIST, asks the pure lifecycle what to do, and does
 it in a safe order: the pod before the status that names it.
+
+Nothing is done unless this replica leads (the `gate`, a Lease: memstrata.operator.leadership),
+checked before every write; and a destructive decision (a pod deleted, the job failed, a retry)
+taken on the cached copy of a job is taken again on a fresh read before it is acted on.
 """
 from __future__ import annotations
 
@@ -14,16 +18,16 @@ import logging
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
 from memstrata.api.finetunejob import FineTuneJobSpec
-from memstrata.operator import names, render
+from memstrata.operator import children, names, render
 from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeleteJob, DeletePods, Event, PatchStatus,
 )
 from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, api_path, gather_ok
-from memstrata.operator.lifecycle import LifecyclePolicy, decide
+from memstrata.operator.lifecycle import LifecyclePolicy, decide, fail
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
 from memstrata.operator.observe import JobView, format_time, job_view, pod_view
 from memstrata.operator.scheduling import PlanCache, Placement, place
@@ -31,6 +35,16 @@ from memstrata.operator.scheduling import PlanCache, Placement, place
 log = logging.getLogger("memstrata.operator")
 JobKey = tuple[str, str]
 ASSUME_SECONDS = 60.0  # how long a created pod counts against its node before the watch reports it
+
+
+class Gate(Protocol):
+    def leading(self) -> bool: ...
+
+    async def wait_leading(self) -> None: ...
+
+
+class NotLeading(Exception):
+    """This replica stopped leading mid-reconcile: what it decided is left to the leader."""
 
 
 def _rv(body: Mapping[str, Any]) -> int:
@@ -46,8 +60,12 @@ def _rv_str(body: Mapping[str, Any] | None) -> str:
 
 class Reconciler:
     def __init__(self, kube: Kube, policy: LifecyclePolicy = LifecyclePolicy(), workers: int = 16,
-                 report_interval_seconds: float = 10.0, cleanup_tries: int = 60) -> None:
+                 report_interval_seconds: float = 10.0, cleanup_tries: int = 60,
+                 gate: Gate | None = None, pod_security: render.PodSecurity = render.PodSecurity()) -> None:
+        from memstrata.operator.leadership import AlwaysLeading
         self.kube = kube
+        self.gate: Gate = gate or AlwaysLeading()
+        self.pod_security = pod_security
         self.cleanup_tries = cleanup_tries
         self._cleanups: dict[JobKey, int] = {}
         self.policy = policy
@@ -81,6 +99,15 @@ class Reconciler:
         if known is None or _rv(body) >= _rv(known) or (known.get("metadata") or {}).get("uid") != meta.get("uid"):
             self._bodies[key] = dict(body)
         self.enqueue(key)
+
+    def resume(self) -> None:
+        """This replica just became the leader: whatever it cached while standing by may be older than
+        what the previous leader saw, so every known job is reconciled again from a fresh read."""
+        keys = set(self._bodies) | set(self._timers) | self._waiting
+        self._bodies.clear()
+        self._assumed.clear()
+        for key in sorted(keys):
+            self.enqueue(key)
 
     def forget(self, key: JobKey) -> None:
         self._bodies.pop(key, None)
@@ -138,7 +165,11 @@ class Reconciler:
 
     async def _work(self) -> None:
         while True:
+            await self.gate.wait_leading()
             key = await self._queue.get()
+            if not self.gate.leading():  # lost while this worker waited for work: leave the key queued
+                self._queue.put_nowait(key)
+                continue
             self._queued.discard(key)
             self._running.add(key)
             try:
@@ -146,6 +177,10 @@ class Reconciler:
                 self._errors.pop(key, None)
             except asyncio.CancelledError:
                 raise
+            except NotLeading:
+                # Keep the key: whoever leads next (this replica included) reconciles it afresh.
+                self._bodies.pop(key, None)
+                self._dirty.add(key)
             except Conflict as exc:
                 # Someone wrote the job since we read it: what we decided may be stale. Forget our copy
                 # and decide again on a fresh read, at once; a conflict is not an error to back off from.
@@ -169,41 +204,62 @@ class Reconciler:
 
     # -- one reconcile ----------------------------------------------------------------------------
     async def reconcile(self, key: JobKey) -> None:
-        namespace, name = key
+        namespace = key[0]
         self.reconciles += 1
         body = self._bodies.get(key)
-        if body is None:
-            try:
-                body = await self.kube.get(api_path(API_VERSION, PLURAL, namespace, name))
-            except NotFound:
-                self.forget(key)
+        fresh = body is None
+        if body is None and not await self._read(key):
+            return
+        job, decision = await self._decide(key)
+        if decision.destructive and not fresh:
+            # The cached copy may predate a user's edit (a raised deadline, suspend lifted): decide again
+            # on the job as it is now, and act only on that.
+            log.info("reconcile %s/%s: confirming a destructive decision on a fresh read", *key)
+            if not await self._read(key):
                 return
-            self._bodies[key] = body
-        job = job_view(body)
+            job, decision = await self._decide(key)
         if not job.uid:
             return
-        # Always LIST, even for a job that looks untouched (no finalizer, no status): a pod may exist
-        # from a reconcile whose later writes failed (a 409 on the finalizer), and deciding without it
-        # would place the job a second time and point its ConfigMap at the other node.
-        pods = await self.kube.list(api_path("v1", "pods", namespace), names.selector(job.uid))
-        views = [pod_view(p) for p in pods]
-        for p in views:
-            if p.terminal or p.deleting:
-                self._assumed.pop(f"{namespace}/{p.name}", None)
-        now = datetime.now(timezone.utc)
-        decision = decide(job, views, now, self._place, self.policy)
         # Claim the chosen node before the first await, so a concurrent placement sees it.
         for create in decision.of(CreateAttempt):
             pod_key = f"{namespace}/{names.pod_name(job.name, create.attempt)}"
             use = PodUse(pod_key, create.node, dict(create.plan.requests), True)
             self._assumed[pod_key] = (use, time.monotonic())
-        await self.apply(job, decision)
+        try:
+            await self.apply(job, decision)
+        except children.NameClash as clash:
+            log.warning("reconcile %s/%s: %s", *key, clash)
+            await self.apply(job, fail(job, datetime.now(timezone.utc), "NameClash", str(clash)))
+            return
         if decision.waiting_for_room:
             self._waiting.add(key)
         else:
             self._waiting.discard(key)
         if decision.requeue_after is not None:
             self.enqueue(key, max(decision.requeue_after, 0.05))
+
+    async def _read(self, key: JobKey) -> bool:
+        """GET the job into the cache; False (and forgotten) if it is gone."""
+        try:
+            self._bodies[key] = await self.kube.get(api_path(API_VERSION, PLURAL, *key))
+        except NotFound:
+            self.forget(key)
+            return False
+        return True
+
+    async def _decide(self, key: JobKey) -> tuple[JobView, Decision]:
+        job = job_view(self._bodies[key])
+        if not job.uid:
+            return job, Decision()
+        # Always LIST, even for a job that looks untouched (no finalizer, no status): a pod may exist
+        # from a reconcile whose later writes failed (a 409 on the finalizer), and deciding without it
+        # would place the job a second time and point its ConfigMap at the other node.
+        pods = await self.kube.list(api_path("v1", "pods", key[0]), names.selector(job.uid))
+        views = [pod_view(p) for p in pods]
+        for p in views:
+            if p.terminal or p.deleting:
+                self._assumed.pop(f"{key[0]}/{p.name}", None)
+        return job, decide(job, views, datetime.now(timezone.utc), self._place, self.policy)
 
     def _place(self, spec: FineTuneJobSpec) -> Placement:
         uses = list(self.pod_uses())
@@ -219,6 +275,8 @@ class Reconciler:
         finalizer: asyncio.Task[str] | None = None
         try:
             for action in decision.actions:
+                if not self.gate.leading():
+                    raise NotLeading(f"{job.namespace}/{job.name}: lease lost before {type(action).__name__}")
                 if isinstance(action, AddFinalizer):
                     # Off the critical path: the pod does not wait for it, the status patch does.
                     finalizer = asyncio.create_task(self._add_finalizer(job))
@@ -228,7 +286,8 @@ class Reconciler:
                     for n in action.names:
                         self._assumed.pop(f"{job.namespace}/{n}", None)
                 elif isinstance(action, CreateAttempt):
-                    await self._create_attempt(job, action)
+                    await children.create_attempt(self.kube, job, action, self.report_interval_seconds,
+                                                  self.pod_security)
                 elif isinstance(action, PatchStatus):
                     # Compare-and-swap on the version this decision read, or on our own write of the
                     # finalizer after it: a status decided on a stale copy is refused with a 409, then re-read.
@@ -257,7 +316,7 @@ class Reconciler:
 
     async def _cleanup(self, job: JobView, release: bool) -> None:
         key = (job.namespace, job.name)
-        await self.delete_children(job.namespace, job.uid)
+        await children.delete_children(self.kube, job.namespace, job.uid)
         tries = self._cleanups[key] = self._cleanups.get(key, 0) + 1
         if not release and tries < self.cleanup_tries:
             return
@@ -277,30 +336,6 @@ class Reconciler:
         known = self._bodies.get(key)
         if known is None or _rv(body) >= _rv(known):
             self._bodies[key] = dict(body)
-
-    async def _create_attempt(self, job: JobView, action: CreateAttempt) -> None:
-        before, pod = render.attempt_objects(job, action.node, action.plan, action.attempt,
-                                             self.report_interval_seconds)
-        account, rest = before[0], before[1:]
-        # Only the ServiceAccount must exist before the pod (admission checks it); the ConfigMap,
-        # Role and RoleBinding are created alongside: the kubelet waits for a missing volume, and
-        # the Role is used only when the runtime first reports.
-        others = asyncio.create_task(gather_ok(*(self._ensure(obj) for obj in rest)))
-        try:
-            await self._ensure(account)
-            try:
-                await self.kube.create(pod)
-            except Conflict:
-                pass  # created by an earlier run of this same decision: idempotent
-        finally:
-            await others
-
-    async def _ensure(self, obj: Mapping[str, Any]) -> None:
-        """Create; if it exists (a re-run, or a leftover of a same-named job), converge it by apply."""
-        try:
-            await self.kube.create(obj)
-        except Conflict:
-            await self.kube.apply(obj, names.FIELD_MANAGER)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -322,16 +357,6 @@ class Reconciler:
             await self.kube.create(body)
         except KubeError as exc:  # an event lost is a log line, never a failed reconcile
             log.warning("event %s for %s/%s not posted: %s", event.reason, job.namespace, job.name, exc)
-
-    # -- deletion ---------------------------------------------------------------------------------
-    async def delete_children(self, namespace: str, uid: str) -> None:
-        """Delete every child of the job with this UID (idempotent)."""
-        sel = names.selector(uid)
-        await gather_ok(*(self.kube.delete_collection(api_path(api_version, plural, namespace), sel)
-                          for api_version, plural in (
-                              ("v1", "pods"), ("v1", "configmaps"), ("rbac.authorization.k8s.io/v1", "rolebindings"),
-                              ("rbac.authorization.k8s.io/v1", "roles"), ("v1", "serviceaccounts"))))
-
 
 def holds_resources(pod: Mapping[str, Any]) -> bool:
     """Whether a pod's end frees anything the placement counts."""

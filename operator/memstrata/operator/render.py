@@ -6,10 +6,20 @@ reconciler find exactly the job's children). The pod meets PodSecurity
 `restricted`: devices arrive through the device plugin, never `privileged`.
 Its memory request and limit are the plan's DRAM and CXL bytes for the pod (`memory_bytes`),
 so the kubelet enforces the DRAM budget the planner assumed.
+
+What the pod needs to use its devices on a real node, and nothing more (`PodSecurity`; the chart's
+README says why): the node's `disk` group as a supplemental group, because the device plugin's
+namespaces appear in the container as the host's root:disk 0660 nodes and the runtime runs as
+uid 1000; RuntimeDefault seccomp, under which the runtime's NVMe engine falls back from io_uring to
+pread/pwrite threads (or a Localhost profile the cluster admin installed that allows io_uring); and
+no capability: CAP_IPC_LOCK would break `restricted` (and `baseline`) and never reaches a non-root
+process anyway, so the swap layer works within the runtime's RLIMIT_MEMLOCK, unlocked past it.
 """
 from __future__ import annotations
 
 import json
+import posixpath
+from dataclasses import dataclass
 from typing import Any
 
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
@@ -27,6 +37,42 @@ RUNTIME_UID = 1000  # the runtime image's non-root user (docker/runtime.Dockerfi
 # 1 GiB more). Measured on the CPU: the tiny example peaks at 0.83 GiB RSS for a 17 MiB plan.
 RUNTIME_PROCESS_BYTES = 2 * GiB
 MiB = 1 << 20
+# The `disk` group of Debian, Ubuntu, RHEL, Fedora, SUSE and Alpine: udev makes every block device,
+# NVMe namespaces included, root:disk 0660, and the device plugin passes the node's device through as is.
+DISK_GID = 6
+
+
+@dataclass(frozen=True)
+class PodSecurity:
+    """The node-specific part of the training pod's security context (the operator's flags set it).
+
+    `device_gid`: the group that owns the NVMe namespaces' device nodes on the nodes (None: add no
+    group, for nodes whose containerd sets `device_ownership_from_security_context`, which hands the
+    devices to the pod's runAsUser/runAsGroup instead). `seccomp_profile`: `RuntimeDefault`, or
+    `localhost/<file>` for a profile under the kubelet's seccomp directory (a profile that allows
+    io_uring gives the NVMe engine its fast path back; without it the engine uses its thread path)."""
+
+    device_gid: int | None = DISK_GID
+    seccomp_profile: str = "RuntimeDefault"
+
+    def __post_init__(self) -> None:
+        if self.device_gid is not None and not 0 < self.device_gid < 1 << 31:
+            raise ValueError(f"device group {self.device_gid}: expected a group id from 1 to 2147483647 "
+                             "(0, root's group, would defeat runAsNonRoot's purpose)")
+        seccomp_profile(self.seccomp_profile)
+
+
+def seccomp_profile(value: str) -> dict[str, str]:
+    """The securityContext.seccompProfile for `RuntimeDefault` or `localhost/<file>`; ValueError naming
+    the value otherwise. PodSecurity `restricted` admits exactly these two types."""
+    if value == "RuntimeDefault":
+        return {"type": "RuntimeDefault"}
+    prefix = "localhost/"
+    path = value[len(prefix):] if value.startswith(prefix) else ""
+    if not path or posixpath.isabs(path) or ".." in path.split("/") or posixpath.normpath(path) != path:
+        raise ValueError(f"seccomp profile {value!r}: expected RuntimeDefault or localhost/<file relative to the "
+                         "kubelet's seccomp directory> (Unconfined is refused: PodSecurity restricted forbids it)")
+    return {"type": "Localhost", "localhostProfile": path}
 
 
 def memory_bytes(plan: Plan, ranks: int) -> int:
@@ -76,20 +122,20 @@ def runtime_config(job: JobView, node: str, plan: Plan, attempt: int,
 def configmap(job: JobView, config: RuntimeConfig) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": _meta(job, names.configmap_name(job.name)),
+        "metadata": _meta(job, names.configmap_name(job.name, job.uid)),
         "data": {CONFIGMAP_KEY: json.dumps(config.wire(), indent=1, sort_keys=True)},
     }
 
 
 def service_account(job: JobView) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, names.runtime_account_name(job.name))}
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, names.runtime_account_name(job.name, job.uid))}
 
 
 def role(job: JobView) -> dict[str, Any]:
     """May read its own job and patch its own job's status — nothing else, no other job."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": _meta(job, names.runtime_account_name(job.name)),
+        "metadata": _meta(job, names.runtime_account_name(job.name, job.uid)),
         "rules": [
             {"apiGroups": [API_VERSION.split("/")[0]], "resources": [f"{PLURAL}/status"],
              "resourceNames": [job.name], "verbs": ["get", "patch"]},
@@ -100,7 +146,7 @@ def role(job: JobView) -> dict[str, Any]:
 
 
 def role_binding(job: JobView) -> dict[str, Any]:
-    name = names.runtime_account_name(job.name)
+    name = names.runtime_account_name(job.name, job.uid)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
         "metadata": _meta(job, name),
@@ -109,7 +155,8 @@ def role_binding(job: JobView) -> dict[str, Any]:
     }
 
 
-def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
+def pod(job: JobView, node: str, plan: Plan, attempt: int,
+        security: PodSecurity = PodSecurity()) -> dict[str, Any]:
     spec = job.spec
     assert spec is not None
     amounts = {r: f"{n // MiB}Mi" if r == RESOURCE_MEMORY else str(n)
@@ -136,9 +183,11 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
         "volumeMounts": [{"name": "runtime-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
         "securityContext": {
             "allowPrivilegeEscalation": False,
+            # Nothing added back: IPC_LOCK is what a bigger locked pool would need, but `restricted` and
+            # `baseline` refuse it and a non-root process never holds it (no ambient capabilities).
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"},
+            "seccompProfile": seccomp_profile(security.seccomp_profile),
         },
     }
     if spec.command:
@@ -151,25 +200,28 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int) -> dict[str, Any]:
         },
         "spec": {
             "restartPolicy": "Never",  # a retry is a new pod, counted against backoffLimit
-            "serviceAccountName": names.runtime_account_name(job.name),
+            "serviceAccountName": names.runtime_account_name(job.name, job.uid),
             "enableServiceLinks": False,
             "securityContext": {
                 "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
-                "seccompProfile": {"type": "RuntimeDefault"},
+                # uid 1000 may open the granted namespaces (root:disk 0660 on the node) only through their group.
+                **({"supplementalGroups": [security.device_gid]} if security.device_gid is not None else {}),
+                "seccompProfile": seccomp_profile(security.seccomp_profile),
             },
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchExpressions": node_terms}]}}},
             "tolerations": [{"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [container],
             "volumes": [{"name": "runtime-config", "configMap": {
-                "name": names.configmap_name(job.name), "items": [{"key": CONFIGMAP_KEY, "path": CONFIGMAP_KEY}]}}],
+                "name": names.configmap_name(job.name, job.uid), "items": [{"key": CONFIGMAP_KEY, "path": CONFIGMAP_KEY}]}}],
         },
     }
 
 
-def attempt_objects(job: JobView, node: str, plan: Plan, attempt: int,
-                    report_interval_seconds: float = 10.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def attempt_objects(job: JobView, node: str, plan: Plan, attempt: int, report_interval_seconds: float = 10.0,
+                    security: PodSecurity = PodSecurity()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the pod's companions, ServiceAccount first; the pod). Admission rejects a pod whose
     ServiceAccount does not exist yet; the others may come alongside it."""
     config = runtime_config(job, node, plan, attempt, report_interval_seconds)
-    return [service_account(job), role(job), role_binding(job), configmap(job, config)], pod(job, node, plan, attempt)
+    return ([service_account(job), role(job), role_binding(job), configmap(job, config)],
+            pod(job, node, plan, attempt, security))

@@ -1,8 +1,8 @@
 """The operator's settings, and how they become Kopf's.
 
-Each Kopf default changed here answers a pitfall of Kopf's: peers of
-equal priority both freeze (so priority is random per process unless given);
-handler retries are infinite by default (so the only retried work, the cleanup of a deleted job,
+Each Kopf default changed here answers a pitfall of Kopf's: its peering pauses
+a replica's watches but not the operator's own timers (so Kopf always runs standalone, and
+which replica acts is decided by a Lease: memstrata.operator.leadership); handler retries are infinite by default (so the only retried work, the cleanup of a deleted job,
 is bounded); a
 watch can hang silently (so an inactivity timeout restarts it); and Kopf's own
 per-handler events would drown the operator's transition events (so only its
@@ -11,13 +11,14 @@ warnings are posted).
 from __future__ import annotations
 
 import logging
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import kopf
 
 from memstrata.api.finetunejob import GROUP
+from memstrata.operator.leadership import LeaseTiming
 from memstrata.operator.lifecycle import LifecyclePolicy
+from memstrata.operator.render import PodSecurity
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,13 @@ class OperatorConfig:
     """A kubeconfig file; None means in-cluster, then $KUBECONFIG / ~/.kube/config."""
     namespaces: tuple[str, ...] = ()
     """Namespaces to serve; empty means the whole cluster."""
-    peering: str | None = "memstrata"
-    """Kopf peering name shared by the replicas; None runs standalone (one replica only)."""
-    priority: int = field(default_factory=lambda: 1 + secrets.randbelow(1 << 30))
-    """Peering priority: the highest runs, the others wait. Random by default, because two
-    replicas with the same priority both pause."""
+    lease: str | None = "memstrata-operator"
+    """The Lease the replicas elect their leader with; None: a single replica that always acts."""
+    lease_namespace: str = "default"
+    """Where that Lease lives (the operator's own namespace in a cluster)."""
+    identity: str = ""
+    """This replica's name in the Lease (unique per process)."""
+    lease_timing: LeaseTiming = LeaseTiming()
     liveness: str | None = None
     """e.g. http://0.0.0.0:8080/healthz — Kopf answers it while its watches are healthy."""
     workers: int = 16
@@ -38,6 +41,8 @@ class OperatorConfig:
     policy: LifecyclePolicy = LifecyclePolicy()
     report_interval_seconds: float = 10.0
     """How often the runtime in a pod reports progress (written into its RuntimeConfig)."""
+    pod_security: PodSecurity = PodSecurity()
+    """What the nodes need in the training pod's security context (device group, seccomp profile)."""
     cleanup_tries: int = 60
     """Cleanups (about 1 s apart) of a deleted job whose pods will not go, before its finalizer is
     released anyway — finite, because a job stuck in deletion forever is worse than a pod left to
@@ -64,11 +69,6 @@ def apply_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = config.request_timeout_seconds
     settings.networking.connect_timeout = 10
-    if config.peering:
-        settings.peering.name = config.peering
-        settings.peering.priority = config.priority
-        settings.peering.mandatory = True
-        settings.peering.standalone = False
-    else:
-        settings.peering.standalone = True
-    settings.peering.clusterwide = not config.namespaces
+    # Every replica watches (a hot standby keeps its indices filled); only the Lease holder acts.
+    settings.peering.standalone = True
+    settings.peering.mandatory = False
