@@ -98,6 +98,7 @@ class ControlPlane:
         self.phase_seconds: dict[str, float] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._pki: Pki | None = None
+        self._apiserver_args: list[str] = []
 
     # -- lifecycle -------------------------------------------------------
     def __enter__(self) -> ControlPlane:
@@ -229,7 +230,7 @@ class ControlPlane:
         self.server = f"https://127.0.0.1:{port}"
         self.kubeconfig = self.workdir / "kubeconfig"
         self.kubeconfig.write_text(kubeconfig_yaml(self.server, pki))
-        self._spawn("kube-apiserver", [
+        self._apiserver_args = [
             f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
             f"--secure-port={port}", f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={pki.server_cert}", f"--tls-private-key-file={pki.server_key}",
@@ -237,8 +238,26 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true", "--profiling=false",
-        ])  # fmt: skip
+        ]  # fmt: skip
+        self._spawn("kube-apiserver", self._apiserver_args)
         self._wait_http("kube-apiserver /readyz", f"{self.server}/readyz", insecure=False, client_cert=True)
+
+    def restart_apiserver(self, down_seconds: float = 2.0) -> float:
+        """Stop kube-apiserver (SIGTERM, as a rolling upgrade does), keep it down for `down_seconds`, start it
+        again on the same address; returns the seconds until it answered /readyz again. Every client's
+        watches and in-flight requests break, as they do in a real control-plane upgrade."""
+        began = time.monotonic()
+        proc = self._procs["kube-apiserver"]
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        time.sleep(down_seconds)
+        self._spawn("kube-apiserver", self._apiserver_args, append=True)
+        self._wait_http("kube-apiserver /readyz", f"{self.server}/readyz", insecure=False, client_cert=True)
+        return time.monotonic() - began
 
     def _start_controllers(self) -> None:
         pki = self._pki
@@ -293,8 +312,8 @@ class ControlPlane:
         self.wait_for(f"ServiceAccount default in namespace {namespace}", exists, timeout=self.startup_timeout_s)
 
     # -- plumbing ---------------------------------------------------------
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, append: bool = False) -> None:
+        log = open(self.workdir / f"{name}.log", "ab" if append else "wb")
         with log:
             self._procs[name] = subprocess.Popen(
                 [str(self.bin_dir / name), *args], stdout=log, stderr=subprocess.STDOUT,

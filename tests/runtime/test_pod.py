@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from memstrata.api import load_job
 from memstrata.api.report import RuntimeReport
@@ -116,11 +115,55 @@ def test_a_failing_api_server_is_counted_not_raised() -> None:
     assert (len(calls), reporter.failed, reporter.sent) == (2, 2, 0)
 
 
-def test_the_runtime_image_runs_the_pod_command() -> None:
-    text = (REPO / "docker" / "runtime.Dockerfile").read_text()
-    lines = [ln.strip() for ln in text.splitlines()]
-    assert 'ENTRYPOINT ["memstrata"]' in lines and 'CMD ["pod"]' in lines
-    assert yaml.safe_load(TINY.read_text())["kind"] == "FineTuneJob"
+def _image_argv(dockerfile: Path) -> tuple[list[str], list[str]]:
+    """ENTRYPOINT and CMD of the Dockerfile's final stage (exec form), as the image records them."""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    for line in dockerfile.read_text().splitlines():
+        word, _, rest = line.strip().partition(" ")
+        if word.upper() == "FROM":
+            entrypoint, cmd = [], []
+        elif word.upper() == "ENTRYPOINT":
+            entrypoint = json.loads(rest)
+        elif word.upper() == "CMD":
+            cmd = json.loads(rest)
+    return entrypoint, cmd
+
+
+def _container_argv(container: dict[str, Any], entrypoint: list[str], cmd: list[str]) -> list[str]:
+    """What the kubelet runs: a pod's command replaces ENTRYPOINT (and drops CMD), its args replace CMD."""
+    if container.get("command"):
+        return list(container["command"]) + list(container.get("args") or [])
+    return entrypoint + list(container.get("args") or cmd)
+
+
+@pytest.mark.parametrize("user_command", [None, ["memstrata", "pod"]])
+def test_the_rendered_pod_on_the_runtime_image_runs_the_runtime(tmp_path: Path, user_command: Any) -> None:
+    """The pod as the operator renders it, started the way the kubelet starts the runtime image,
+    reaches `memstrata pod`, which reads the mounted config (and, with no API server to report to,
+    says so by the job's name)."""
+    job = load_job(TINY)
+    plan = plan_job(job.spec, local_inventory(tmp_path / "nvme"))
+    spec = job.spec.wire() | ({"command": user_command} if user_command else {})
+    body = {"metadata": {"name": job.metadata.name, "namespace": "team-a", "uid": "u-1"}, "spec": spec}
+    companions, pod = attempt_objects(job_view(body), "node-1", plan, attempt=0)
+    (container,) = pod["spec"]["containers"]
+    argv = _container_argv(container, *_image_argv(REPO / "docker" / "runtime.Dockerfile"))
+
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "runtime-config")
+    cm = next(o for o in companions if o["kind"] == "ConfigMap")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
+    for var in container["env"]:  # the mount point moved into tmp_path, as the kubelet mounts the ConfigMap
+        env[var["name"]] = var["value"].replace(mount, str(tmp_path / "config"))
+    for key, text in cm["data"].items():
+        (tmp_path / "config").mkdir(exist_ok=True)
+        (tmp_path / "config" / key).write_text(text)
+    env.update(KUBECONFIG=str(tmp_path / "no-kubeconfig"), HOME=str(tmp_path),
+               MEMSTRATA_SCRATCH=str(tmp_path / "scratch"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, (argv, proc.stderr)
+    assert "no Kubernetes credentials to report into FineTuneJob team-a/finetune-tiny" in proc.stderr, proc.stderr
 
 
 def test_no_credentials_and_an_unusable_scratch_are_named(tmp_path: Path) -> None:
