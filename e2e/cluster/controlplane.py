@@ -141,14 +141,7 @@ class ControlPlane:
         then delete the work dir unless asked to keep it (for its logs) or
         the caller chose it."""
         for name in reversed(list(self._procs)):
-            proc = self._procs[name]
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    _signal_group(proc, signal.SIGKILL)
-            proc.wait()
+            _terminate(self._procs[name], grace_s=10)
         self._procs.clear()
         if not keep_workdir and self._workdir_arg is None and self.workdir.is_dir() and self.workdir != Path():
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -247,13 +240,7 @@ class ControlPlane:
         again on the same address; returns the seconds until it answered /readyz again. Every client's
         watches and in-flight requests break, as they do in a real control-plane upgrade."""
         began = time.monotonic()
-        proc = self._procs["kube-apiserver"]
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
+        _terminate(self._procs["kube-apiserver"], grace_s=30)
         time.sleep(down_seconds)
         self._spawn("kube-apiserver", self._apiserver_args, append=True)
         self._wait_http("kube-apiserver /readyz", f"{self.server}/readyz", insecure=False, client_cert=True)
@@ -343,6 +330,17 @@ class ControlPlane:
                 return False
 
         self.wait_for(what, ok, timeout=self.startup_timeout_s, interval=0.1)
+
+
+def _terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the process group, SIGKILL it after grace_s, and reap it."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def _die_with_parent() -> None:

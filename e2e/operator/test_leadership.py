@@ -104,7 +104,10 @@ def test_only_the_lease_holder_writes(memstrata_cluster, operator, standby, ns, 
     wait("both Running", lambda: all((ftj(cluster, ns, n).get("status") or {}).get("phase") == "Running"
                                       for n in ("one", "two")))
     began = time.monotonic()
+    leader = operator.identity
     operator.stop(signal.SIGTERM)
+    # It gave the Lease up on its way out (else the standby would wait the lease out).
+    assert lease_holder(cluster) in ("", standby.identity), f"{leader} exited still holding the Lease"
     wait("the standby to lead", lambda: lease_holder(cluster) == standby.identity, timeout=30, interval=0.1)
     handover = time.monotonic() - began
     assert "acquired by standby" in standby.tail(200)

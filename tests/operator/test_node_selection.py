@@ -149,3 +149,17 @@ def test_a_node_advertising_less_memory_than_the_pod_requests_can_never_hold_it(
     small["status"]["allocatable"]["memory"] = "8Gi"
     p = place(SPEC, nodes(small), {})
     assert p.outcome == "impossible" and "memory: needs " in p.message and "node advertises 8.0 GiB" in p.message
+
+
+def test_deepspeed_goes_only_where_nothing_swaps_to_raw_namespaces_and_else_fails_by_name():
+    doc = job_dict()
+    doc["spec"]["memory"]["engine"] = "deepspeed"
+    spec = job_view(doc).spec
+    spill = node_dict("a-nvme", inventory("a-nvme", dram_gib=128))  # the plan puts optimizer state on NVMe
+    roomy = node_dict("c-dram", inventory("c-dram", dram_gib=1024))
+    assert place(SPEC, nodes(spill), {}).outcome == "chosen"  # memstrata's engine writes the namespaces itself
+    p = place(spec, nodes(spill), {})
+    assert p.outcome == "impossible" and p.reason == "EngineCannotUseNamespaces"
+    assert "spec.memory.engine: deepspeed" in p.message and "memory.engine: memstrata" in p.message
+    chosen = place(spec, nodes(spill, roomy), {})
+    assert chosen.outcome == "chosen" and chosen.node == "c-dram"

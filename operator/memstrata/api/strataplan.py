@@ -69,6 +69,13 @@ class Plan(BaseModel):
         """How stock DeepSpeed must be configured for these categories: nvme if any byte is there."""
         return "nvme" if any(self.category(c).on("nvme") for c in categories) else "cpu"
 
+    def deepspeed_swapped(self) -> list[str]:
+        """What stock DeepSpeed would have to swap to NVMe under this plan ("parameters", "optimizer
+        state"): it swaps to files under a directory, so a raw namespace cannot take them."""
+        return [name for name, device in (("parameters", self.offload_device("weights")),
+                                          ("optimizer state", self.offload_device("master", "optimizer")))
+                if device == "nvme"]
+
     def verdict(self) -> str:
         if self.feasible:
             return "fits"

@@ -53,19 +53,26 @@ async def ensure(kube: Kube, job: JobView, obj: Mapping[str, Any]) -> None:
     try:
         await kube.create(obj)
     except Conflict:
-        await check_owned(kube, job, obj)
-        await kube.apply(obj, names.FIELD_MANAGER)
+        existing = await check_owned(kube, job, obj)
+        # The version checked: if the object was swapped for another since, the apply gets a 409.
+        version = (existing.get("metadata") or {}).get("resourceVersion")
+        await kube.apply({**obj, "metadata": {**obj["metadata"], "resourceVersion": version}}, names.FIELD_MANAGER)
 
 
-async def check_owned(kube: Kube, job: JobView, obj: Mapping[str, Any]) -> None:
-    """Raise NameClash unless the object now stored under obj's name is owned by this job."""
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(o.get("uid") == uid for o in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
+async def check_owned(kube: Kube, job: JobView, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The object now stored under obj's name; NameClash unless this job owns it."""
     existing = await kube.get(object_path(obj))
     owners = (existing.get("metadata") or {}).get("ownerReferences") or []
-    if not any(o.get("uid") == job.uid for o in owners):
+    if not owned_by(existing, job.uid):
         held = ", ".join(f"{o.get('kind')}/{o.get('name')}" for o in owners) or "nobody"
         raise NameClash(f"{obj['kind']} {job.namespace}/{obj['metadata']['name']} already exists and is not "
                         f"this job's (owned by {held}); memstrata never adopts an object it did not create "
                         "for this job: delete or rename that object, then re-create the job")
+    return existing
 
 
 async def delete_children(kube: Kube, namespace: str, uid: str) -> None:

@@ -48,6 +48,7 @@ def build_registry(reconciler: Reconciler, config: OperatorConfig,
         await reconciler.stop()
         if elector is not None:
             await elector.release()  # after the last write: the standby takes over at once
+            await elector.kube.close()
         await reconciler.kube.close()
 
     @kopf.on.login(registry=registry)

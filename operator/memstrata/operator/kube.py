@@ -12,7 +12,7 @@ import json
 import logging
 import ssl
 import time
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 from urllib.parse import quote
 
 import aiohttp
@@ -27,6 +27,10 @@ class KubeError(Exception):
     def __init__(self, status: int, reason: str, message: str, method: str, path: str) -> None:
         super().__init__(f"{method} {path}: {status} {reason}: {message}")
         self.status, self.reason, self.message = status, reason, message
+
+
+class NotLeading(KubeError):
+    """A write refused before it was sent: this replica does not hold the Lease (see `write_gate`)."""
 
 
 class NotFound(KubeError):
@@ -74,6 +78,9 @@ class Kube:
         self._auth: str | None = None
         self._auth_at = 0.0
         self.requests = 0
+        # Checked right before every write is sent: one place that keeps a replica which lost its
+        # Lease (or never had it) from writing, whichever code path the write comes from.
+        self.write_gate: Callable[[], bool] | None = None
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, **kw: Any) -> "Kube":
@@ -135,6 +142,8 @@ class Kube:
 
     async def request(self, method: str, path: str, body: Any = None, *, params: Mapping[str, str] | None = None,
                       content_type: str = "application/json") -> dict[str, Any]:
+        if method != "GET" and self.write_gate is not None and not self.write_gate():
+            raise NotLeading(0, "NotLeading", "this replica does not hold the Lease", method, path)
         headers = {"Accept": "application/json", "Content-Type": content_type}
         auth = self._authorization()
         if auth:

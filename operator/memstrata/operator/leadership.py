@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -62,11 +63,11 @@ def claim(spec: Mapping[str, Any] | None, me: str, unchanged_for: float, now: da
     stamp = _micro(now)
     transitions = int(spec.get("leaseTransitions") or 0)
     if holder == me:
-        return {**spec, "renewTime": stamp, "leaseDurationSeconds": int(timing.lease_seconds)}
+        return {**spec, "renewTime": stamp, "leaseDurationSeconds": math.ceil(timing.lease_seconds)}
     held_for = float(spec.get("leaseDurationSeconds") or timing.lease_seconds)
     if holder and unchanged_for < held_for:
         return None
-    return {"holderIdentity": me, "leaseDurationSeconds": int(timing.lease_seconds), "acquireTime": stamp,
+    return {"holderIdentity": me, "leaseDurationSeconds": math.ceil(timing.lease_seconds), "acquireTime": stamp,
             "renewTime": stamp, "leaseTransitions": transitions + (1 if holder else 0)}
 
 
@@ -91,7 +92,7 @@ class Elector:
         self._seen: tuple[Any, ...] | None = None
         self._seen_at = time.monotonic()
         self._became = asyncio.Event()
-        self.transitions = 0
+        self.terms = 0
 
     @property
     def path(self) -> str:
@@ -108,23 +109,32 @@ class Elector:
 
     async def run(self) -> None:
         """Try to acquire, then renew, forever (cancel to stop)."""
-        was = False  # what was last logged: leading() itself may turn false while the process is frozen
+        was = False  # what was last logged
         while True:
-            try:
-                await self.try_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 — an unreachable API server only delays the next try
-                log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
+            await self.step()
             now = self.leading()
-            if now and not was:
-                log.info("lease %s/%s acquired by %s: acting", self.namespace, self.name, self.identity)
-                self.on_started()
-                self._became.set()
-            elif was and not now:
+            if was and not now:
                 log.warning("lease %s/%s lost by %s: no longer acting", self.namespace, self.name, self.identity)
             was = now
             await asyncio.sleep(self.timing.retry_seconds)
+
+    async def step(self) -> None:
+        """One try; a new term (leading after not leading, however briefly) starts the reconciler afresh,
+        and waiters are woken whenever this replica leads: level-triggered, so a worker that parked in a
+        lapse between two renewals is never left waiting while its replica holds the Lease."""
+        lapsed = not self.leading()
+        try:
+            await self.try_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — an unreachable API server only delays the next try
+            log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
+        if self.leading():
+            if lapsed:
+                log.info("lease %s/%s acquired by %s: acting", self.namespace, self.name, self.identity)
+                self.terms += 1
+                self.on_started()
+            self._became.set()
 
     async def try_once(self) -> bool:
         """One acquire-or-renew; True if this replica holds the Lease now."""
@@ -133,13 +143,14 @@ class Elector:
             lease = await self.kube.get(self.path)
         except NotFound:
             lease = None
+        read = time.monotonic()  # a record seen changing counts from when it was seen, after the GET
         spec = (lease or {}).get("spec") or {}
         seen = (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("leaseTransitions"))
         if seen != self._seen:
             if seen[0] != (self._seen or (None,))[0] and seen[0] not in (None, "", self.identity):
                 log.info("lease %s/%s held by %s: %s stands by", self.namespace, self.name, seen[0], self.identity)
-            self._seen, self._seen_at = seen, started
-        wanted = claim(spec, self.identity, started - self._seen_at, datetime.now(timezone.utc), self.timing)
+            self._seen, self._seen_at = seen, read
+        wanted = claim(spec, self.identity, read - self._seen_at, datetime.now(timezone.utc), self.timing)
         if wanted is None:
             self._renewed_at = None
             return False
@@ -154,15 +165,12 @@ class Elector:
         except Conflict:  # another replica wrote first: it won this round
             self._renewed_at = None
             return False
-        if spec.get("holderIdentity") != self.identity:
-            self.transitions += 1
         self._renewed_at = started
         return True
 
     async def release(self) -> None:
-        """On a graceful exit: give the Lease up, so the standby takes over at once, not after a lease."""
-        if not self.leading():
-            return
+        """On a graceful exit, after the last write: give the Lease up, so the standby takes over at once,
+        not after a lease. Only if this replica is still the holder (a compare-and-swap on the version read)."""
         self._renewed_at = None  # stop acting first
         try:
             lease = await self.kube.get(self.path)

@@ -244,7 +244,7 @@ def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: Lifecy
     placement = place(spec)
     if placement.outcome == "impossible":
         b.set("shortfalls", [s.wire() for s in placement.shortfalls])
-        return run.finish("Failed", "InsufficientMemory", placement.message)
+        return run.finish("Failed", placement.reason, placement.message)
     if placement.outcome == "no-room":
         if not failures:
             b.phase("Pending", placement.message)

@@ -106,8 +106,10 @@ def main(argv: list[str]) -> int:
         # One "Handler succeeded" line per watch event is most of the operator's CPU under a burst.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kube = Kube.from_config(config.kubeconfig)
-    elector = (Elector(kube, config.lease_namespace, config.lease, config.identity, config.lease_timing)
-               if config.lease else None)
+    # Its own connection pool: a renewal never queues behind the reconciler's requests, and its writes
+    # are not subject to the gate they decide.
+    elector = (Elector(Kube.from_config(config.kubeconfig), config.lease_namespace, config.lease, config.identity,
+                       config.lease_timing) if config.lease else None)
     reconciler = Reconciler(kube, config.policy, workers=config.workers,
                             report_interval_seconds=config.report_interval_seconds,
                             cleanup_tries=config.cleanup_tries, gate=elector or AlwaysLeading(),

@@ -26,7 +26,7 @@ from memstrata.operator import children, names, render
 from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeleteJob, DeletePods, Event, PatchStatus,
 )
-from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, api_path, gather_ok
+from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, NotLeading, api_path, gather_ok
 from memstrata.operator.lifecycle import LifecyclePolicy, decide, fail
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
 from memstrata.operator.observe import JobView, format_time, job_view, pod_view
@@ -41,10 +41,6 @@ class Gate(Protocol):
     def leading(self) -> bool: ...
 
     async def wait_leading(self) -> None: ...
-
-
-class NotLeading(Exception):
-    """This replica stopped leading mid-reconcile: what it decided is left to the leader."""
 
 
 def _rv(body: Mapping[str, Any]) -> int:
@@ -65,6 +61,7 @@ class Reconciler:
         from memstrata.operator.leadership import AlwaysLeading
         self.kube = kube
         self.gate: Gate = gate or AlwaysLeading()
+        kube.write_gate = self.gate.leading  # every write, whichever path it comes from
         self.pod_security = pod_security
         self.cleanup_tries = cleanup_tries
         self._cleanups: dict[JobKey, int] = {}
@@ -208,16 +205,16 @@ class Reconciler:
         self.reconciles += 1
         body = self._bodies.get(key)
         fresh = body is None
-        if body is None and not await self._read(key):
+        if body is None and (body := await self._read(key)) is None:
             return
-        job, decision = await self._decide(key)
+        job, decision = await self._decide(key, body)
         if decision.destructive and not fresh:
             # The cached copy may predate a user's edit (a raised deadline, suspend lifted): decide again
             # on the job as it is now, and act only on that.
             log.info("reconcile %s/%s: confirming a destructive decision on a fresh read", *key)
-            if not await self._read(key):
+            if (body := await self._read(key)) is None:
                 return
-            job, decision = await self._decide(key)
+            job, decision = await self._decide(key, body)
         if not job.uid:
             return
         # Claim the chosen node before the first await, so a concurrent placement sees it.
@@ -238,24 +235,25 @@ class Reconciler:
         if decision.requeue_after is not None:
             self.enqueue(key, max(decision.requeue_after, 0.05))
 
-    async def _read(self, key: JobKey) -> bool:
-        """GET the job into the cache; False (and forgotten) if it is gone."""
+    async def _read(self, key: JobKey) -> dict[str, Any] | None:
+        """GET the job (and cache it); None (and forgotten) if it is gone."""
         try:
-            self._bodies[key] = await self.kube.get(api_path(API_VERSION, PLURAL, *key))
+            body = self._bodies[key] = await self.kube.get(api_path(API_VERSION, PLURAL, *key))
         except NotFound:
             self.forget(key)
-            return False
-        return True
+            return None
+        return body
 
-    async def _decide(self, key: JobKey) -> tuple[JobView, Decision]:
-        job = job_view(self._bodies[key])
+    async def _decide(self, key: JobKey, body: Mapping[str, Any]) -> tuple[JobView, Decision]:
+        job = job_view(body)
         if not job.uid:
             return job, Decision()
         # Always LIST, even for a job that looks untouched (no finalizer, no status): a pod may exist
         # from a reconcile whose later writes failed (a 409 on the finalizer), and deciding without it
         # would place the job a second time and point its ConfigMap at the other node.
         pods = await self.kube.list(api_path("v1", "pods", key[0]), names.selector(job.uid))
-        views = [pod_view(p) for p in pods]
+        # A label anyone may set; the owner reference says whose pod it really is.
+        views = [pod_view(p) for p in pods if children.owned_by(p, job.uid)]
         for p in views:
             if p.terminal or p.deleting:
                 self._assumed.pop(f"{key[0]}/{p.name}", None)
@@ -275,8 +273,6 @@ class Reconciler:
         finalizer: asyncio.Task[str] | None = None
         try:
             for action in decision.actions:
-                if not self.gate.leading():
-                    raise NotLeading(f"{job.namespace}/{job.name}: lease lost before {type(action).__name__}")
                 if isinstance(action, AddFinalizer):
                     # Off the critical path: the pod does not wait for it, the status patch does.
                     finalizer = asyncio.create_task(self._add_finalizer(job))

@@ -56,9 +56,7 @@ def deepspeed_swap_refusal(plan: Plan, engine: str, *, granted: Sequence[str], s
     naming the field; a plan that offloads nothing to NVMe writes no swap file and is fine anywhere."""
     if engine != "deepspeed":
         return None
-    swapped = [name for name, device in (("parameters", plan.offload_device("weights")),
-                                         ("optimizer state", plan.offload_device("master", "optimizer")))
-               if device == "nvme"]
+    swapped = plan.deepspeed_swapped()
     if not swapped:
         return None
     what = " and ".join(swapped)
