@@ -235,12 +235,12 @@ class ControlPlane:
         self._spawn("kube-apiserver", self._apiserver_args)
         self._wait_http("kube-apiserver /readyz", f"{self.server}/readyz", insecure=False, client_cert=True)
 
-    def restart_apiserver(self, down_seconds: float = 2.0) -> float:
-        """Stop kube-apiserver (SIGTERM, as a rolling upgrade does), keep it down for `down_seconds`, start it
-        again on the same address; returns the seconds until it answered /readyz again. Every client's
-        watches and in-flight requests break, as they do in a real control-plane upgrade."""
+    def restart_apiserver(self, down_seconds: float = 2.0, grace_s: float = 5.0) -> float:
+        """Stop kube-apiserver (SIGTERM, then SIGKILL after grace_s: an upgrade that does not wait for
+        every watch to drain), keep it down for `down_seconds`, start it again on the same address; returns
+        the seconds until it answered /readyz again. Every client's watches and in-flight requests break."""
         began = time.monotonic()
-        _terminate(self._procs["kube-apiserver"], grace_s=30)
+        _terminate(self._procs["kube-apiserver"], grace_s=grace_s)
         time.sleep(down_seconds)
         self._spawn("kube-apiserver", self._apiserver_args, append=True)
         self._wait_http("kube-apiserver /readyz", f"{self.server}/readyz", insecure=False, client_cert=True)

@@ -192,6 +192,10 @@ def test_operator_sigkilled_at_random_points_across_200_jobs(memstrata_cluster, 
         _settled(cluster, ns, n, victim, timeout=240)
     assert landed >= 3, f"only {landed} of {kills} kills landed mid-transition (seed {seed}): this proved little"
     _assert_one_pod_each(cluster, ns, names)
+    per_node: dict[str, int] = {}
+    for p in cluster.get_json("pods", "-n", ns)["items"]:
+        per_node[p["spec"]["nodeName"]] = per_node.get(p["spec"]["nodeName"], 0) + 1
+    assert max(per_node.values()) <= 4 and len(per_node) == n // 4, per_node  # within each node's GPUs, spread
     print(f"{kills} SIGKILLs (seed {seed}), {landed} landed mid-transition; {n}/{n} jobs Running; "
           "0 duplicate pods, 0 lost or wedged jobs")
 

@@ -18,7 +18,7 @@ from e2e.operator.conftest import wait_active
 from e2e.operator.harness import OperatorProcess, apply_yaml, ftj, job, lease_holder, pods_of, wait
 
 pytestmark = pytest.mark.cluster
-OLD_DEADLINE = 25
+OLD_DEADLINE = 15
 
 
 @pytest.fixture

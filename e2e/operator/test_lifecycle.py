@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from e2e.cluster.kwok import FAIL_LABEL
+from memstrata.operator import names
 from e2e.operator.harness import (
     REPO, SUCCEED_LABEL, apply_yaml, events_of, ftj, job, pods_of, wait,
 )
@@ -38,7 +39,7 @@ def test_example_lands_on_the_node_with_fewest_bytes_on_slow_strata(memstrata_cl
     assert resources["limits"]["nvidia.com/gpu"] == "1"
     job_obj = ftj(cluster, ns, "llama3-8b-32k")
     assert job_obj["status"]["node"] == dram and job_obj["status"]["plan"]["feasible"] is True
-    cm = cluster.get_json("configmap", "llama3-8b-32k-runtime-config", "-n", ns)
+    cm = cluster.get_json("configmap", names.configmap_name("llama3-8b-32k", job_obj["metadata"]["uid"]), "-n", ns)
     config = json.loads(cm["data"]["runtime-config.json"])
     assert config["node"] == dram and config["job"]["uid"] == job_obj["metadata"]["uid"]
     owner = pod["metadata"]["ownerReferences"][0]

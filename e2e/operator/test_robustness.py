@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 
@@ -82,23 +81,3 @@ def test_runtime_identity_may_patch_its_own_status_and_nothing_else(memstrata_cl
         denied = kubectl_as(cluster, kc, *args)
         assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), (args, denied.stderr)
     assert "progress" not in (ftj(cluster, ns, "theirs")["status"])
-
-
-@pytest.mark.slow
-def test_two_hundred_jobs_at_once(memstrata_cluster, operator, ns, nodes):
-    cluster = memstrata_cluster
-    for i in range(50):
-        nodes.add(f"m{i:02d}", dram_gib=64, gpus=4)
-    n = 200
-    began = time.monotonic()
-    _submit(cluster, ns, [job(f"b{i:03d}") for i in range(n)])
-    wait(f"all {n} Running", lambda: list(_phases(cluster, ns).values()).count("Running") == n,
-         timeout=240, interval=1.0)
-    elapsed = time.monotonic() - began
-    per_job = _pods_per_job(cluster, ns)
-    assert len(per_job) == n and all(len(p) == 1 for p in per_job.values())
-    per_node: dict[str, int] = {}
-    for p in cluster.get_json("pods", "-n", ns)["items"]:
-        per_node[p["spec"]["nodeName"]] = per_node.get(p["spec"]["nodeName"], 0) + 1
-    assert max(per_node.values()) <= 4 and len(per_node) == 50  # spread, within each node's GPUs
-    print(f"{n} jobs Running in {elapsed:.1f}s; operator peak RSS {operator.peak_rss_bytes() / 2**20:.0f} MiB")
