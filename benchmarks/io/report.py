@@ -15,14 +15,17 @@ GiB = 1 << 30
 
 def _throughput(out: dict[str, Any]) -> list[str]:
     lines = ["## Throughput", "",
-             "| op | block | QD | memstrata GiB/s | fio GiB/s | DeepSpeed GiB/s | vs fio | vs DeepSpeed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| op | block | QD | memstrata GiB/s | fio GiB/s | DeepSpeed GiB/s | vs fio | vs DeepSpeed "
+             "| thread path GiB/s (vs fio) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in out["cases"]:
         g = row["gib_per_s"]
         ds = f"{g['deepspeed']:.2f}" if "deepspeed" in g else "n/a"
         vds = f"{row['ratio_vs_deepspeed']:.2f}" if row["ratio_vs_deepspeed"] else "n/a"
+        threads = (f"{g['memstrata-threads']:.2f} ({row['threads_ratio_vs_fio']:.2f})"
+                   if "memstrata-threads" in g else "not measured")
         lines.append(f"| {row['op']} | {row['block_bytes'] // MiB} MiB | {row['queue_depth']} | "
-                     f"{g['memstrata']:.2f} | {g['fio']:.2f} | {ds} | {row['ratio_vs_fio']:.2f} | {vds} |")
+                     f"{g['memstrata']:.2f} | {g['fio']:.2f} | {ds} | {row['ratio_vs_fio']:.2f} | {vds} | {threads} |")
     m = out["machine"]
     loads = out.get("load_average_1_5_15_before_and_after_each_run") or []
     load_txt = (f" 1-minute load average during the runs: {min(x[0] for x in loads):.2f} to "

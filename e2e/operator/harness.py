@@ -171,6 +171,13 @@ def lease_holder(cluster: Any) -> str:
     return (lease.get("spec") or {}).get("holderIdentity") or ""
 
 
+def mid_transition(cluster: Any, ns: str) -> int:
+    """Jobs the operator has begun on (its finalizer is on them) but not yet recorded Running."""
+    return sum(1 for i in cluster.get_json("ftj", "-n", ns)["items"]
+               if "memstrata.dev/cleanup" in (i["metadata"].get("finalizers") or [])
+               and (i.get("status") or {}).get("phase") != "Running")
+
+
 def token_kubeconfig(cluster: Any, namespace: str, service_account: str, path: Path) -> Path:
     """A kubeconfig that authenticates with a TokenRequest token of the ServiceAccount — exactly
     what the runtime in the job's pod holds."""

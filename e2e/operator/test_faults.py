@@ -21,7 +21,7 @@ import pytest
 
 from e2e.cluster.proxy import Relay
 from e2e.operator.conftest import wait_active
-from e2e.operator.harness import OperatorProcess, ftj, job, wait
+from e2e.operator.harness import OperatorProcess, ftj, job, mid_transition, wait
 
 pytestmark = pytest.mark.cluster
 
@@ -46,13 +46,6 @@ def _submit(cluster: Any, ns: str, docs: list[dict[str, Any]], check: bool = Tru
 
 def _all(cluster: Any, ns: str, n: int, phase: str = "Running") -> bool:
     return list(_phases(cluster, ns).values()).count(phase) == n
-
-
-def _mid_transition(cluster: Any, ns: str) -> int:
-    """Jobs the operator had begun on (its finalizer is on them) but not yet recorded Running."""
-    return sum(1 for i in cluster.get_json("ftj", "-n", ns)["items"]
-               if "memstrata.dev/cleanup" in (i["metadata"].get("finalizers") or [])
-               and (i.get("status") or {}).get("phase") != "Running")
 
 
 def _settled(cluster: Any, ns: str, n: int, operator: OperatorProcess, timeout: float) -> None:
@@ -185,7 +178,7 @@ def test_operator_sigkilled_at_random_points_across_200_jobs(memstrata_cluster, 
             time.sleep(rng.uniform(0.3, 1.5))
             victim.stop(signal.SIGKILL)
             kills += 1
-            landed += _mid_transition(cluster, ns) > 0
+            landed += mid_transition(cluster, ns) > 0
             submitter.join()
             victim.start()
             wait_active(cluster, victim)

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 
 import pytest
 
 from e2e.operator.conftest import wait_active
-from e2e.operator.harness import OperatorProcess, apply_yaml, ftj, job, kubectl_as, pods_of, token_kubeconfig, wait
+from e2e.operator.harness import (
+    apply_yaml, ftj, job, kubectl_as, mid_transition, pods_of, token_kubeconfig, wait,
+)
 from memstrata.api import RuntimeReport, StratumCounters
 
 pytestmark = pytest.mark.cluster
@@ -36,23 +39,26 @@ def test_operator_killed_mid_flight_loses_no_job_and_duplicates_no_pod(memstrata
     n = 40
     for i in range(n // 4):  # room for every job: one GPU each
         nodes.add(f"n{i}", dram_gib=64, gpus=4)
-    _submit(cluster, ns, [job(f"j{i:02d}") for i in range(n)])
-    wait("some pods created", lambda: 0 < len(_pods_per_job(cluster, ns)), timeout=30, interval=0.05)
-    operator.stop(signal.SIGKILL)  # no cleanup, no goodbye: a crash
-    created_while_up = len(_pods_per_job(cluster, ns))
-    unrecorded = [name for name, phase in _phases(cluster, ns).items() if phase != "Running"]
-    # Landed mid-flight: the operator still had work: jobs without a pod, or not yet recorded Running.
-    assert 0 < created_while_up < n or unrecorded, (
-        f"the kill came after every job was placed and recorded ({created_while_up}/{n} pods): "
-        "this run proved nothing about a crash mid-flight")
-    operator.start()  # a new identity: it waits out the dead process's Lease, as a restarted pod would
+    submitter = threading.Thread(target=_submit, args=(cluster, ns, [job(f"j{i:02d}") for i in range(n)]))
+    submitter.start()  # the kill comes while jobs are still arriving and being handled
+    try:
+        wait("the operator at work on a job", lambda: mid_transition(cluster, ns), timeout=30, interval=0.05)
+        operator.stop(signal.SIGKILL)  # no cleanup, no goodbye: a crash
+        busy = mid_transition(cluster, ns)
+        created_while_up = len(_pods_per_job(cluster, ns))
+    finally:
+        submitter.join()
+        if not operator.alive():
+            operator.start()  # a new identity: it waits out the dead process's Lease, as a restarted pod would
+    # Landed mid-flight: jobs the operator had begun (its finalizer on them) were not yet recorded Running.
+    assert busy, "the kill came after every job was placed and recorded: this run proved nothing"
     wait_active(cluster, operator)
     wait(f"all {n} jobs Running", lambda: list(_phases(cluster, ns).values()).count("Running") == n, timeout=120)
     per_job = _pods_per_job(cluster, ns)
     assert sorted(per_job) == [f"j{i:02d}" for i in range(n)]
     assert all(pods == [f"{name}-0"] for name, pods in per_job.items()), per_job
     assert all(ftj(cluster, ns, name)["status"]["attempts"] == 1 for name in per_job)
-    print(f"kill landed with {created_while_up}/{n} pods created and {len(unrecorded)} jobs not yet recorded")
+    print(f"kill landed with {busy} jobs mid-transition and {created_while_up}/{n} pods created")
 
 
 def test_runtime_identity_may_patch_its_own_status_and_nothing_else(memstrata_cluster, ns, nodes, tmp_path):
