@@ -101,8 +101,7 @@ class Reconciler:
         """This replica just became the leader: whatever it cached while standing by may be older than
         what the previous leader saw, so every known job is reconciled again from a fresh read."""
         keys = set(self._bodies) | set(self._timers) | self._waiting
-        self._bodies.clear()
-        self._assumed.clear()
+        self._bodies.clear()  # (pods this replica created stay assumed until its watch shows them)
         for key in sorted(keys):
             self.enqueue(key)
 
