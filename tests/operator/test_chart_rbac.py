@@ -6,48 +6,26 @@ writes. e2e/operator/test_rbac.py checks the same on the real API server."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from e2e.cluster.controlplane import bin_dir_from_env
 from memstrata.api.inventory import PREFIX, NodeInventory, render_node
 from memstrata.operator import render
 from memstrata.operator.observe import job_view
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "memstrata"
-KUBE = ("--kube-version", "v1.36.4")  # without a cluster helm assumes 1.20; the chart needs >= 1.30
+from helm_helpers import CHART, KUBE, REPO, run_helm
 NS = "memstrata-system"
 OPERATOR = "memstrata-operator"  # release "memstrata": the full name is the chart's name
 AGENT = "memstrata-node-agent"
 READ = {"get", "list", "watch"}
 
 
-def _helm() -> Path:
-    if os.environ.get("MEMSTRATA_HELM"):  # a helm built elsewhere (development)
-        return Path(os.environ["MEMSTRATA_HELM"])
-    bin_dir, reason = bin_dir_from_env()
-    if bin_dir is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but helm is not built: {reason}")
-        pytest.skip(f"helm not built: {reason}")
-    return bin_dir / "helm"
-
-
-def _helm_run(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
-    env = {"HOME": str(tmp), "HELM_CACHE_HOME": str(tmp), "HELM_CONFIG_HOME": str(tmp), "HELM_DATA_HOME": str(tmp),
-           "PATH": "/usr/bin:/bin"}
-    return subprocess.run([str(_helm()), *args], capture_output=True, text=True, timeout=120, env=env)
-
-
 def _render(tmp: Path, *values: str) -> list[dict[str, Any]]:
-    proc = _helm_run("template", "memstrata", str(CHART), *KUBE, "--namespace", NS, "--include-crds", *values, tmp=tmp)
+    proc = run_helm("template", "memstrata", str(CHART), *KUBE, "--namespace", NS, "--include-crds", *values, tmp=tmp)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
@@ -138,7 +116,7 @@ def test_the_operators_job_rules_are_cluster_wide_or_a_role_in_each_watched_name
 
 
 def test_a_namespace_listed_twice_is_refused(tmp_path: Path) -> None:
-    proc = _helm_run("template", "memstrata", str(CHART), *KUBE, "--set", "operator.watchNamespaces={a,a}",
+    proc = run_helm("template", "memstrata", str(CHART), *KUBE, "--set", "operator.watchNamespaces={a,a}",
                      tmp=tmp_path)
     assert proc.returncode != 0 and "watchNamespaces" in proc.stderr
 
@@ -171,15 +149,15 @@ def test_leader_election_is_one_lease_in_the_release_namespace(tmp_path: Path) -
 def test_leader_election_settings_that_could_not_work_are_refused(tmp_path: Path) -> None:
     base = ("template", "memstrata", str(CHART), *KUBE)
     # Without a Lease every replica would act.
-    proc = _helm_run(*base, "--set", "operator.leaderElection.enabled=false", tmp=tmp_path)
+    proc = run_helm(*base, "--set", "operator.leaderElection.enabled=false", tmp=tmp_path)
     assert proc.returncode != 0 and "/operator/replicas" in proc.stderr, proc.stderr
     # The holder must stop acting before another replica may take over.
-    proc = _helm_run(*base, "--set", "operator.leaderElection.renewDeadlineSeconds=20", tmp=tmp_path)
+    proc = run_helm(*base, "--set", "operator.leaderElection.renewDeadlineSeconds=20", tmp=tmp_path)
     assert proc.returncode != 0 and "retryPeriodSeconds (2) < renewDeadlineSeconds (20) < leaseDurationSeconds (15)" \
         in proc.stderr, proc.stderr
-    proc = _helm_run(*base, "--set", "operator.leaderElection.leaseName=Not_A_Name", tmp=tmp_path)
+    proc = run_helm(*base, "--set", "operator.leaderElection.leaseName=Not_A_Name", tmp=tmp_path)
     assert proc.returncode != 0 and "leaseName" in proc.stderr
-    proc = _helm_run(*base, "--set", "operator.peeringName=memstrata", tmp=tmp_path)
+    proc = run_helm(*base, "--set", "operator.peeringName=memstrata", tmp=tmp_path)
     assert proc.returncode != 0 and "peeringName" in proc.stderr
 
 

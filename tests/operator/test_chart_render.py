@@ -2,18 +2,9 @@
 rendered operator meets the rules the API server will check (e2e/operator/test_chart.py checks them there)."""
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
 import yaml
-
-from e2e.cluster.controlplane import bin_dir_from_env
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "memstrata"
-# Without a cluster helm assumes Kubernetes 1.20; the chart requires >= 1.30 (CEL rules in the CRD).
-KUBE = ("--kube-version", "v1.36.4")
+from helm_helpers import CHART, KUBE, REPO, run_helm
 
 
 def test_chart_crd_is_the_generated_crd():
@@ -21,37 +12,20 @@ def test_chart_crd_is_the_generated_crd():
         "charts/memstrata/crds/finetunejob.yaml differs from crds/: cp crds/finetunejob.yaml charts/memstrata/crds/"
 
 
-def _helm() -> Path:
-    import os
-
-    if os.environ.get("MEMSTRATA_HELM"):  # a helm built elsewhere (development)
-        return Path(os.environ["MEMSTRATA_HELM"])
-    bin_dir, reason = bin_dir_from_env()
-    if bin_dir is None:
-        pytest.skip(f"helm not built: {reason}")
-    return bin_dir / "helm"
-
-
-def _run(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
-    env = {"HOME": str(tmp), "HELM_CACHE_HOME": str(tmp), "HELM_CONFIG_HOME": str(tmp), "HELM_DATA_HOME": str(tmp),
-           "PATH": "/usr/bin:/bin"}
-    return subprocess.run([str(_helm()), *args], capture_output=True, text=True, timeout=120, env=env)
-
-
 def test_helm_lint_strict_is_clean(tmp_path):
-    proc = _run("lint", "--strict", str(CHART), tmp=tmp_path)
+    proc = run_helm("lint", "--strict", str(CHART), tmp=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
     assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
 
 
 def test_values_schema_rejects_a_misspelt_value_naming_it(tmp_path):
-    proc = _run("template", "x", str(CHART), *KUBE, "--set", "operator.replica=3", tmp=tmp_path)
+    proc = run_helm("template", "x", str(CHART), *KUBE, "--set", "operator.replica=3", tmp=tmp_path)
     assert proc.returncode != 0 and "replica" in proc.stderr
 
 
 def test_rendered_operator_is_restricted_and_probed(tmp_path):
-    proc = _run("template", "x", str(CHART), *KUBE, "--namespace", "memstrata-system", tmp=tmp_path)
+    proc = run_helm("template", "x", str(CHART), *KUBE, "--namespace", "memstrata-system", tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
     dep = next(d for d in docs if d["kind"] == "Deployment")
@@ -80,7 +54,7 @@ def test_the_deployments_args_are_what_the_operator_accepts(tmp_path, sets, expe
     from memstrata.operator.main import build_parser, config_from_args
 
     flags = [a for s in sets for a in ("--set", s)]
-    proc = _run("template", "x", str(CHART), *KUBE, "--namespace", "memstrata-system", *flags, tmp=tmp_path)
+    proc = run_helm("template", "x", str(CHART), *KUBE, "--namespace", "memstrata-system", *flags, tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
     dep = next(d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "Deployment")
     (c,) = dep["spec"]["template"]["spec"]["containers"]
