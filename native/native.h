@@ -18,6 +18,13 @@ extern PyTypeObject Region_Type;
 /* Raise OSError(err, "<what>: <strerror>") and return NULL. */
 PyObject *ms_raise_errno(int err, const char *what);
 
+/* The `fds` argument of Ring and Threads: 1..1024 descriptors, copied into a PyMem array the caller
+ * frees; NULL with an exception set on bad input. */
+int *ms_parse_fds(PyObject *fds_obj, Py_ssize_t *n_out);
+/* One submitted op's checks: its file index is in range, and `view` gets its buffer (writable for a
+ * read), never empty; -1 with an exception set (and nothing held) otherwise. */
+int ms_get_io_view(PyObject *buffer, int write, int file_index, int nfiles, Py_buffer *view);
+
 PyObject *ms_scan_nonfinite(PyObject *self, PyObject *args);
 PyObject *ms_buffer_address(PyObject *self, PyObject *arg);
 

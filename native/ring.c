@@ -184,33 +184,10 @@ static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "queue depth must be 1..4096, got %u", depth);
         return -1;
     }
-    PyObject *seq = PySequence_Fast(fds_obj, "fds must be a sequence of file descriptors");
-    if (seq == NULL)
+    Py_ssize_t n;
+    int *fds = ms_parse_fds(fds_obj, &n);
+    if (fds == NULL)
         return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n < 1 || n > 1024) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "fds must hold 1..1024 file descriptors");
-        return -1;
-    }
-    int *fds = PyMem_Calloc((size_t)n, sizeof(int));
-    if (fds == NULL) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        fds[i] = (int)fd;
-        if ((fd == -1 && PyErr_Occurred()) || fd < 0 || fd > INT32_MAX) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "invalid file descriptor %ld", fd);
-            Py_DECREF(seq);
-            PyMem_Free(fds);
-            return -1;
-        }
-    }
-    Py_DECREF(seq);
     /* CQ twice the SQ: with at most `depth` in flight it can never overflow. */
     int ret = io_uring_queue_init(depth, &self->ring, 0);
     if (ret < 0) {
@@ -364,22 +341,11 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args)
         return NULL;
     if (check_usable(self) < 0)
         return NULL;
-    if (file_index < 0 || file_index >= self->nfiles) {
-        PyErr_Format(PyExc_IndexError, "file index %d out of range (ring has %d files)", file_index,
-                     self->nfiles);
-        return NULL;
-    }
     op_t *op = PyMem_Calloc(1, sizeof(op_t));
     if (op == NULL)
         return PyErr_NoMemory();
-    if (PyObject_GetBuffer(buffer, &op->view, write ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0) {
+    if (ms_get_io_view(buffer, write, file_index, self->nfiles, &op->view) < 0) {
         PyMem_Free(op);
-        return NULL;
-    }
-    if (op->view.len == 0) {
-        PyBuffer_Release(&op->view);
-        PyMem_Free(op);
-        PyErr_SetString(PyExc_ValueError, "zero-length I/O");
         return NULL;
     }
     op->tag = tag;

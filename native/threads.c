@@ -52,34 +52,10 @@ static int Threads_init(ThreadsObject *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "queue depth must be 1..4096, got %u", depth);
         return -1;
     }
-    PyObject *seq = PySequence_Fast(fds_obj, "fds must be a sequence of file descriptors");
-    if (seq == NULL)
+    Py_ssize_t n;
+    self->fds = ms_parse_fds(fds_obj, &n);
+    if (self->fds == NULL)
         return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n < 1 || n > 1024) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "fds must hold 1..1024 file descriptors");
-        return -1;
-    }
-    self->fds = PyMem_Calloc((size_t)n, sizeof(int));
-    if (self->fds == NULL) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if ((fd == -1 && PyErr_Occurred()) || fd < 0 || fd > INT32_MAX) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "invalid file descriptor %ld", fd);
-            Py_DECREF(seq);
-            PyMem_Free(self->fds);
-            self->fds = NULL;
-            return -1;
-        }
-        self->fds[i] = (int)fd;
-    }
-    Py_DECREF(seq);
     self->nfiles = (int)n;
     if (iopool_start(&self->pool, depth < IOPOOL_MAX_WORKERS ? depth : IOPOOL_MAX_WORKERS) < 0) {
         shutdown_threads(self); /* calls nothing that could replace the error being raised */
@@ -125,22 +101,11 @@ static PyObject *Threads_submit(ThreadsObject *self, PyObject *args)
         return NULL;
     if (check_usable(self) < 0)
         return NULL;
-    if (file_index < 0 || file_index >= self->nfiles) {
-        PyErr_Format(PyExc_IndexError, "file index %d out of range (ring has %d files)", file_index,
-                     self->nfiles);
-        return NULL;
-    }
     top_t *op = PyMem_Calloc(1, sizeof(top_t));
     if (op == NULL)
         return PyErr_NoMemory();
-    if (PyObject_GetBuffer(buffer, &op->view, write ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0) {
+    if (ms_get_io_view(buffer, write, file_index, self->nfiles, &op->view) < 0) {
         PyMem_Free(op);
-        return NULL;
-    }
-    if (op->view.len == 0) {
-        PyBuffer_Release(&op->view);
-        PyMem_Free(op);
-        PyErr_SetString(PyExc_ValueError, "zero-length I/O");
         return NULL;
     }
     op->tag = tag;

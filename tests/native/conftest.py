@@ -57,3 +57,22 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(params=["file", pytest.param("loop", marks=pytest.mark.loopdev)])
+def devices(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[int, int], list[str]]:
+    """make(count, size) -> paths of `count` fresh devices of the requested kind."""
+    if request.param == "loop":
+        make = request.getfixturevalue("loopdev")
+        return lambda count, size: [make(size) for _ in range(count)]
+
+    def files(count: int, size: int) -> list[str]:
+        out = []
+        for i in range(count):
+            p = tmp_path / f"f{i}.img"
+            with open(p, "wb") as f:
+                f.truncate(size)
+            out.append(str(p))
+        return out
+
+    return files

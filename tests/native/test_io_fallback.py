@@ -21,28 +21,10 @@ from seccomp_helpers import IO_URING_REGISTER, IO_URING_SETUP, preexec, seccomp_
 from memstrata.operator.render import DISK_GID, RUNTIME_UID
 from memstrata.runtime import _native
 from memstrata.runtime.strata import iobackend
-from memstrata.runtime.strata.errors import NvmeError
 from memstrata.runtime.strata.nvme import NvmeEngine
 
 MiB = 1 << 20
 DATA = random.Random(12).randbytes(3 * MiB + 4321)  # striped, unaligned tail: bounce region included
-
-
-@pytest.fixture(params=["file", pytest.param("loop", marks=pytest.mark.loopdev)])
-def devices(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[int, int], list[str]]:
-    if request.param == "loop":
-        make = request.getfixturevalue("loopdev")
-        return lambda count, size: [make(size) for _ in range(count)]
-
-    def files(count: int, size: int) -> list[str]:
-        out = []
-        for i in range(count):
-            with open(tmp_path / f"f{i}.img", "wb") as f:
-                f.truncate(size)
-            out.append(str(tmp_path / f"f{i}.img"))
-        return out
-
-    return files
 
 
 def on_device(path: str, offset: int, n: int) -> bytes:
@@ -111,20 +93,6 @@ def test_forced_thread_path_round_trips_striped_and_queued_io(devices, how: str,
         first, stripe = exts[0], 256 * 1024
         assert on_device(paths[first.slots[0]], first.bases[0], stripe) == blobs[0][:stripe]
         assert on_device(paths[first.slots[1]], first.bases[1], len(blobs[0]) - stripe) == blobs[0][stripe:]
-
-
-def test_thread_path_reports_a_short_read_as_the_ring_does(tmp_path: Path) -> None:
-    p = tmp_path / "shrinks.img"
-    with open(p, "wb") as f:
-        f.truncate(16 * MiB)
-    with NvmeEngine.open([str(p)], job="t/short", io_backend="threads") as eng:
-        eng.allocate(8 * MiB)
-        tail = eng.allocate(4 * MiB)
-        eng.wait(eng.write(tail, os.urandom(4 * MiB)))
-        os.truncate(p, 2 * MiB)
-        with pytest.raises(NvmeError, match=r"short read: 0 of \d+ bytes") as info:
-            eng.wait(eng.read(tail, bytearray(4 * MiB)))
-        assert info.value.errno == errno.EIO and eng.stats()[0].errors >= 1
 
 
 def test_a_misspelt_backend_is_refused_before_any_device_is_claimed(tmp_path: Path, monkeypatch) -> None:

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -15,25 +13,6 @@ from memstrata.node.safety import read_head
 
 MiB = 1 << 20
 AWKWARD = [1, 511, 512, 513, 4095, 4097, MiB - 1, MiB + 3, 3 * MiB + 1234, 5 * MiB]
-
-
-@pytest.fixture(params=["file", pytest.param("loop", marks=pytest.mark.loopdev)])
-def devices(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[int, int], list[str]]:
-    """make(count, size) -> paths of `count` fresh devices of the requested kind."""
-    if request.param == "loop":
-        make = request.getfixturevalue("loopdev")
-        return lambda count, size: [make(size) for _ in range(count)]
-
-    def files(count: int, size: int) -> list[str]:
-        out = []
-        for i in range(count):
-            p = tmp_path / f"f{i}.img"
-            with open(p, "wb") as f:
-                f.truncate(size)
-            out.append(str(p))
-        return out
-
-    return files
 
 
 def test_round_trip_awkward_sizes_from_unaligned_and_aligned_buffers(devices) -> None:

@@ -191,11 +191,12 @@ def test_real_io_error_from_a_full_tmpfs_surfaces_as_a_clean_exception(small_tmp
         assert out == bytes(4096)
 
 
-def test_device_that_shrinks_under_the_engine_gives_a_short_read_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])  # the thread path reports it as the ring does
+def test_device_that_shrinks_under_the_engine_gives_a_short_read_error(tmp_path: Path, backend: str) -> None:
     p = tmp_path / "vanishing.img"
     with open(p, "wb") as f:
         f.truncate(16 * MiB)
-    with NvmeEngine.open([str(p)], job="t/gone") as eng:
+    with NvmeEngine.open([str(p)], job="t/gone", io_backend=backend) as eng:
         eng.allocate(8 * MiB)
         tail = eng.allocate(4 * MiB)
         eng.wait(eng.write(tail, os.urandom(4 * MiB)))
@@ -203,6 +204,7 @@ def test_device_that_shrinks_under_the_engine_gives_a_short_read_error(tmp_path:
         with pytest.raises(NvmeError, match=r"short read: 0 of \d+ bytes") as info:
             eng.wait(eng.read(tail, bytearray(4 * MiB)))
         assert info.value.errno == errno.EIO and info.value.offset == tail.bases[0]
+        assert eng.stats()[0].errors >= 1
 
 
 def test_misaligned_direct_io_reports_einval_never_silent_success(tmp_path: Path) -> None:
