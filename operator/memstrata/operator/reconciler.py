@@ -27,6 +27,7 @@ from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeleteJob, DeletePods, Event, PatchStatus,
 )
 from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, NotLeading, api_path, gather_ok
+from memstrata.operator.leadership import AlwaysLeading
 from memstrata.operator.lifecycle import LifecyclePolicy, decide, fail
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
 from memstrata.operator.observe import JobView, format_time, job_view, pod_view
@@ -58,7 +59,6 @@ class Reconciler:
     def __init__(self, kube: Kube, policy: LifecyclePolicy = LifecyclePolicy(), workers: int = 16,
                  report_interval_seconds: float = 10.0, cleanup_tries: int = 60,
                  gate: Gate | None = None, pod_security: render.PodSecurity = render.PodSecurity()) -> None:
-        from memstrata.operator.leadership import AlwaysLeading
         self.kube = kube
         self.gate: Gate = gate or AlwaysLeading()
         kube.write_gate = self.gate.leading  # every write, whichever path it comes from
