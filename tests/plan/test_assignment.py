@@ -60,16 +60,17 @@ def _small_node(dram: int, *, gpus: int = 1, cxl: int = 0, nvme: list[int] = ())
 
 def test_impossible_job_names_each_shortfall_in_bytes() -> None:
     """8B, bf16, seq 4096, 100 GiB DRAM (107,374,182,400 B, no reserve), no CXL, no NVMe:
-    gradients 16,060,522,496 -> 91,313,659,904 left; checkpoints 32*4096*4096*2 = 1,073,741,824
-    -> 90,239,918,080; master 32,121,044,992 -> 58,118,873,088 left; moments need 64,242,089,984:
-    short 6,123,216,896; weights 16,060,522,496 short."""
+    model build 218,112,000*2 + 525,336,576*4 = 2,537,570,304 -> 104,836,612,096 left;
+    gradients 16,060,522,496 -> 88,776,089,600 left; checkpoints 32*4096*4096*2 = 1,073,741,824
+    -> 87,702,347,776; master 32,121,044,992 -> 55,581,302,784 left; moments need 64,242,089,984:
+    short 8,660,787,200; weights 16,060,522,496 short."""
     job = JobShape(model=PRESETS["llama3-8b"], sequence_length=4096, micro_batch=1, gpus=1, engine="memstrata")
     plan = plan_for_node(job, _small_node(100 * GiB),
                          MemoryPolicy(engine="memstrata", nvme_namespaces=0, dram_reserve_fraction=0))
     assert not plan.feasible
     missing = {(s.category, s.stratum): s.missing_bytes for s in plan.shortfalls}
-    assert missing == {("optimizer", "nvme"): 6_123_216_896, ("weights", "nvme"): 16_060_522_496}
-    assert "DRAM or NVMe: short by 5.7 GiB for Adam moments" in plan.verdict()
+    assert missing == {("optimizer", "nvme"): 8_660_787_200, ("weights", "nvme"): 16_060_522_496}
+    assert "DRAM or NVMe: short by 8.1 GiB for Adam moments" in plan.verdict()
 
 
 def test_hbm_too_small_for_working_set_says_what_to_change() -> None:

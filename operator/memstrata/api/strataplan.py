@@ -46,6 +46,9 @@ class StratumUse(BaseModel):
 class Plan(BaseModel):
     parameters: int
     engine: str
+    activation_checkpointing: bool = Field(
+        True, description="Whether the runtime must turn on gradient checkpointing: the working set was "
+                          "counted with one layer's live activations (true) or every layer's (false).")
     feasible: bool
     categories: list[CategoryPlan]
     strata: list[StratumUse]

@@ -4,7 +4,7 @@
 """
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.inventory import NodeInventory
-from memstrata.plan.accounting import JobShape, category_bytes, pinned_buffers, working_set
+from memstrata.plan.accounting import JobShape, build_transient, category_bytes, pinned_buffers, working_set
 from memstrata.api.strataplan import STRATA, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.plan.assignment import plan_for_node
 
@@ -17,6 +17,7 @@ def job_shape(spec: FineTuneJobSpec) -> JobShape:
         precision=spec.training.precision,
         gpus=spec.resources.gpus,
         engine=spec.memory.engine,
+        activation_checkpointing=spec.training.activation_checkpointing,
     )
 
 
@@ -26,6 +27,6 @@ def plan_job(spec: FineTuneJobSpec, node: NodeInventory) -> Plan:
 
 
 __all__ = [
-    "STRATA", "Allocation", "CategoryPlan", "JobShape", "Plan", "Shortfall", "StratumUse", "category_bytes",
-    "job_shape", "pinned_buffers", "plan_for_node", "plan_job", "working_set",
+    "STRATA", "Allocation", "CategoryPlan", "JobShape", "Plan", "Shortfall", "StratumUse", "build_transient",
+    "category_bytes", "job_shape", "pinned_buffers", "plan_for_node", "plan_job", "working_set",
 ]

@@ -13,11 +13,12 @@ from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Engine, Precision
 from memstrata.plan.stock import pinned_pool_bytes
 
-Category = Literal["working", "pinned", "gradients", "master", "optimizer", "weights", "checkpoints"]
+Category = Literal["working", "pinned", "build", "gradients", "master", "optimizer", "weights", "checkpoints"]
 
 DESCRIPTIONS: dict[str, str] = {
     "working": "GPU working set (gathered layers, live activations, logits)",
     "pinned": "page-locked staging buffers",
+    "build": "model build (one layer, largest tensor in fp32)",
     "gradients": "gradients",
     "master": "fp32 master weights",
     "optimizer": "Adam moments (exp_avg, exp_avg_sq)",
@@ -46,6 +47,9 @@ class JobShape(BaseModel):
     precision: Precision = "bf16"
     gpus: int = Field(1, ge=0)
     engine: Engine = "deepspeed"
+    # spec.training.activationCheckpointing: the runtime turns on Hugging Face gradient checkpointing
+    # exactly when this is true, so the working set below must follow it or a "fits" is false.
+    activation_checkpointing: bool = True
 
     @property
     def ranks(self) -> int:
@@ -66,18 +70,49 @@ def working_set(job: JobShape) -> int:
 
     = 2 gathered layers (current + prefetched) of weights and their gradients
     + the largest tensor (embedding or LM head) gathered once
-    + one layer's live activations: 34·s·b·h in 16-bit (x2 in fp32)
+    + live activations, A = 34·s·b·h per layer in 16-bit (x2 in fp32):
+        with activation checkpointing, one layer's (A): the layer being recomputed in backward;
+        the per-layer hidden states it keeps are the `checkpoints` category, off the GPU;
+        without it, every layer's (layers·A), all held from forward until backward
     + logits: s·b·vocab in 16-bit plus an fp32 copy for the loss
     + a fixed 1 GiB for the CUDA runtime when on a GPU.
+
+    Llama-3-8B at s = 32768, b = 1, bf16: A = 34·32768·1·4096 = 4,563,402,752 B (4.25 GiB), so the
+    activations are 4.25 GiB with checkpointing and 32·A = 146,028,888,064 B (136 GiB) without: the
+    working set grows by 31·A = 131.75 GiB, far past one 80 GiB GPU.
     """
     m, w = job.model, job.weight_bytes
     tokens = job.sequence_length * job.micro_batch
     layers = 2 * m.layer_params() * w * 2
     largest = m.largest_tensor() * w
-    activations = ACTIVATION_FACTOR * tokens * m.hidden * (w // 2)
+    activations = activation_layers(job) * ACTIVATION_FACTOR * tokens * m.hidden * (w // 2)
     logits = tokens * m.vocab * (w + 4)
     runtime = GPU_RUNTIME_OVERHEAD if job.gpus else 0
     return layers + largest + activations + logits + runtime
+
+
+def activation_layers(job: JobShape) -> int:
+    """Layers whose activations are live on the compute device at once: 1 when checkpointing recomputes
+    them one layer at a time in backward, all of them otherwise."""
+    return 1 if job.activation_checkpointing else job.model.layers
+
+
+def build_transient(job: JobShape) -> int:
+    """Host bytes that building the model costs on top of its placed state, for all ranks on the node.
+
+    The runtime builds the model under DeepSpeed's zero.Init, which partitions each module's parameters
+    as soon as it is constructed, then streams the checkpoint in from safetensors one module's tensors
+    at a time (memstrata.runtime.train.hfmodel.load_weights). So each rank holds at most, transiently,
+    one layer's 16-bit parameters (the module being built or loaded) plus the largest tensor read from
+    the shard and converted, counted in fp32 since a checkpoint may be stored in fp32:
+        per rank = layer_params · weight_bytes + largest_tensor · 4.
+    Every rank runs the load loop itself (only rank 0's copy is kept, but each reads), hence x ranks.
+    It is reserved beside the steady state rather than overlapped with state built later (the fp32
+    master and moments): a few GiB of slack buys a plan that holds whatever order the runtime uses.
+    Llama-3-8B, bf16, one GPU: 218,112,000·2 + 525,336,576·4 = 2,537,570,304 B (2.36 GiB).
+    """
+    m = job.model
+    return (m.layer_params() * job.weight_bytes + m.largest_tensor() * 4) * job.ranks
 
 
 def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool) -> int:
@@ -111,13 +146,15 @@ def category_bytes(job: JobShape) -> dict[str, int]:
     Adam moments 8P. In fp32 training weights and gradients are 4P each, and the master is
     still 4P: ZeRO-3 keeps its own flat fp32 partitions (stage3 `_create_fp32_partitions`)
     beside the parameters in every precision. Activation checkpoints keep one hidden-state
-    tensor per layer per rank: layers·s·b·h in the training precision.
+    tensor per layer per rank: layers·s·b·h in the training precision; 0 without activation
+    checkpointing, whose activations all count in `working_set` instead.
     """
     p, m, w = job.model.parameters(), job.model, job.weight_bytes
+    kept = m.layers if job.activation_checkpointing else 0
     return {
         "weights": p * w,
         "gradients": p * w,
         "master": 4 * p,
         "optimizer": 8 * p,
-        "checkpoints": m.layers * job.sequence_length * job.micro_batch * m.hidden * w * job.ranks,
+        "checkpoints": kept * job.sequence_length * job.micro_batch * m.hidden * w * job.ranks,
     }

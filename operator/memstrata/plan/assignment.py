@@ -15,7 +15,8 @@ from memstrata.api.inventory import NodeInventory
 from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.api.units import GiB, format_bytes
-from memstrata.plan.accounting import DESCRIPTIONS, JobShape, category_bytes, pinned_buffers, working_set
+from memstrata.plan.accounting import (DESCRIPTIONS, JobShape, build_transient, category_bytes, pinned_buffers,
+                                      working_set)
 
 # Placement order and each category's allowed strata, fastest first.
 PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
@@ -105,6 +106,17 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
     free[compute] -= total_work
     if compute == "hbm":
         free["hbm"] = max(free["hbm"], 0)  # already reported per GPU above
+
+    # --- building the model: a host transient, only ever in DRAM ----------------------------------
+    # The checkpoint's tensors are read and converted by the CPU, so neither NVMe nor CXL can take them.
+    # Claimed before memory.dramBudget applies: like the working set, it is not offloaded state.
+    build, left = build_transient(job), max(free["dram"], 0)
+    if build > left:
+        short("dram", "build", build - left,
+              f"DRAM: building the model needs {format_bytes(build)} for a moment and {format_bytes(left)} is "
+              f"left beside the working set (short by {format_bytes(build - left)})")
+    categories["build"] = _cat("build", build, [Allocation(stratum="dram", bytes=build)])
+    free["dram"] -= build
     if policy.dram_budget is not None and free["dram"] > policy.dram_budget:
         # The budget bounds the offloaded state, not the compute itself.
         capacity["dram"] -= free["dram"] - policy.dram_budget
@@ -157,6 +169,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
     return Plan(
         parameters=job.model.parameters(),
         engine=job.engine,
+        activation_checkpointing=job.activation_checkpointing,
         feasible=not any(s.missing_bytes or s.message for s in shortfalls),
         categories=list(categories.values()),
         strata=strata,

@@ -28,14 +28,14 @@ def align_elements(n: int, unit: int = DS_ALIGN_ELEMENTS) -> int:
 
 
 def param_tensors(arch: ModelArchitecture) -> int:
-    """Parameter tensors of memstrata.runtime.train.model.Decoder for `arch` (shared tensors once)."""
-    gpt = arch.family == "gpt"
-    bias = gpt or arch.qkv_bias
-    attention = 4 + (3 if bias else 0) + (1 if gpt else 0)
-    mlp = 4 if gpt else 3
-    norm = 2 if gpt else 1
-    per_layer = attention + mlp + 2 * norm
-    return 1 + (1 if gpt else 0) + arch.layers * per_layer + norm + (0 if arch.tied else 1)
+    """Parameter tensors of the `transformers` model for `arch` (shared tensors once): GPT-2 fuses Q/K/V into
+    one `c_attn` matrix with one bias; Llama-style blocks keep q/k/v/o apart, with Q/K/V biases in Qwen2."""
+    if arch.family == "gpt":
+        # c_attn, attn c_proj, mlp c_fc, mlp c_proj (weight + bias each), ln_1, ln_2 (weight + bias each)
+        per_layer = 8 + 4
+        return 2 + arch.layers * per_layer + 2 + (0 if arch.tied else 1)
+    per_layer = 4 + (3 if arch.qkv_bias else 0) + 3 + 2
+    return 1 + arch.layers * per_layer + 1 + (0 if arch.tied else 1)
 
 
 def largest_param(arch: ModelArchitecture) -> int:
