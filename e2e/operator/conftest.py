@@ -13,7 +13,7 @@ import pytest
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
 from e2e.cluster.kwok import pod_failure_stage
 from e2e.operator.harness import (
-    CHART, CRD, LEASE, OperatorProcess, inventory, lease_holder, memstrata_node, succeed_stage,
+    CHART, CRD, LEASE, OperatorProcess, claims, inventory, lease_holder, memstrata_node, succeed_stage,
 )
 
 try:  # the operator's own dependencies; without them it cannot run at all
@@ -129,3 +129,13 @@ def ns(memstrata_cluster: Any, operator: OperatorProcess, nodes: Nodes) -> Itera
                              lambda: not cluster.get_json("pods", "-n", name)["items"], timeout=180)
         finally:
             cluster.kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture
+def example_claims(memstrata_cluster: Any, ns: str) -> Iterator[list[str]]:
+    """The claims examples/finetune.yaml mounts, bound, in the test's namespace."""
+    pvs = claims(memstrata_cluster, ns)
+    try:
+        yield pvs
+    finally:  # released once the namespace's claims are gone
+        memstrata_cluster.kubectl("delete", "pv", "--wait=false", "--ignore-not-found", *pvs)

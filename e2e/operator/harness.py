@@ -80,6 +80,32 @@ phase: Succeeded
     }
 
 
+EXAMPLE_CLAIMS = ("llama3-8b-weights", "chat-data", "finetune-output")  # what examples/finetune.yaml mounts
+
+
+def claims(cluster: Any, ns: str, names: tuple[str, ...] = EXAMPLE_CLAIMS) -> list[str]:
+    """PersistentVolumeClaims `names` in `ns`, each bound to a PersistentVolume of its own (as a storage
+    class's provisioner would bind them), so the scheduler places a pod that mounts them. Returns the
+    PersistentVolumes' names (cluster-scoped: the caller deletes them)."""
+    pvs = []
+    for claim in names:
+        pv = f"{ns}-{claim}"
+        pvs.append(pv)
+        cluster.create({
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce", "ReadOnlyMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "hostPath": {"path": f"/srv/{claim}"}, "claimRef": {"namespace": ns, "name": claim}}})
+        cluster.create({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": ns},
+            "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+                     "resources": {"requests": {"storage": "1Gi"}}}})
+    wait(f"claims {', '.join(names)} Bound", lambda: all(
+        (c.get("status") or {}).get("phase") == "Bound" for c in cluster.get_json("pvc", "-n", ns)["items"]
+        if c["metadata"]["name"] in names), timeout=60)
+    return pvs
+
+
 def example(name: str = "finetune.yaml") -> dict[str, Any]:
     return yaml.safe_load((REPO / "examples" / name).read_text())
 

@@ -25,6 +25,16 @@ INVALID = [
     (lambda s: s["runPolicy"].update(backoffLimit=-1), "spec.runPolicy.backoffLimit"),
     (lambda s: s["training"].update(gradientAccumulaton=4), 'unknown field "spec.training.gradientAccumulaton"'),
     (lambda s: s["memory"].update(engine="zero-infinity"), "spec.memory.engine"),
+    (lambda s: s.update(volumes=[{"name": "runtime-config", "emptyDir": {}}]),
+     "name must not be runtime-config: the operator's own volume"),
+    (lambda s: s.update(volumes=[{"name": "data", "emptyDir": {}}],
+                        volumeMounts=[{"name": "models", "mountPath": "/models"}]),
+     "every volumeMounts[].name must be one of spec.volumes[].name"),
+    (lambda s: s.update(volumes=[{"name": "data", "emptyDir": {}}],
+                        volumeMounts=[{"name": "data", "mountPath": "/etc/memstrata"}]),
+     "mountPath must not be at or under /etc/memstrata"),
+    (lambda s: s.update(volumes=[{"name": "data", "emptyDir": {}}, {"name": "data", "hostPath": {"path": "/d"}}]),
+     "spec.volumes[1]: Duplicate value"),
 ]
 
 
@@ -47,6 +57,11 @@ def test_spec_is_immutable_after_creation(memstrata_cluster, ns, nodes):
                            "ftj", "fixed", "-n", ns, "--type=merge", "-p", '{"spec":{"training":{"steps":7}}}'],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "immutable" in proc.stderr
+    # The volumes too: the shape read from the model directory is the volumes' as created.
+    proc = subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "patch",
+                           "ftj", "fixed", "-n", ns, "--type=merge", "-p",
+                           '{"spec":{"volumes":[{"name":"data","emptyDir":{}}]}}'], capture_output=True, text=True)
+    assert proc.returncode != 0 and "immutable" in proc.stderr, proc.stderr
 
 
 def test_a_job_no_node_can_ever_hold_fails_with_the_shortfall_per_stratum(memstrata_cluster, ns, nodes):
@@ -90,3 +105,19 @@ def test_examples_apply_cleanly(memstrata_cluster, ns):
         doc["spec"]["runPolicy"] = {**doc["spec"].get("runPolicy", {}), "suspend": True}  # accepted, not run
         out = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input=json.dumps(doc))
         assert "created (server dry run)" in out
+    # Stored as written: the volume sources, which the schema does not spell out, are not pruned.
+    doc = example("finetune.yaml")
+    doc["spec"]["runPolicy"]["suspend"] = True
+    apply_yaml(cluster, doc, ns)
+    stored = ftj(cluster, ns, doc["metadata"]["name"])["spec"]
+    assert stored["volumes"] == doc["spec"]["volumes"] and stored["volumeMounts"][0]["readOnly"] is True
+    assert stored["output"]["path"] == doc["spec"]["output"]["path"] and "architecture" in stored["model"]
+
+
+def test_a_model_path_without_architecture_is_accepted(memstrata_cluster, ns):
+    cluster = memstrata_cluster
+    doc = example("finetune.yaml")
+    del doc["spec"]["model"]["architecture"]
+    doc["spec"]["runPolicy"]["suspend"] = True
+    out = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input=json.dumps(doc))
+    assert "created (server dry run)" in out

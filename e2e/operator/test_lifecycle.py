@@ -24,7 +24,7 @@ def condition(obj, type_):
     return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), None)
 
 
-def test_example_lands_on_the_node_with_fewest_bytes_on_slow_strata(memstrata_cluster, ns, nodes):
+def test_example_lands_on_the_node_with_fewest_bytes_on_slow_strata(memstrata_cluster, ns, nodes, example_claims):
     cluster = memstrata_cluster
     dram = nodes.add("gpu-dram", dram_gib=1024)
     nodes.add("gpu-cxl", dram_gib=512, cxl_gib=256)
@@ -50,7 +50,7 @@ def test_example_lands_on_the_node_with_fewest_bytes_on_slow_strata(memstrata_cl
     assert row.split()[:3] == ["llama3-8b-32k", "Running", dram]
 
 
-def test_cxl_node_is_chosen_over_nvme_spill_and_its_memory_requested(memstrata_cluster, ns, nodes):
+def test_cxl_node_is_chosen_over_nvme_spill_and_its_memory_requested(memstrata_cluster, ns, nodes, example_claims):
     cluster = memstrata_cluster
     cxl = nodes.add("gpu-cxl", dram_gib=512, cxl_gib=256)
     nodes.add("gpu-small", dram_gib=128)

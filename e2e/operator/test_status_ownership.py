@@ -48,8 +48,13 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
 
     allowed = _patch(cluster, runtime, namespace, "owned", {"progress": {"step": 3, "total": 10}, "peakMemory": {"dram": 1}})
     assert allowed.returncode == 0, allowed.stderr
+    saved = {"path": "/output/m", "step": 10, "files": 3, "bytes": 4096, "validationLoss": 1.5}
+    allowed = _patch(cluster, runtime, namespace, "owned", {"output": saved})  # the saved model
+    assert allowed.returncode == 0, allowed.stderr
+    arch = {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kvHeads": 4, "vocab": 300}
     for status, field in (({"startTime": None}, "startTime"), ({"phase": "Succeeded"}, "phase"),
-                          ({"node": "elsewhere"}, "node"), ({"conditions": []}, "conditions")):
+                          ({"node": "elsewhere"}, "node"), ({"conditions": []}, "conditions"),
+                          ({"modelArchitecture": arch}, "modelArchitecture")):
         denied = _patch(cluster, runtime, namespace, "owned", status)
         assert denied.returncode != 0, f"the runtime's token changed status.{field}"
         assert f"status.{field} is the operator's" in denied.stderr, denied.stderr
@@ -57,3 +62,7 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
     status = cluster.get_json("finetunejob", "owned", "-n", namespace)["status"]
     assert (status["startTime"], status["phase"], status["node"]) == (START, "Running", "n1")
     assert status["progress"]["step"] == 3 and status["peakMemory"] == {"dram": 1}
+    assert status["output"] == saved and "modelArchitecture" not in status
+    wide = cluster.kubectl("get", "finetunejob", "owned", "-n", namespace, "-o", "wide")
+    header, row = (line.split() for line in wide.splitlines()[:2])
+    assert "OUTPUT" in header and "/output/m" in row, wide

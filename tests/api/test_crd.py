@@ -26,6 +26,8 @@ def test_crd_names_status_and_columns() -> None:
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")] == [
         "Phase", "Node", "Progress", "ETA", "Age"]
+    wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority")}
+    assert wide == {"Loss": ".status.progress.loss", "Output": ".status.output.path"}
     schema = version["schema"]["openAPIV3Schema"]["properties"]
     assert schema["status"]["x-kubernetes-preserve-unknown-fields"] is True
 
@@ -63,3 +65,42 @@ def test_cel_rules_cover_cross_field_constraints() -> None:
 
 def test_crd_yaml_round_trips() -> None:
     assert yaml.safe_load(crd_yaml()) == generate_crd()
+
+
+def _spec_schema():
+    return generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def test_volumes_are_kubernetes_volumes_kept_whole_and_keyed_by_name() -> None:
+    volumes = _spec_schema()["properties"]["volumes"]
+    item = volumes["items"]
+    # Any volume source passes through (the API server checks it on the pod): unknown fields are kept, not pruned.
+    assert item["x-kubernetes-preserve-unknown-fields"] is True and item["required"] == ["name"]
+    assert (volumes["x-kubernetes-list-type"], volumes["x-kubernetes-list-map-keys"]) == ("map", ["name"])
+    assert volumes["maxItems"] == 64
+    assert item["x-kubernetes-validations"][0]["rule"] == "self.name != 'runtime-config'"
+    mounts = _spec_schema()["properties"]["volumeMounts"]
+    assert (mounts["x-kubernetes-list-type"], mounts["x-kubernetes-list-map-keys"]) == ("map", ["mountPath"])
+    assert "'/etc/memstrata/'" in mounts["items"]["x-kubernetes-validations"][0]["rule"]
+
+
+def test_cel_rules_follow_the_optional_architecture_and_the_volumes() -> None:
+    spec = _spec_schema()
+    model_rules = [r["rule"] for r in spec["properties"]["model"]["x-kubernetes-validations"]]
+    assert not any("has(self.architecture)" in r and "has(self.path)" in r for r in model_rules), model_rules
+    assert spec["properties"]["model"].get("required") is None
+    rules = {r["message"]: r["rule"] for r in spec["x-kubernetes-validations"]}
+    mounts_rule = rules["every volumeMounts[].name must be one of spec.volumes[].name"]
+    assert "self.volumes.exists(v, v.name == m.name)" in mounts_rule
+    immutable = next(r for m, r in rules.items() if "immutable" in m)
+    for field in ("output", "volumes", "volumeMounts"):
+        assert f"self.{field} == oldSelf.{field}" in immutable
+    dataset_rules = [r["message"] for r in spec["properties"]["dataset"]["x-kubernetes-validations"]]
+    assert "set at most one of dataset.validationSplit or dataset.validationPath" in dataset_rules
+
+
+def test_status_carries_the_learned_shape_and_the_output() -> None:
+    status = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert status["properties"]["modelArchitecture"]["required"][:2] == ["layers", "hidden"]
+    assert status["properties"]["output"]["required"] == ["path", "step", "files", "bytes"]
+    assert "Inspected" in status["properties"]["conditions"]["items"]["properties"]["type"]["enum"]

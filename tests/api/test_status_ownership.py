@@ -22,3 +22,14 @@ def test_the_policy_guards_every_other_status_field() -> None:
     (listed,) = re.findall(r'range \$field := list ((?:"\w+" ?)+)', POLICY.read_text())
     guarded = set(re.findall(r'"(\w+)"', listed))
     assert guarded == fields - set(RUNTIME_STATUS_FIELDS), (guarded, fields)
+
+
+def test_the_runtime_reports_the_saved_model_as_status_output() -> None:
+    from memstrata.api.finetunejob import OutputStatus
+
+    saved = OutputStatus(path="/output/m", step=2000, files=4, bytes=16 << 30, validation_loss=1.25)
+    report = RuntimeReport(stage="finished", step=2000, total_steps=2000, output=saved)
+    patch = report.status_patch()["status"]
+    assert patch["output"] == {"path": "/output/m", "step": 2000, "files": 4, "bytes": 16 << 30, "validationLoss": 1.25}
+    assert "output" in RUNTIME_STATUS_FIELDS and "modelArchitecture" not in RUNTIME_STATUS_FIELDS
+    assert "output" not in RuntimeReport(stage="training", step=1, total_steps=2).status_patch()["status"]

@@ -24,8 +24,19 @@ CASES = {
                        "spec.training.steps: Input should be greater than 0 (got -5)"),
     "two-model-sources": (GOOD.replace("{preset: gpt-tiny}", "{preset: gpt-tiny, path: /m}"),
                           "spec.model: set exactly one of model.preset or model.path"),
+    # Valid without an architecture: the shape is then read from the directory, which is not there.
     "path-without-architecture": (GOOD.replace("{preset: gpt-tiny}", "{path: /models/x}"),
-                                  "model.architecture is required with model.path"),
+                                  "spec.model.path: /models/x: no such directory"),
+    "mount-of-no-volume": (GOOD + "  volumes: [{name: data, emptyDir: {}}]\n"
+                                  "  volumeMounts: [{name: models, mountPath: /models}]\n",
+                           "spec: volumeMounts[0].name: 'models' is not one of spec.volumes (data)"),
+    "operators-volume-name": (GOOD + "  volumes: [{name: runtime-config, emptyDir: {}}]\n",
+                              "spec.volumes[0]: name 'runtime-config' is the operator's own volume"),
+    "operators-mount-path": (GOOD + "  volumes: [{name: data, emptyDir: {}}]\n"
+                                    "  volumeMounts: [{name: data, mountPath: /etc/memstrata/x}]\n",
+                             "spec.volumeMounts[0]: mountPath /etc/memstrata/x: must not be at or under /etc/memstrata"),
+    "volume-twice": (GOOD + "  volumes: [{name: data, emptyDir: {}}, {name: data, hostPath: {path: /d}}]\n",
+                     "spec: volumes[1].name: 'data' is given twice"),
     "unknown-preset": (GOOD.replace("gpt-tiny", "gpt-5"), "spec.model.preset: Input should be 'gpt-tiny'"),
     "too-long-for-preset": (GOOD.replace("sequenceLength: 64", "sequenceLength: 4096"),
                             "exceeds the model's 512 positions"),

@@ -101,6 +101,25 @@ def test_happy_path_created_scheduled_running_succeeded_with_events():
     assert reasons == ["PodCreated", "PodScheduled", "PodRunning", "PodSucceeded", "PodSucceeded"]
 
 
+def test_the_runtimes_status_fields_are_never_written_by_the_operator():
+    """status.output, progress and peakMemory are the runtime's (RUNTIME_STATUS_FIELDS): no decision patches them,
+    so a status patch of the operator never clobbers the saved model's report."""
+    from memstrata.api.report import RUNTIME_STATUS_FIELDS
+
+    w = World()
+    w.step()
+    w.pod(0, "Running", node="gpu-1")
+    w.settle(1)
+    runtime = {"output": {"path": "/output/m", "step": 2000, "files": 4, "bytes": 1 << 34},
+               "progress": {"step": 2000, "total": 2000}, "peakMemory": {"dram": 1 << 30}}
+    w.status.update(runtime)
+    w.pod(0, "Succeeded", node="gpu-1", exit_code=0)
+    patches = [a.patch for t in (2, 3) for a in w.step(t).of(PatchStatus)]
+    assert patches and w.status["phase"] == "Succeeded"
+    assert not any(set(p) & set(RUNTIME_STATUS_FIELDS) for p in patches), patches
+    assert {k: w.status[k] for k in runtime} == runtime
+
+
 def test_a_rerun_after_a_crash_between_pod_and_status_adopts_the_pod():
     w = World()
     first = w.decide()

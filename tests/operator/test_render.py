@@ -74,7 +74,44 @@ def test_configmap_carries_a_runtime_config_the_runtime_can_read():
     assert config.plan == PLACED.plan
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["MEMSTRATA_RUNTIME_CONFIG"] == f"/etc/memstrata/{CONFIGMAP_KEY}"
-    assert pod["spec"]["volumes"][0]["configMap"]["name"] == cm["metadata"]["name"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == names.CONFIG_VOLUME]
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+    assert config.output == JOB.spec.output and config.output.path == "/output/llama3-8b-32k-chat"
+
+
+def test_the_jobs_volumes_are_mounted_first_beside_the_operators_own():
+    _, pod = objects()
+    volumes, mounts = pod["spec"]["volumes"], pod["spec"]["containers"][0]["volumeMounts"]
+    # The job's own, in its order and as written, then the runtime config: the API server's
+    # `spec.volumes[i]` in an error about the pod is the job's `spec.volumes[i]`.
+    assert volumes[:3] == [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "llama3-8b-weights", "readOnly": True}},
+        {"name": "data", "persistentVolumeClaim": {"claimName": "chat-data", "readOnly": True}},
+        {"name": "output", "persistentVolumeClaim": {"claimName": "finetune-output"}}]
+    assert [v["name"] for v in volumes[3:]] == [names.CONFIG_VOLUME]
+    assert [(m["name"], m["mountPath"], m["readOnly"]) for m in mounts] == [
+        ("models", "/models", True), ("data", "/data", True), ("output", "/output", False),
+        (names.CONFIG_VOLUME, names.CONFIG_MOUNT, True)]
+
+
+def test_a_volume_source_is_passed_as_written():
+    body = job_dict("nfs")
+    body["spec"]["volumes"][0] = {"name": "models", "nfs": {"server": "10.0.0.5", "path": "/export/models",
+                                                             "readOnly": True}}
+    job = job_view(body)
+    _, pod = attempt_objects(job, "cxl-1", PLACED.plan, 0)
+    assert pod["spec"]["volumes"][0] == body["spec"]["volumes"][0]
+
+
+def test_the_runtime_config_carries_the_shape_read_from_the_model_directory():
+    body = job_dict("inspected")
+    del body["spec"]["model"]["architecture"]
+    job = job_view(body)
+    learned = JOB.spec.model.architecture
+    before, _ = attempt_objects(job, "cxl-1", PLACED.plan, 0, architecture=learned)
+    cm = next(o for o in before if o["kind"] == "ConfigMap")
+    config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
+    assert config.model.path == "/models/Meta-Llama-3-8B-Instruct" and config.model.architecture == learned
 
 
 def test_runtime_role_may_only_touch_its_own_job():

@@ -24,11 +24,14 @@ PRINTER_COLUMNS = [
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
     {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta"},
+    # A path is too long for the default table: `kubectl get ftj -o wide` shows where the model went.
+    {"name": "Output", "type": "string", "jsonPath": ".status.output.path", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
-# Fields a running job may not change: a new model or dataset is a new job.
-IMMUTABLE = ("model", "dataset", "training", "resources", "memory")
+# Fields a running job may not change: a new model or dataset is a new job. The volumes too: the shape the
+# operator read from the model directory, and the output a retry resumes writing, are the volumes' as created.
+IMMUTABLE = ("model", "dataset", "training", "resources", "memory", "output", "volumes", "volumeMounts")
 
 
 def _unchanged(field: str) -> str:
@@ -47,6 +50,9 @@ def spec_rules() -> list[JsonDict]:
         cel(" && ".join(_unchanged(f) for f in IMMUTABLE),
             "only spec.runPolicy, spec.image and spec.command may change after creation; "
             "spec." + ", spec.".join(IMMUTABLE) + " are immutable"),
+        cel("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+            "self.volumes.exists(v, v.name == m.name))",
+            "every volumeMounts[].name must be one of spec.volumes[].name", ".volumeMounts"),
         cel("!has(self.model.architecture) || self.model.architecture.family != 'gpt' || "
             "self.training.sequenceLength <= self.model.architecture.maxPositions",
             "training.sequenceLength must not exceed model.architecture.maxPositions for a gpt model",
@@ -96,6 +102,12 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = {k: _resolve(v, defs) for k, v in value.items()}
             continue
         out[key] = _resolve(value, defs)
+    default = out.get("default")
+    if (out.get("type") == "number" and isinstance(default, float) and default.is_integer()
+            and (out.get("exclusiveMaximum") or out.get("exclusiveMinimum"))):
+        # The API server checks a default of 0.0 as the integer 0, against the bound cast to an integer
+        # too (0.5 -> 0), and refuses the CRD ("default: 0 should be less than 0"); the models default it.
+        del out["default"]
     if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
         out["x-kubernetes-preserve-unknown-fields"] = True
     if out.get("additionalProperties") is False:

@@ -14,7 +14,7 @@ from pydantic.json_schema import JsonDict
 
 from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
 from memstrata.api.base import ApiModel
-from memstrata.api.units import Bytes
+from memstrata.api.units import Bytes, GiB
 
 GROUP = "memstrata.dev"
 VERSION = "v1alpha1"
@@ -36,19 +36,21 @@ def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
 
 
 class ModelSource(ApiModel):
-    """Exactly one of `preset` or `path`; a `path` needs its `architecture` inline."""
+    """Exactly one of `preset` or `path`. With `path`, `architecture` is optional: when absent, the operator
+    reads the shape from the directory's config.json (an inspection pod) before planning; when present, it
+    must match that file."""
 
-    preset: PresetName | None = Field(None, description="A built-in model shape.")
-    path: str | None = Field(None, description="A Hugging Face-format directory on a mounted volume.")
+    preset: PresetName | None = Field(None, description="A built-in model shape, trained from random weights.")
+    path: str | None = Field(None, description="A Hugging Face-format directory (config.json, *.safetensors, "
+                                                "tokenizer.json) on a mounted volume.")
     architecture: ModelArchitecture | None = Field(
-        None, description="The model's shape; required with `path`, because the operator cannot read the volume."
+        None, description="The model's shape. Optional with `path`: the operator then learns it from the volume."
     )
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("has(self.preset) != has(self.path)", "set exactly one of model.preset or model.path"),
-                cel("!has(self.path) || has(self.architecture)", "model.architecture is required with model.path"),
                 cel("!has(self.preset) || !has(self.architecture)",
                     "model.architecture is only for model.path; a preset has a fixed shape"),
             ]
@@ -59,32 +61,56 @@ class ModelSource(ApiModel):
     def _one_source(self) -> "ModelSource":
         if (self.preset is None) == (self.path is None):
             raise ValueError("set exactly one of model.preset or model.path")
-        if self.path is not None and self.architecture is None:
-            raise ValueError("model.architecture is required with model.path")
         if self.preset is not None and self.architecture is not None:
             raise ValueError("model.architecture is only for model.path; a preset has a fixed shape")
         return self
 
-    def shape(self) -> ModelArchitecture:
+    def known_shape(self) -> ModelArchitecture | None:
+        """The shape, when the spec states it (a preset or an inline architecture); None when only the
+        model directory knows it."""
         if self.preset is not None:
             return PRESETS[self.preset]
-        assert self.architecture is not None  # guaranteed by _one_source
         return self.architecture
+
+    def shape(self) -> ModelArchitecture:
+        shape = self.known_shape()
+        if shape is None:
+            raise ValueError(f"model.path {self.path}: the shape is not known yet (no model.architecture, and "
+                             "the model directory has not been inspected)")
+        return shape
+
+
+DatasetFormat = Literal["auto", "text", "prompt_completion", "messages"]
 
 
 class Dataset(ApiModel):
-    """A JSONL file of {"text": ...} records on a volume, or a built-in synthetic set."""
+    """A JSONL file on a volume, or a built-in synthetic set.
+
+    Records are `{"text": ...}` (trained on every token), `{"prompt": ..., "completion": ...}` (loss on the
+    completion only) or `{"messages": [{"role": ..., "content": ...}, ...]}` (the model's chat template
+    applied, loss on the assistant turns only); `format: auto` takes the format of the first record.
+    """
 
     synthetic: Literal["copy", "arithmetic"] | None = Field(
         None, description="A built-in synthetic set with learnable structure."
     )
-    path: str | None = Field(None, description="A JSONL file with one {\"text\": ...} object per line.")
-    text_field: str = Field("text", min_length=1, description="The JSONL field that holds the text.")
+    path: str | None = Field(None, description="A JSONL file: one text, prompt/completion or messages record "
+                                                "per line.")
+    format: DatasetFormat = Field("auto", description="The record format; auto: that of the first record.")
+    text_field: str = Field("text", min_length=1, description="The JSONL field that holds the text (format text).")
+    packing: bool = Field(True, description="Pack examples end to end into full sequences; false: one example "
+                                            "per sequence, padded.")
+    validation_split: float = Field(0.0, ge=0, lt=0.5, description="Fraction of the records held out for "
+                                                                   "validation (chosen by record, reproducibly).")
+    validation_path: str | None = Field(None, description="A separate JSONL file for validation (instead of a "
+                                                          "split).")
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("has(self.synthetic) != has(self.path)", "set exactly one of dataset.synthetic or dataset.path")
+                cel("has(self.synthetic) != has(self.path)", "set exactly one of dataset.synthetic or dataset.path"),
+                cel("!has(self.validationPath) || !has(self.validationSplit) || self.validationSplit == 0.0",
+                    "set at most one of dataset.validationSplit or dataset.validationPath"),
             ]
         }
     )
@@ -93,6 +119,71 @@ class Dataset(ApiModel):
     def _one_source(self) -> "Dataset":
         if (self.synthetic is None) == (self.path is None):
             raise ValueError("set exactly one of dataset.synthetic or dataset.path")
+        if self.validation_path is not None and self.validation_split:
+            raise ValueError("set at most one of dataset.validationSplit or dataset.validationPath")
+        return self
+
+
+class Output(ApiModel):
+    """Where the fine-tuned model goes: a Hugging Face directory, written atomically at the end."""
+
+    path: str = Field(min_length=1, description="A directory that must not exist yet, on a writable volume.")
+    shard_size: Bytes = Field(2 * GiB, description="Largest safetensors shard (default 2Gi).")
+
+
+# What the operator itself puts in the job's pod: the runtime config's volume and where it is mounted, and
+# where the ServiceAccount token the runtime reports with is mounted. A user volume may not take these.
+OPERATOR_VOLUMES: Final = ("runtime-config",)
+OPERATOR_MOUNT_PATHS: Final = ("/etc/memstrata", "/var/run/secrets/kubernetes.io/serviceaccount")
+MAX_VOLUMES = 64
+
+
+def _under(path: str, root: str) -> bool:
+    return path.rstrip("/") == root or path.startswith(root + "/")
+
+
+class VolumeMount(ApiModel):
+    """Kubernetes' VolumeMount (the fields a training container needs)."""
+
+    name: str = Field(min_length=1, max_length=63, description="One of spec.volumes.")
+    mount_path: str = Field(min_length=1, max_length=4096, pattern=r"^/", description="An absolute path.")
+    read_only: bool = False
+    sub_path: str | None = Field(None, max_length=4096)
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel(" && ".join(f"self.mountPath != '{p}' && !self.mountPath.startsWith('{p}/')"
+                        for p in OPERATOR_MOUNT_PATHS),
+            f"mountPath must not be at or under {' or '.join(OPERATOR_MOUNT_PATHS)}: the operator mounts the "
+            "runtime config and the ServiceAccount token there", ".mountPath"),
+    ]})
+
+    @model_validator(mode="after")
+    def _not_the_operators(self) -> "VolumeMount":
+        for root in OPERATOR_MOUNT_PATHS:
+            if _under(self.mount_path, root):
+                raise ValueError(f"mountPath {self.mount_path}: must not be at or under {root}, where the "
+                                 "operator mounts the runtime config or the ServiceAccount token")
+        return self
+
+
+class Volume(ApiModel):
+    """Kubernetes' Volume: a `name` and one volume source (`persistentVolumeClaim`, `nfs`, `hostPath`, `csi`,
+    ...), passed to the pod as written; the API server validates the source when the pod is created."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "x-kubernetes-preserve-unknown-fields": True,
+        "x-kubernetes-validations": [cel(
+            " && ".join(f"self.name != '{n}'" for n in OPERATOR_VOLUMES),
+            f"name must not be {' or '.join(OPERATOR_VOLUMES)}: the operator's own volume in the job's pod",
+            ".name")],
+    })
+
+    @model_validator(mode="after")
+    def _not_the_operators(self) -> "Volume":
+        if self.name in OPERATOR_VOLUMES:
+            raise ValueError(f"name {self.name!r} is the operator's own volume in the job's pod "
+                             "(the runtime config); choose another name")
         return self
 
 
@@ -105,6 +196,10 @@ class Training(ApiModel):
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
     precision: Precision = "bf16"
     seed: int = Field(1234, ge=0)
+    activation_checkpointing: bool = Field(
+        True, description="Keep one hidden state per layer and recompute the rest in backward (the planner "
+                          "counts activations this way); false keeps every activation.")
+    eval_interval: int = Field(0, ge=0, description="Validation loss every this many steps (0: at the end only).")
 
 
 class Resources(ApiModel):
@@ -144,19 +239,50 @@ class FineTuneJobSpec(ApiModel):
     training: Training
     resources: Resources = Resources()
     memory: MemoryPolicy = MemoryPolicy()
+    output: Output | None = Field(None, description="Where the fine-tuned model is written.")
+    volumes: list[Volume] = Field(
+        [], max_length=MAX_VOLUMES, description="Volumes (Kubernetes' own types) holding the model, the data and "
+                                                "the output.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    volume_mounts: list[VolumeMount] = Field(
+        [], max_length=MAX_VOLUMES, description="Where the training container (and the model inspection pod, "
+                                                "read-only) mounts them.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["mountPath"]})
     image: str = Field("ghcr.io/memstrata/runtime:0.1.0", min_length=1)
     command: list[str] | None = Field(None, min_length=1, description="Overrides the image's entrypoint.")
     run_policy: RunPolicy = RunPolicy()
 
     @model_validator(mode="after")
     def _fits_positions(self) -> "FineTuneJobSpec":
-        shape = self.model.shape()
-        if shape.family == "gpt" and self.training.sequence_length > shape.max_positions:
+        shape = self.model.known_shape()
+        names: set[str] = set()
+        for i, v in enumerate(self.volumes):
+            if v.name in names:
+                raise ValueError(f"volumes[{i}].name: {v.name!r} is given twice")
+            names.add(v.name)
+        paths: set[str] = set()
+        for i, m in enumerate(self.volume_mounts):
+            if m.name not in names:
+                raise ValueError(f"volumeMounts[{i}].name: {m.name!r} is not one of spec.volumes "
+                                 f"({', '.join(sorted(names)) or 'none'})")
+            if m.mount_path in paths:
+                raise ValueError(f"volumeMounts[{i}].mountPath: {m.mount_path} is given twice")
+            paths.add(m.mount_path)
+        if shape is not None and shape.family == "gpt" and self.training.sequence_length > shape.max_positions:
             raise ValueError(
                 f"training.sequenceLength ({self.training.sequence_length}) exceeds the model's "
                 f"{shape.max_positions} positions"
             )
         return self
+
+    def with_architecture(self, architecture: ModelArchitecture) -> "FineTuneJobSpec":
+        """This spec with model.architecture set (a shape read from the model directory), validated again:
+        ValueError naming the field if the shape does not suit the rest of the spec."""
+        if self.model.path is None:
+            raise ValueError(f"model.preset {self.model.preset}: a preset has a fixed shape")
+        model = {"path": self.model.path, "architecture": architecture.model_dump(mode="json", by_alias=True)}
+        return FineTuneJobSpec.model_validate(
+            {**self.model_dump(mode="json", by_alias=True, exclude_none=True), "model": model})
 
 
 class Metadata(ApiModel):
@@ -178,7 +304,8 @@ class FineTuneJob(ApiModel):
 # --- status ----------------------------------------------------------------------------------------
 
 Phase = Literal["Pending", "Created", "Scheduled", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
-ConditionType = Literal["Created", "Scheduled", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+ConditionType = Literal["Inspected", "Created", "Scheduled", "Running", "Restarting", "Succeeded", "Failed",
+                        "Suspended"]
 
 
 class Condition(ApiModel):
@@ -211,7 +338,20 @@ class FineTuneJobStatus(ApiModel):
     completion_time: datetime | None = None
     restarts: int = 0
     message: str | None = None
+    model_architecture: ModelArchitecture | None = Field(
+        None, description="The shape read from the model directory (when spec.model.architecture is absent).")
+    output: "OutputStatus | None" = None
     model_config = ConfigDict(extra="allow")
+
+
+class OutputStatus(ApiModel):
+    """The fine-tuned model the runtime wrote."""
+
+    path: str
+    step: int = Field(ge=0, description="The optimizer step whose weights were saved.")
+    files: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    validation_loss: float | None = None
 
 
 FineTuneJob.model_rebuild()

@@ -1,8 +1,9 @@
 """RuntimeReport: what the runtime in the pod reports back about its progress.
 
-The runtime patches it into the FineTuneJob's `status.progress` and
-`status.peakMemory` through a ServiceAccount that may patch only its own job's
-status; locally the same payload feeds the progress bar and the final report.
+The runtime patches it into the FineTuneJob's `status.progress`,
+`status.peakMemory` and, once it has saved the model, `status.output`, through a
+ServiceAccount that may patch only its own job's status; locally the same payload
+feeds the progress bar and the final report.
 """
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from typing import Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import Progress
+from memstrata.api.finetunejob import OutputStatus, Progress
 
 RuntimeStage = Literal["initializing", "training", "finished", "failed"]
 
 
 # The only status fields a job's runtime writes (status_patch); every other one is the operator's.
 # charts/memstrata/templates/runtime-status-policy.yaml enforces it at the API server.
-RUNTIME_STATUS_FIELDS = ("progress", "peakMemory")
+RUNTIME_STATUS_FIELDS = ("progress", "peakMemory", "output")
 
 
 class StratumCounters(ApiModel):
@@ -36,6 +37,7 @@ class RuntimeReport(ApiModel):
     elapsed_seconds: float = Field(0, ge=0)
     strata: dict[str, StratumCounters] = Field(default_factory=dict, description="Keyed by hbm/dram/cxl/nvme.")
     message: str | None = None
+    output: OutputStatus | None = Field(None, description="The fine-tuned model, once saved.")
 
     @property
     def eta_seconds(self) -> float | None:
@@ -64,6 +66,8 @@ class RuntimeReport(ApiModel):
         patch: dict[str, object] = {"progress": self.progress().wire()}  # RUNTIME_STATUS_FIELDS
         if peak:
             patch["peakMemory"] = peak
+        if self.output is not None:
+            patch["output"] = self.output.wire()
         return {"status": patch}
 
 

@@ -11,7 +11,7 @@ from typing import Final, Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import Dataset, MemoryPolicy, ModelSource, Resources, Training
+from memstrata.api.finetunejob import Dataset, MemoryPolicy, ModelSource, Output, Resources, Training
 from memstrata.api.strataplan import Plan
 
 RUNTIME_CONFIG_VERSION: Final = "memstrata.dev/runtime-config/v1"
@@ -30,11 +30,13 @@ class JobRef(ApiModel):
 class RuntimeConfig(ApiModel):
     version: Literal["memstrata.dev/runtime-config/v1"] = RUNTIME_CONFIG_VERSION
     job: JobRef
-    model: ModelSource
+    model: ModelSource = Field(description="The job's model; with model.path, architecture is always filled in "
+                                           "(as the job states it, or as the operator read it from config.json).")
     dataset: Dataset
     training: Training
     resources: Resources = Resources()
     memory: MemoryPolicy = MemoryPolicy()
+    output: Output | None = Field(None, description="Where the fine-tuned model is written (spec.output).")
     plan: Plan = Field(description="The plan for the chosen node: what the runtime sizes its strata from.")
     node: str = ""
     attempt: int = Field(0, ge=0, description="Which pod attempt this is (0-based).")

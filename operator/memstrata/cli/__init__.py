@@ -1,4 +1,4 @@
-"""The `memstrata` command: crd, plan, run, pod, operator, nodeagent.
+"""The `memstrata` command: crd, plan, run, pod, inspect-model, operator, nodeagent.
 
 User errors (a bad manifest, an impossible plan, an unusable path) print one
 line naming what is wrong and exit with status 2 before anything is written.
@@ -11,7 +11,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from memstrata.api.finetunejob import FineTuneJobSpec
 
 EXIT_USAGE = 2
 DEFAULT_NVME_PATH = Path(os.environ.get("MEMSTRATA_NVME_PATH", Path.home() / ".cache/memstrata/nvme-scratch"))
@@ -30,10 +33,12 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from memstrata.api import load_job, load_node
+    from memstrata.cli.modelshape import with_model_shape
     from memstrata.plan import plan_job
     from memstrata.plan.table import render_plan
 
     job = load_job(args.file)
+    job.spec = _with_shape(args.file, job.spec, with_model_shape)
     if args.node:
         node, where = load_node(args.node), str(args.node)
     else:
@@ -54,13 +59,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from memstrata.node.local import local_inventory
 
     job = load_job(args.file)
-    spec = job.spec
+    spec = job.spec = _overridden(args, job.spec)
     if spec.model.path is not None and not Path(spec.model.path).is_dir():
-        raise UserError(f"spec.model.path: {spec.model.path}: no such directory")
+        raise UserError(f"{args.file}: spec.model.path: {spec.model.path}: no such directory")
     if spec.dataset.path is not None and not Path(spec.dataset.path).is_file():
-        raise UserError(f"spec.dataset.path: {spec.dataset.path}: no such file")
-    if args.steps is not None:
-        spec.training.steps = args.steps
+        raise UserError(f"{args.file}: spec.dataset.path: {spec.dataset.path}: no such file")
+    from memstrata.cli.modelshape import with_model_shape
+
+    spec = job.spec = _with_shape(args.file, spec, with_model_shape)
     created = not args.nvme_path.exists()
     rc = EXIT_USAGE
     try:
@@ -71,12 +77,52 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not plan.feasible:
             raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
 
-        rc = run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json)
+        rc = run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json,
+                       sample_prompt=args.sample, verbose=args.verbose)
         return rc
     finally:
         if created and rc == EXIT_USAGE:
             with contextlib.suppress(OSError):  # a refused job leaves nothing behind; rmdir only if empty
                 args.nvme_path.rmdir()
+
+
+def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJobSpec":
+    """The spec with --model, --output and --steps applied, validated again as a whole."""
+    from pydantic import ValidationError
+
+    from memstrata.api.finetunejob import FineTuneJobSpec
+    from memstrata.api.manifest import describe_validation_error
+
+    wire = spec.wire()
+    if args.model is not None:
+        # A different directory: its own config.json says the shape, not the manifest.
+        wire["model"] = {"path": str(args.model.absolute())}
+    if args.output is not None:
+        wire["output"] = {**wire.get("output", {}), "path": str(args.output.absolute())}
+    if args.steps is not None:
+        wire["training"]["steps"] = args.steps
+    try:
+        return FineTuneJobSpec.model_validate(wire)
+    except ValidationError as exc:
+        raise UserError(f"{args.file}: with the command line's overrides: "
+                        f"{describe_validation_error(exc, 'spec')}") from None
+
+
+def _with_shape(file: Path, spec: "FineTuneJobSpec",
+                resolve: Callable[["FineTuneJobSpec"], "FineTuneJobSpec"]) -> "FineTuneJobSpec":
+    """The spec with its model's shape (read from model.path's config.json when the spec states none)."""
+    from pydantic import ValidationError
+
+    from memstrata.api.hfconfig import ModelConfigError
+    from memstrata.api.manifest import describe_validation_error
+
+    try:
+        return resolve(spec)
+    except ModelConfigError as exc:
+        raise UserError(f"{file}: {exc}") from None
+    except ValidationError as exc:
+        raise UserError(f"{file}: with the shape of {spec.model.path}/config.json: "
+                        f"{describe_validation_error(exc, 'spec')}") from None
 
 
 def _cmd_pod(args: argparse.Namespace) -> int:
@@ -128,7 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nvme-path", type=Path, default=DEFAULT_NVME_PATH,
                    help="scratch directory on a disk filesystem for offloaded state (default: %(default)s)")
     s.add_argument("--steps", type=int, help="override spec.training.steps")
+    s.add_argument("--model", type=Path, help="override spec.model: a Hugging Face model directory")
+    s.add_argument("--output", type=Path, help="override spec.output.path: a new directory for the fine-tuned model")
+    s.add_argument("--sample", metavar="PROMPT", help="show the model's answer to PROMPT before and after training")
     s.add_argument("--report-json", type=Path, help="also write the final report as JSON here")
+    s.add_argument("--verbose", action="store_true", help="also report the swap layer's counters and every "
+                                                          "DeepSpeed setting memstrata changed, with the reason")
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("pod", help="the job pod's entrypoint: train from $MEMSTRATA_RUNTIME_CONFIG and patch the "
@@ -137,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scratch directory on a disk filesystem, for DeepSpeed's (empty) swap folder and file-backed "
                         "namespaces where the pod was given no NVMe device ($MEMSTRATA_SCRATCH; default: %(default)s)")
     s.set_defaults(func=_cmd_pod)
+
+    from memstrata.cli.modelshape import add_parser as add_inspect_model
+
+    add_inspect_model(sub)
 
     # Listed for --help; main() hands their arguments over before argparse sees them.
     sub.add_parser("operator", help="run the FineTuneJob operator (memstrata operator --help)", add_help=False)

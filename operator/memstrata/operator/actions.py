@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.strataplan import Plan
 
 
@@ -15,6 +16,12 @@ class CreateAttempt:
     attempt: int
     node: str
     plan: Plan
+    architecture: ModelArchitecture | None = None  # the shape read from the model directory, for the runtime
+
+
+@dataclass(frozen=True)
+class CreateInspection:
+    """Create the pod that reads the model directory's config.json (memstrata.operator.inspection)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,8 @@ class CleanupChildren:
     release: bool
 
 
-Action = Union[DeletePods, CreateAttempt, PatchStatus, Event, DeleteJob, AddFinalizer, CleanupChildren]
+Action = Union[DeletePods, CreateAttempt, CreateInspection, PatchStatus, Event, DeleteJob, AddFinalizer,
+               CleanupChildren]
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Mapping
 
-from memstrata.operator import names, render
+from memstrata.operator import inspection, names, render
 from memstrata.operator.actions import CreateAttempt
-from memstrata.operator.kube import Conflict, Kube, api_path, gather_ok, object_path
+from memstrata.operator.kube import Conflict, Kube, KubeError, api_path, gather_ok, object_path
 from memstrata.operator.observe import JobView
 
 KINDS = (("v1", "pods"), ("v1", "configmaps"), ("rbac.authorization.k8s.io/v1", "rolebindings"),
@@ -23,10 +23,30 @@ class NameClash(Exception):
     """An object the job needs exists under its name but belongs to someone else."""
 
 
+class PodRejected(Exception):
+    """The API server refused the job's pod as invalid (422): a bad spec.volumes source, say. The same
+    pod would be refused on every retry, so the job fails with the API server's message."""
+
+
+async def create_pod(kube: Kube, job: JobView, pod: dict[str, Any]) -> None:
+    """Create one of the job's pods; an existing one of this job's is fine (an earlier run of the same
+    decision), another's is a NameClash, and an invalid one a PodRejected."""
+    try:
+        await kube.create(pod)
+    except Conflict:
+        await check_owned(kube, job, pod)
+    except KubeError as exc:
+        if exc.status != 422:
+            raise
+        # The pod's spec.volumes and its container's first volumeMounts are the job's, in the job's order
+        # (render.user_volumes), so the API server's field paths name the job's fields.
+        raise PodRejected(f"the API server refused pod {pod['metadata']['name']}: {exc.message}") from None
+
+
 async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report_interval_seconds: float,
                          security: render.PodSecurity = render.PodSecurity()) -> None:
     before, pod = render.attempt_objects(job, action.node, action.plan, action.attempt, report_interval_seconds,
-                                         security)
+                                         security, action.architecture)
     account, role, binding, config = before
 
     # Only the ServiceAccount must exist before the pod (admission checks it); the ConfigMap,
@@ -40,12 +60,14 @@ async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report
     others = asyncio.create_task(gather_ok(rbac(), ensure(kube, job, config)))
     try:
         await ensure(kube, job, account)
-        try:
-            await kube.create(pod)
-        except Conflict:
-            await check_owned(kube, job, pod)  # ours: created by an earlier run of this same decision
+        await create_pod(kube, job, pod)
     finally:
         await others
+
+
+async def create_inspection(kube: Kube, job: JobView, security: render.PodSecurity = render.PodSecurity()) -> None:
+    """The model inspection pod: it has no companions (no token, no config)."""
+    await create_pod(kube, job, inspection.pod(job, security))
 
 
 async def ensure(kube: Kube, job: JobView, obj: Mapping[str, Any]) -> None:

@@ -7,7 +7,10 @@ be observed and are kept in status: which pod is the current attempt
 (`failedPods`), so a failed pod that someone deletes still counts.
 
 Phases: Pending -> Created -> Scheduled -> Running -> Succeeded | Failed, with
-Restarting between attempts and Suspended while spec.runPolicy.suspend is true.
+Restarting between attempts and Suspended while spec.runPolicy.suspend is true. A job whose
+model.path comes without an architecture first stays Pending while an inspection pod reads the
+directory's config.json (memstrata.operator.inspection); the shape it reports is kept in
+status.modelArchitecture and every attempt is planned with it.
 backoffLimit N allows N failed attempts to be retried: N+1 attempts in all.
 """
 from __future__ import annotations
@@ -16,13 +19,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Sequence
 
+from pydantic import ValidationError
+
+from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.api.manifest import describe_validation_error
 from memstrata.api.report import format_duration
+from memstrata.operator import inspection
 from memstrata.operator.actions import (
-    Action, AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeleteJob, DeletePods, Event, PatchStatus,
+    Action, AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, Decision, DeleteJob, DeletePods, Event,
+    PatchStatus,
 )
 from memstrata.operator.conditions import StatusBuilder
-from memstrata.operator.names import FINALIZER, pod_name
+from memstrata.operator.names import FINALIZER, inspect_pod_name, pod_name
 from memstrata.operator.observe import JobView, PodView, format_time, parse_time
 from memstrata.operator.scheduling import Placement
 
@@ -49,9 +58,10 @@ TERMINAL_PHASES = ("Succeeded", "Failed")
 @dataclass
 class _Run:
     job: JobView
-    pods: Sequence[PodView]
+    pods: Sequence[PodView]  # the training attempts
     now: datetime
     b: StatusBuilder
+    inspections: Sequence[PodView] = ()  # the model inspection pod(s)
     actions: list[Action] = field(default_factory=list)
     requeue: list[float] = field(default_factory=list)
     waiting: bool = False
@@ -69,8 +79,9 @@ class _Run:
         return Decision(tuple(actions), min(self.requeue) if self.requeue else None, self.waiting)
 
     def stop_active(self, why: str) -> None:
-        if self.active:
-            self.actions.insert(0, DeletePods(tuple(p.name for p in self.active), why))
+        active = self.active + [p for p in self.inspections if p.active]
+        if active:
+            self.actions.insert(0, DeletePods(tuple(p.name for p in active), why))
 
     def finish(self, phase: str, reason: str, message: str) -> Decision:
         self.stop_active(f"the job {phase.lower()}")
@@ -115,7 +126,8 @@ def fail(job: JobView, now: datetime, reason: str, message: str) -> Decision:
 
 def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
             policy: LifecyclePolicy) -> Decision:
-    run = _Run(job, pods, now, StatusBuilder(job.status, now))
+    run = _Run(job, [p for p in pods if not p.inspection], now, StatusBuilder(job.status, now),
+               inspections=sorted((p for p in pods if p.inspection), key=lambda p: p.name))
     phase = job.status.get("phase")
     if phase in TERMINAL_PHASES:
         run.stop_active(f"the job already {phase.lower()}")
@@ -129,7 +141,7 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
     if phase == "Suspended":
         run.b.condition("Suspended", "False", "Resumed", "spec.runPolicy.suspend was set to false")
 
-    succeeded = [p for p in pods if p.phase == "Succeeded"]
+    succeeded = [p for p in run.pods if p.phase == "Succeeded"]
     if succeeded:  # a finished run counts even if the deadline passed while we were not looking
         return run.finish("Succeeded", "PodSucceeded", f"pod {succeeded[0].name} completed")
 
@@ -155,7 +167,50 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
         if len(current) > 1:  # only possible if someone copied a pod; keep the newest
             run.actions.append(DeletePods(tuple(p.name for p in current[:-1]), "duplicate attempt"))
         return _track(run, current[-1], failures)
-    return _start_attempt(run, failures, place, policy)
+    shape = _shape(run)
+    if isinstance(shape, Decision):
+        return shape
+    return _start_attempt(run, failures, place, policy, *shape)
+
+
+def _shape(run: _Run) -> Decision | tuple[FineTuneJobSpec, ModelArchitecture | None]:
+    """The spec to plan with: as written when it states the model's shape; else with the shape the
+    inspection pod read (in status.modelArchitecture, or from the pod that has just finished), or
+    the decision that waits for that pod, creates it, or fails the job with its error."""
+    job, b = run.job, run.b
+    spec = job.spec
+    assert spec is not None
+    if spec.model.known_shape() is not None:
+        return spec, None
+    arch = inspection.learned(job.status)
+    if arch is None:
+        seen = inspection.read(list(run.inspections))
+        if seen.outcome == "failed":
+            b.condition("Inspected", "False", "ModelInspectionFailed", seen.message)
+            return run.finish("Failed", "ModelInspectionFailed", seen.message)
+        if seen.outcome != "succeeded":
+            name = seen.pod or inspect_pod_name(job.name, job.uid)
+            if seen.outcome == "none":
+                run.actions.append(CreateInspection())
+            message = (f"reading the shape of model.path {spec.model.path} from its config.json (pod {name})"
+                       + (f"; {seen.message}" if seen.message else ""))
+            b.phase("Pending", message)
+            b.condition("Inspected", "False", "Inspecting", message)
+            return run.done()
+        arch = seen.architecture
+        assert arch is not None
+        b.set("modelArchitecture", arch.wire())
+        b.condition("Inspected", "True", "ModelInspected",
+                    f"{spec.model.path}/config.json: {inspection.describe(arch)}")
+    # Its answer is kept: free the pod's node and volumes (a ReadWriteOnce claim) for the training pod.
+    done = [p.name for p in run.inspections if not p.deleting]
+    if done:
+        run.actions.insert(0, DeletePods(tuple(done), "the model's shape is known"))
+    try:
+        return spec.with_architecture(arch), arch
+    except ValidationError as exc:
+        return run.finish("Failed", "InvalidSpec", f"the model directory's shape does not suit the job: "
+                                                   f"{describe_validation_error(exc, 'spec')}")
 
 
 def _suspend(run: _Run) -> Decision:
@@ -221,10 +276,9 @@ def _track(run: _Run, pod: PodView, failures: list[str]) -> Decision:
     return run.done()
 
 
-def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: LifecyclePolicy) -> Decision:
+def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: LifecyclePolicy,
+                   spec: FineTuneJobSpec, architecture: ModelArchitecture | None) -> Decision:
     job, b = run.job, run.b
-    spec = job.spec
-    assert spec is not None
     limit = spec.run_policy.backoff_limit
     if failures:
         wait = policy.backoff(len(failures))
@@ -256,7 +310,7 @@ def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: Lifecy
     assert placement.node is not None and placement.plan is not None
     attempt = _next_attempt(b.get("attempts"), run.pods)
     name = pod_name(job.name, attempt)
-    run.actions.append(CreateAttempt(attempt, placement.node, placement.plan))
+    run.actions.append(CreateAttempt(attempt, placement.node, placement.plan, architecture))
     message = f"created pod {name} for node {placement.node}: {placement.message}"
     b.set("node", placement.node)
     b.set("plan", placement.plan.model_dump(mode="json"))

@@ -12,7 +12,7 @@ object the operator finds under one of its names but not owned by this job is ne
 """
 from __future__ import annotations
 
-from memstrata.api.finetunejob import GROUP
+from memstrata.api.finetunejob import GROUP, OPERATOR_MOUNT_PATHS, OPERATOR_VOLUMES
 
 FINALIZER = f"{GROUP}/cleanup"
 FIELD_MANAGER = "memstrata-operator"
@@ -21,15 +21,20 @@ COMPONENT = "memstrata-operator"
 LABEL_JOB_UID = f"{GROUP}/job-uid"
 LABEL_JOB_NAME = f"{GROUP}/job-name"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
+# Which child a pod is: the training attempt (no label) or the model inspection pod (ROLE_INSPECT).
+LABEL_ROLE = f"{GROUP}/role"
+ROLE_INSPECT = "inspect-model"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "memstrata-operator"
 
 # Labels on a job that must never be copied to its pods: they would let a user
 # make a pod look like another job's child.
-RESERVED_PREFIXES = (f"{GROUP}/job-", f"{GROUP}/attempt", "app.kubernetes.io/managed-by")
+RESERVED_PREFIXES = (f"{GROUP}/job-", f"{GROUP}/attempt", f"{GROUP}/role", "app.kubernetes.io/managed-by")
 
 CONTAINER = "runtime"
-CONFIG_MOUNT = "/etc/memstrata"
+INSPECT_CONTAINER = "inspect-model"
+CONFIG_VOLUME = OPERATOR_VOLUMES[0]  # a user volume may not take the name (FineTuneJobSpec, CRD)
+CONFIG_MOUNT = OPERATOR_MOUNT_PATHS[0]
 
 # Kubernetes object names are DNS subdomains (253); leave room for suffixes.
 _MAX_BASE = 220
@@ -51,6 +56,11 @@ def _uid(uid: str) -> str:
 
 def configmap_name(job: str, uid: str) -> str:
     return f"{_base(job)}-runtime-config-{_uid(uid)}"
+
+
+def inspect_pod_name(job: str, uid: str) -> str:
+    """The pod that reads the model directory's config.json (one per job: it runs before any attempt)."""
+    return f"{_base(job)}-inspect-{_uid(uid)}"
 
 
 def runtime_account_name(job: str, uid: str) -> str:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.manifest import describe_validation_error
-from memstrata.operator.names import LABEL_ATTEMPT
+from memstrata.operator.names import LABEL_ATTEMPT, LABEL_ROLE, ROLE_INSPECT
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -77,6 +77,9 @@ class PodView:
     unschedulable: bool = False
     finished_at: datetime | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    message: str = ""  # the terminated container's termination message, as written
+    inspection: bool = False  # the model inspection pod, not a training attempt
+
 
     @property
     def terminal(self) -> bool:
@@ -107,14 +110,15 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         attempt = int(labels.get(LABEL_ATTEMPT, "0"))
     except ValueError:
         attempt = 0
-    exit_code, reason, finished = None, status.get("reason") or "", None
+    exit_code, reason, finished, message = None, status.get("reason") or "", None, ""
     for cs in status.get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
         if term:
             exit_code = term.get("exitCode")
             reason = term.get("reason") or reason
             if term.get("message"):
-                reason = f"{reason}: {term['message']}" if reason else term["message"]
+                message = str(term["message"])
+                reason = f"{reason}: {message}" if reason else message
             finished = parse_time(term.get("finishedAt"))
             if exit_code:
                 break  # the failing container explains the pod
@@ -135,4 +139,6 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         unschedulable=unschedulable,
         finished_at=finished,
         labels=labels,
+        message=message,
+        inspection=labels.get(LABEL_ROLE) == ROLE_INSPECT,
     )

@@ -24,7 +24,8 @@ from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.operator import children, names, render
 from memstrata.operator.actions import (
-    AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeleteJob, DeletePods, Event, PatchStatus,
+    AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, Decision, DeleteJob, DeletePods, Event,
+    PatchStatus,
 )
 from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, NotLeading, api_path, gather_ok
 from memstrata.operator.leadership import AlwaysLeading
@@ -223,9 +224,12 @@ class Reconciler:
             self._assumed[pod_key] = (use, time.monotonic())
         try:
             await self.apply(job, decision)
-        except children.NameClash as clash:
-            log.warning("reconcile %s/%s: %s", *key, clash)
-            await self.apply(job, fail(job, datetime.now(timezone.utc), "NameClash", str(clash)))
+        except (children.NameClash, children.PodRejected) as exc:
+            # Retrying cannot help: the same object is there, the same pod is invalid. Fail the job, saying why.
+            log.warning("reconcile %s/%s: %s", *key, exc)
+            for create in decision.of(CreateAttempt):  # no pod holds the node's room it claimed
+                self._assumed.pop(f"{namespace}/{names.pod_name(job.name, create.attempt)}", None)
+            await self.apply(job, fail(job, datetime.now(timezone.utc), type(exc).__name__, str(exc)))
             return
         if decision.waiting_for_room:
             self._waiting.add(key)
@@ -283,6 +287,8 @@ class Reconciler:
                 elif isinstance(action, CreateAttempt):
                     await children.create_attempt(self.kube, job, action, self.report_interval_seconds,
                                                   self.pod_security)
+                elif isinstance(action, CreateInspection):
+                    await children.create_inspection(self.kube, job, self.pod_security)
                 elif isinstance(action, PatchStatus):
                     # Compare-and-swap on the version this decision read, or on our own write of the
                     # finalizer after it: a status decided on a stale copy is refused with a 409, then re-read.

@@ -22,6 +22,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
 from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU, RESOURCE_MEMORY
 from memstrata.api.runtimeconfig import CONFIGMAP_KEY, ENV_RUNTIME_CONFIG, JobRef, RuntimeConfig
@@ -98,7 +99,7 @@ def owner_reference(job: JobView) -> dict[str, Any]:
             "controller": True, "blockOwnerDeletion": True}
 
 
-def _meta(job: JobView, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+def child_meta(job: JobView, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": job.namespace,
@@ -107,35 +108,73 @@ def _meta(job: JobView, name: str, extra_labels: dict[str, str] | None = None) -
     }
 
 
-def runtime_config(job: JobView, node: str, plan: Plan, attempt: int,
-                   report_interval_seconds: float = 10.0) -> RuntimeConfig:
+def runtime_config(job: JobView, node: str, plan: Plan, attempt: int, report_interval_seconds: float = 10.0,
+                   architecture: ModelArchitecture | None = None) -> RuntimeConfig:
+    """`architecture`: the shape the operator read from the model directory, for a spec that states none;
+    the runtime then checks the directory against it as against a stated one."""
     spec = job.spec
     assert spec is not None  # the lifecycle never places a job whose spec it cannot read
+    if architecture is not None and spec.model.known_shape() is None:
+        spec = spec.with_architecture(architecture)
     return RuntimeConfig(
         job=JobRef(name=job.name, namespace=job.namespace, uid=job.uid),
         model=spec.model, dataset=spec.dataset, training=spec.training, resources=spec.resources,
-        memory=spec.memory, plan=plan, node=node, attempt=attempt,
+        memory=spec.memory, output=spec.output, plan=plan, node=node, attempt=attempt,
         report_interval_seconds=report_interval_seconds,
     )
+
+
+def user_volumes(spec: FineTuneJobSpec) -> list[dict[str, Any]]:
+    """spec.volumes as the pod takes them, first in its list: the API server's error about pod field
+    spec.volumes[i] is then about the job's spec.volumes[i]."""
+    return [v.model_dump(mode="json", by_alias=True, exclude_none=True) for v in spec.volumes]
+
+
+def user_mounts(spec: FineTuneJobSpec, read_only: bool = False) -> list[dict[str, Any]]:
+    """spec.volumeMounts for a container, first in its list (so their indices are the job's too);
+    `read_only` forces every one read-only (the inspection pod only reads)."""
+    return [{**m.wire(), **({"readOnly": True} if read_only else {})} for m in spec.volume_mounts]
+
+
+def pod_security_context(security: PodSecurity, device_group: bool = True) -> dict[str, Any]:
+    """The pod-level securityContext of memstrata's pods (PodSecurity `restricted`, uid 1000)."""
+    return {
+        "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
+        # uid 1000 may open the granted namespaces (root:disk 0660 on the node) only through their group.
+        **({"supplementalGroups": [security.device_gid]} if device_group and security.device_gid is not None
+           else {}),
+        "seccompProfile": seccomp_profile(security.seccomp_profile),
+    }
+
+
+def container_security_context(security: PodSecurity) -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        # Nothing added back: IPC_LOCK is what a bigger locked pool would need, but `restricted` and
+        # `baseline` refuse it and a non-root process never holds it (no ambient capabilities).
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": seccomp_profile(security.seccomp_profile),
+    }
 
 
 def configmap(job: JobView, config: RuntimeConfig) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": _meta(job, names.configmap_name(job.name, job.uid)),
+        "metadata": child_meta(job, names.configmap_name(job.name, job.uid)),
         "data": {CONFIGMAP_KEY: json.dumps(config.wire(), indent=1, sort_keys=True)},
     }
 
 
 def service_account(job: JobView) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, names.runtime_account_name(job.name, job.uid))}
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_meta(job, names.runtime_account_name(job.name, job.uid))}
 
 
 def role(job: JobView) -> dict[str, Any]:
     """May read its own job and patch its own job's status — nothing else, no other job."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": _meta(job, names.runtime_account_name(job.name, job.uid)),
+        "metadata": child_meta(job, names.runtime_account_name(job.name, job.uid)),
         "rules": [
             {"apiGroups": [API_VERSION.split("/")[0]], "resources": [f"{PLURAL}/status"],
              "resourceNames": [job.name], "verbs": ["get", "patch"]},
@@ -149,7 +188,7 @@ def role_binding(job: JobView) -> dict[str, Any]:
     name = names.runtime_account_name(job.name, job.uid)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": _meta(job, name),
+        "metadata": child_meta(job, name),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
     }
@@ -180,48 +219,38 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
         # neighbour). At the limit the kernel OOM-kills this container and its status says OOMKilled:
         # a plan that undercounts fails loudly, on its own job.
         "resources": {"requests": amounts, "limits": dict(amounts)},
-        "volumeMounts": [{"name": "runtime-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            # Nothing added back: IPC_LOCK is what a bigger locked pool would need, but `restricted` and
-            # `baseline` refuse it and a non-root process never holds it (no ambient capabilities).
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "seccompProfile": seccomp_profile(security.seccomp_profile),
-        },
+        "volumeMounts": [*user_mounts(spec),
+                         {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
+        "securityContext": container_security_context(security),
     }
     if spec.command:
         container["command"] = list(spec.command)
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
-            **_meta(job, names.pod_name(job.name, attempt), labels),
+            **child_meta(job, names.pod_name(job.name, attempt), labels),
             "annotations": {f"{names.LABEL_JOB_NAME}": job.name, "memstrata.dev/planned-node": node},
         },
         "spec": {
             "restartPolicy": "Never",  # a retry is a new pod, counted against backoffLimit
             "serviceAccountName": names.runtime_account_name(job.name, job.uid),
             "enableServiceLinks": False,
-            "securityContext": {
-                "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
-                # uid 1000 may open the granted namespaces (root:disk 0660 on the node) only through their group.
-                **({"supplementalGroups": [security.device_gid]} if security.device_gid is not None else {}),
-                "seccompProfile": seccomp_profile(security.seccomp_profile),
-            },
+            "securityContext": pod_security_context(security),
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchExpressions": node_terms}]}}},
             "tolerations": [{"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [container],
-            "volumes": [{"name": "runtime-config", "configMap": {
+            "volumes": [*user_volumes(spec), {"name": names.CONFIG_VOLUME, "configMap": {
                 "name": names.configmap_name(job.name, job.uid), "items": [{"key": CONFIGMAP_KEY, "path": CONFIGMAP_KEY}]}}],
         },
     }
 
 
 def attempt_objects(job: JobView, node: str, plan: Plan, attempt: int, report_interval_seconds: float = 10.0,
-                    security: PodSecurity = PodSecurity()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                    security: PodSecurity = PodSecurity(), architecture: ModelArchitecture | None = None,
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the pod's companions, ServiceAccount first; the pod). Admission rejects a pod whose
     ServiceAccount does not exist yet; the others may come alongside it."""
-    config = runtime_config(job, node, plan, attempt, report_interval_seconds)
+    config = runtime_config(job, node, plan, attempt, report_interval_seconds, architecture)
     return ([service_account(job), role(job), role_binding(job), configmap(job, config)],
             pod(job, node, plan, attempt, security))

@@ -77,7 +77,8 @@ def job_and_plan(cfg: RuntimeConfig) -> tuple[FineTuneJob, Plan]:
         job = FineTuneJob.model_validate({
             "metadata": {"name": cfg.job.name, "namespace": cfg.job.namespace},
             "spec": {"model": cfg.model.wire(), "dataset": cfg.dataset.wire(), "training": cfg.training.wire(),
-                     "resources": cfg.resources.wire(), "memory": cfg.memory.wire()},
+                     "resources": cfg.resources.wire(), "memory": cfg.memory.wire(),
+                     **({"output": cfg.output.wire()} if cfg.output is not None else {})},
         })
     except ValidationError as exc:
         raise PodConfigError(f"runtime config: {describe_validation_error(exc)}") from None

@@ -1,0 +1,101 @@
+"""A Hugging Face `config.json` read as a planning shape (`ModelArchitecture`), and the check that a job's
+declared architecture matches the directory's.
+
+Pure: a dict in, a shape or a `ModelConfigError` out. The operator's inspection pod, `memstrata run` and the
+runtime all read a model directory's shape through here, so they can never disagree about it. Field names
+follow `transformers`' `PretrainedConfig` attribute map: most causal LMs use the Llama names
+(`num_hidden_layers`, `hidden_size`, ...), GPT-2 its own (`n_layer`, `n_embd`, ...).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from memstrata.api.architecture import ModelArchitecture
+
+__all__ = ["ModelConfigError", "architecture_from_config", "config_mismatches", "GPT_MODEL_TYPES"]
+
+# Model types whose blocks are GPT-2's (learned positions, LayerNorm with bias, biased projections, GELU MLP).
+GPT_MODEL_TYPES = frozenset({"gpt2"})
+# The model classes `transformers` names causal LMs with (`architectures` in config.json, when it is there).
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# Model types with a bias on Q/K/V only, whatever their config says about `attention_bias`.
+QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
+
+_NAMES = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_dim"),
+    "heads": ("num_attention_heads", "n_head"),
+    "kv_heads": ("num_key_value_heads",),
+    "vocab": ("vocab_size",),
+    "max_positions": ("max_position_embeddings", "n_positions", "n_ctx"),
+}
+
+
+class ModelConfigError(ValueError):
+    """A model's config.json cannot be read as a causal LM shape; the message names the file and the field."""
+
+
+def _int(config: dict[str, Any], source: str, field: str, *, required: bool = True) -> int | None:
+    for name in _NAMES[field]:
+        value = config.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+        return value
+    if required:
+        raise ModelConfigError(f"{source}: no {' or '.join(_NAMES[field])}: not a decoder-only transformer "
+                               "config that memstrata can plan")
+    return None
+
+
+def architecture_from_config(config: dict[str, Any], source: str = "config.json") -> ModelArchitecture:
+    """The shape `config` (a parsed config.json) describes; `source` names the file in errors."""
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelConfigError(f"{source}: no model_type: not a Hugging Face model config")
+    classes = config.get("architectures")
+    if isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes) \
+            and not any(c.endswith(CAUSAL_LM_SUFFIXES) for c in classes):
+        raise ModelConfigError(f"{source}: architectures {classes}: not a causal language model (memstrata "
+                               f"fine-tunes a *{' or *'.join(CAUSAL_LM_SUFFIXES)} model)")
+    gpt = model_type in GPT_MODEL_TYPES
+    hidden = _int(config, source, "hidden")
+    heads = _int(config, source, "heads")
+    assert hidden is not None and heads is not None
+    intermediate = _int(config, source, "intermediate", required=not gpt) or 4 * hidden
+    kv_heads = _int(config, source, "kv_heads", required=False) or heads
+    positions = _int(config, source, "max_positions", required=False) or 2048
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != hidden // heads:
+        raise ModelConfigError(f"{source}: head_dim {head_dim} is not hidden_size / num_attention_heads "
+                               f"({hidden} / {heads}); memstrata plans only models where it is")
+    qkv_bias = model_type in QKV_BIAS_MODEL_TYPES or bool(config.get("attention_bias", False))
+    try:
+        return ModelArchitecture(
+            family="gpt" if gpt else "llama",
+            layers=_int(config, source, "layers"), hidden=hidden, intermediate=intermediate, heads=heads,
+            kv_heads=kv_heads, vocab=_int(config, source, "vocab"),
+            # GPT-2 ties by default and says so only when it does not.
+            tied=bool(config.get("tie_word_embeddings", gpt)),
+            qkv_bias=qkv_bias and not gpt, max_positions=positions,
+        )
+    except ValueError as exc:
+        raise ModelConfigError(f"{source}: {exc}") from None
+
+
+def config_mismatches(declared: ModelArchitecture, found: ModelArchitecture) -> list[str]:
+    """Each field where a job's declared architecture differs from the directory's, with both values."""
+    fields = ["family", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "tied", "qkv_bias"]
+    if found.family == "gpt":
+        fields.append("max_positions")
+    out = []
+    for name in fields:
+        a, b = getattr(declared, name), getattr(found, name)
+        if a != b:
+            alias = ModelArchitecture.model_fields[name].alias or name
+            out.append(f"architecture.{alias}: the job declares {a!r}, the model directory has {b!r}")
+    return out
