@@ -1,174 +1,184 @@
-"""Training data: built-in synthetic sets and JSONL text files, through a byte-level tokenizer.
+"""Training data: what a job's `spec.dataset` describes, as micro-batches of `(input_ids, labels)`.
 
-Everything is text turned into token ids by `ByteTokenizer` (one token per
-UTF-8 byte, plus three specials), so no tokenizer or data set is ever
-downloaded. Examples are packed end to end into blocks of `sequence_length + 1`
-tokens; a block gives the inputs (all but the last) and the labels (all but the first).
+`build_data` is the entry point. A synthetic set is generated block by block through the byte tokenizer;
+a JSONL file is validated completely first (one streaming pass, records.py), then streamed for every
+epoch through a bounded shuffle buffer (stream.py), each record tokenized with its loss mask (encode.py,
+chat.py) and packed or padded into sequences (packing.py). Nothing holds the whole file.
 
-The synthetic sets have structure a small model learns, so a falling loss is
-evidence that training works, not noise:
+Both produce `(input_ids, labels)` LongTensors of shape (micro_batch, sequence_length), labels at the
+inputs' positions with -100 where there is no loss: the model (a Hugging Face causal LM) shifts them.
 
-- `arithmetic`: `123+45=168` lines: the format and the digit statistics are
-  learnt in a few dozen steps and the loss keeps falling as the model starts
-  on the sums (gpt-tiny: 6.2 -> 2.4 in 60 steps, 2.05 after 300).
-- `copy`: `abcfe=abcfe` lines over a 16-letter alphabet: the right side is
-  fully determined by the left one, but only once the model forms an
-  induction head, which takes a 2-layer model many hundred steps; a short
-  run learns the alphabet (6.2 -> 2.9) and then plateaus.
-
-Sample `i` depends only on (seed, i), so a run is reproducible and resumable.
+Resuming: `batches(micro_batch, start=k)` yields what the k-th micro-batch onwards of a fresh iteration
+yields. A synthetic set computes block `i` from (seed, i) directly, so that is free. A file replays the
+stream: the first k * micro_batch sequences are read and tokenized but never made into tensors, which
+costs about as much as tokenizing k * micro_batch * sequence_length tokens - a second or so per
+million on one core - cheap for the small sets fine-tuning uses. (A checkpoint of (epoch, file offset,
+shuffle buffer, packing remainder) would make it O(1); issue 14.)
 """
 from __future__ import annotations
 
-import json
-import random
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING
+
+from memstrata.api.finetunejob import Dataset, Training
+from memstrata.runtime.train.chat import check_chat_template
+from memstrata.runtime.train.encode import Example, encode_record
+from memstrata.runtime.train.packing import labels_of, micro_batches, sequences, trains
+from memstrata.runtime.train.records import DatasetError, Format, Record, RecordError, read_records, scan
+from memstrata.runtime.train.stream import SHUFFLE_BUFFER, epochs, held_out
+from memstrata.runtime.train.synthetic import SyntheticKind, synthetic_block
+from memstrata.runtime.train.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
 
-SyntheticKind = Literal["copy", "arithmetic"]
-COPY_ALPHABET = "abcdefghijklmnop"
+__all__ = ["DatasetError", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "TrainData",
+           "SyntheticData", "FileData", "build_data"]
+
+Batch = tuple["torch.Tensor", "torch.Tensor"]
+SYNTHETIC_VALIDATION_BLOCKS = 16  # held-out blocks when a synthetic set has a validationSplit
 
 
-class DatasetError(ValueError):
-    """A dataset file cannot be used; the message names the file (and line) and what is wrong."""
+class TrainData(ABC):
+    """Micro-batches for training (endless) and for validation (finite)."""
+
+    tokenizer: Tokenizer
+    summary: str  # one line for the log: what is trained on
+
+    @abstractmethod
+    def batches(self, micro_batch: int, start: int = 0) -> Iterator[Batch]:
+        """Training micro-batches forever, from the `start`-th on (see the module doc on resuming)."""
+
+    @abstractmethod
+    def validation(self, micro_batch: int) -> list[Batch]:
+        """The validation micro-batches (the last may be smaller); empty when the dataset has none."""
 
 
-class ByteTokenizer:
-    """UTF-8 bytes are tokens 0..255; then PAD, BOS, EOS."""
-
-    PAD, BOS, EOS = 256, 257, 258
-    VOCAB = 259
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def copy_example(rng: random.Random) -> str:
-    word = "".join(rng.choice(COPY_ALPHABET) for _ in range(rng.randint(4, 12)))
-    return f"{word}={word}\n"
-
-
-def arithmetic_example(rng: random.Random) -> str:
-    a, b = rng.randrange(1000), rng.randrange(1000)
-    return f"{a}+{b}={a + b}\n"
-
-
-EXAMPLES = {"copy": copy_example, "arithmetic": arithmetic_example}
-
-
-class Blocks:
-    """A map-style sequence of (inputs, labels) blocks of `sequence_length` tokens."""
-
-    def __init__(self, sequence_length: int) -> None:
-        self.sequence_length = sequence_length
-
-    def block(self, index: int) -> list[int]:
-        raise NotImplementedError
-
-    def __getitem__(self, index: int) -> tuple["torch.Tensor", "torch.Tensor"]:
-        import torch  # here, so validating a dataset file needs no torch
-
-        ids = torch.tensor(self.block(index), dtype=torch.long)
-        return ids[:-1], ids[1:]
-
-    def batches(self, micro_batch: int, start: int = 0) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
-        """Micro-batches forever: blocks start, start+1, ... stacked `micro_batch` at a time."""
-        import torch
-
-        index = start
-        while True:
-            items = [self[index + j] for j in range(micro_batch)]
-            index += micro_batch
-            yield torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
-
-
-class SyntheticBlocks(Blocks):
-    """Block `i` is generated from its own RNG seeded by (seed, i): deterministic and unbounded."""
-
-    def __init__(self, kind: SyntheticKind, sequence_length: int, seed: int) -> None:
-        super().__init__(sequence_length)
-        self.kind, self.seed = kind, seed
+class SyntheticData(TrainData):
+    def __init__(self, kind: SyntheticKind, sequence_length: int, seed: int, validation: bool = False) -> None:
+        self.kind, self.sequence_length, self.seed = kind, sequence_length, seed
         self.tokenizer = ByteTokenizer()
+        self.has_validation = validation
+        self.summary = f"synthetic {kind} (byte tokens)"
 
     def block(self, index: int) -> list[int]:
-        rng = random.Random(f"{self.kind}:{self.seed}:{index}")
-        make = EXAMPLES[self.kind]
-        ids = [ByteTokenizer.BOS]
-        while len(ids) < self.sequence_length + 1:
-            ids += self.tokenizer.encode(make(rng))
-        return ids[: self.sequence_length + 1]
+        return synthetic_block(self.kind, self.seed, index, self.sequence_length)
+
+    def batches(self, micro_batch: int, start: int = 0) -> Iterator[Batch]:
+        rows = ((ids, list(ids)) for ids in map(self.block, itertools.count(start * micro_batch)))
+        return micro_batches(rows, micro_batch)
+
+    def validation(self, micro_batch: int) -> list[Batch]:
+        if not self.has_validation:
+            return []
+        rows = [(ids, list(ids)) for ids in (synthetic_block(self.kind, self.seed, i, self.sequence_length,
+                                                             stream="validation")
+                                             for i in range(SYNTHETIC_VALIDATION_BLOCKS))]
+        return list(micro_batches(rows, micro_batch, keep_last=True))
 
 
-class TextBlocks(Blocks):
-    """A JSONL corpus, tokenized once and cut into blocks; the order is shuffled per epoch by the seed."""
+class FileData(TrainData):
+    """A JSONL dataset, validated on construction and streamed afterwards."""
 
-    def __init__(self, tokens: list[int], sequence_length: int, seed: int) -> None:
-        super().__init__(sequence_length)
-        span = sequence_length + 1
-        self.tokens = tokens
-        self.count = len(tokens) // span
-        self.seed = seed
+    def __init__(self, dataset: Dataset, training: Training, tokenizer: Tokenizer,
+                 shuffle_buffer: int = SHUFFLE_BUFFER) -> None:
+        assert dataset.path is not None
+        self.path, self.text_field = Path(dataset.path), dataset.text_field
+        self.tokenizer, self.packing = tokenizer, dataset.packing
+        self.length, self.seed, self.shuffle_buffer = training.sequence_length, training.seed, shuffle_buffer
+        self.held_out = held_out(training.seed, dataset.validation_split)
+        train = scan(self.path, dataset.format, dataset.text_field, keep=lambda n: not self.held_out(n))
+        self.format: Format = train.format
+        self.why = train.why
+        if self.format == "messages":
+            check_chat_template(tokenizer, f"dataset.path {self.path}")
+        self.train_records = train.kept
+        self.validation_records = train.other
+        self.validation_file: Path | None = None
+        self.validation_why = self.why
+        if not train.kept:
+            raise DatasetError(f"{self.path}: validationSplit {dataset.validation_split} holds out all "
+                               f"{train.other} records, leaving none to train on")
+        if dataset.validation_split and not train.other:
+            raise DatasetError(f"{self.path}: validationSplit {dataset.validation_split} holds out none of the "
+                               f"{train.kept} records: raise it, or give a validationPath")
+        if dataset.validation_path is not None:
+            self.validation_file = Path(dataset.validation_path)
+            # Loss on a differently formatted file would not be comparable: the format is the training file's.
+            if dataset.format == "auto":
+                self.validation_why = f"{self.why} of {self.path}"
+            val = scan(self.validation_file, self.format, dataset.text_field, why=self.validation_why)
+            if not val.kept:
+                raise DatasetError(f"{self.validation_file}: holds no records")
+            self.validation_records = val.kept
+        held = (f", {self.validation_records} held out for validation" if dataset.validation_split else
+                f"; validation: {self.validation_records} from {self.validation_file}" if self.validation_file
+                else "")
+        self.summary = f"{self.path}: {self.train_records} {self.format} records{held}"
+        self._validation: dict[int, list[Batch]] = {}
+        # The first sequence now, so what only tokenizing shows (a chat template that is not prefix-stable,
+        # records with nothing to train on within sequenceLength) fails before training starts.
+        next(self._train_rows())
 
-    def block(self, index: int) -> list[int]:
-        epoch, within = divmod(index, self.count)
-        order = list(range(self.count))
-        random.Random(f"text:{self.seed}:{epoch}").shuffle(order)
-        span = self.sequence_length + 1
-        start = order[within] * span
-        return self.tokens[start: start + span]
-
-
-def read_jsonl(path: Path, text_field: str) -> list[str]:
-    """The `text_field` of every record; any bad line fails with `file:line: problem`."""
-    texts = []
-    try:
-        handle = path.open(encoding="utf-8")
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    with handle:
+    def _encode(self, path: Path, number: int, record: Record) -> Example:
         try:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DatasetError(f"{path}:{number}: malformed JSON: {exc.msg} (column {exc.colno})") from None
-                if not isinstance(record, dict):
-                    raise DatasetError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-                if text_field not in record:
-                    raise DatasetError(f"{path}:{number}: no {text_field!r} field")
-                if not isinstance(record[text_field], str):
-                    kind = type(record[text_field]).__name__
-                    raise DatasetError(f"{path}:{number}: field {text_field!r} must be a string, got {kind}")
-                texts.append(record[text_field])
-        except UnicodeDecodeError as exc:
-            raise DatasetError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    return texts
+            return encode_record(record, self.tokenizer)
+        except RecordError as exc:
+            raise DatasetError(f"{path}:{number}: {exc}") from None
+
+    def _read_train(self) -> Iterator[tuple[int, Record]]:
+        return read_records(self.path, self.format, self.text_field, self.why, keep=lambda n: not self.held_out(n))
+
+    def _train_examples(self) -> Iterator[Example]:
+        """Examples forever, epoch after epoch; fails when a whole epoch had nothing to train on (which would
+        otherwise loop forever without yielding a batch)."""
+        current, useful = 0, False
+        for epoch, (number, record) in epochs(self._read_train, self.seed, self.shuffle_buffer):
+            if epoch != current:
+                if not useful:
+                    raise DatasetError(f"{self.path}: no record has a token to train on within the first "
+                                       f"training.sequenceLength ({self.length}) tokens")
+                current, useful = epoch, False
+            example = self._encode(self.path, number, record)
+            if not useful:
+                labels = labels_of(example)
+                useful = any(m for m in example[1]) if self.packing else trains(labels[: self.length])
+            yield example
+
+    def _train_rows(self) -> Iterator[tuple[list[int], list[int]]]:
+        return sequences(self._train_examples(), self.length, self.tokenizer.pad_id, self.packing)
+
+    def batches(self, micro_batch: int, start: int = 0) -> Iterator[Batch]:
+        rows = itertools.islice(self._train_rows(), start * micro_batch, None)
+        return micro_batches(rows, micro_batch)
+
+    def _validation_examples(self) -> Iterator[Example]:
+        if self.validation_file is not None:
+            for number, record in read_records(self.validation_file, self.format, self.text_field,
+                                               self.validation_why):
+                yield self._encode(self.validation_file, number, record)
+        elif self.validation_records:
+            for number, record in read_records(self.path, self.format, self.text_field, self.why,
+                                               keep=self.held_out):
+                yield self._encode(self.path, number, record)
+
+    def validation(self, micro_batch: int) -> list[Batch]:
+        if micro_batch not in self._validation:
+            rows = sequences(self._validation_examples(), self.length, self.tokenizer.pad_id, self.packing,
+                             flush=True)
+            self._validation[micro_batch] = list(micro_batches(rows, micro_batch, keep_last=True))
+        return self._validation[micro_batch]
 
 
-def load_text_blocks(path: Path, text_field: str, sequence_length: int, seed: int) -> TextBlocks:
-    tokenizer = ByteTokenizer()
-    tokens: list[int] = []
-    for text in read_jsonl(path, text_field):
-        tokens += [ByteTokenizer.BOS, *tokenizer.encode(text), ByteTokenizer.EOS]
-    if len(tokens) < sequence_length + 1:
-        raise DatasetError(f"{path}: holds {len(tokens)} tokens, fewer than one training sequence "
-                           f"(training.sequenceLength + 1 = {sequence_length + 1})")
-    return TextBlocks(tokens, sequence_length, seed)
-
-
-def build_dataset(synthetic: SyntheticKind | None, path: str | None, text_field: str,
-                  sequence_length: int, seed: int) -> Blocks:
-    """The blocks a job's `spec.dataset` describes; reads and validates a file dataset completely."""
-    if synthetic is not None:
-        return SyntheticBlocks(synthetic, sequence_length, seed)
-    if path is None:
+def build_data(dataset: Dataset, training: Training, tokenizer: Tokenizer) -> TrainData:
+    """The data a job's `spec.dataset` describes; a file is validated completely (streaming) before this
+    returns, so a bad record fails here with `file:line: problem`, before training starts."""
+    if dataset.synthetic is not None:
+        return SyntheticData(dataset.synthetic, training.sequence_length, training.seed,
+                             validation=dataset.validation_split > 0)
+    if dataset.path is None:
         raise DatasetError("spec.dataset: set exactly one of dataset.synthetic or dataset.path")
-    return load_text_blocks(Path(path), text_field, sequence_length, seed)
+    return FileData(dataset, training, tokenizer)

@@ -1,0 +1,31 @@
+"""A record as token ids plus a loss mask: which tokens the model is trained to produce.
+
+- text: every token, then EOS.
+- prompt/completion: the prompt (with the tokenizer's leading specials, as a text starts), then the
+  completion, then EOS; only the completion and the EOS are trained on. The two strings are joined as
+  given - a separating space or newline belongs in the data, where the user can see it.
+- messages: the chat template (see chat.py); only the assistant turns, each through its end-of-turn token.
+  No EOS is added: the template's own turn markers delimit a conversation, and an EOS after the last
+  end-of-turn is a token the model never sees when it is asked a question.
+"""
+from __future__ import annotations
+
+from memstrata.runtime.train.chat import chat_example
+from memstrata.runtime.train.records import Messages, PromptCompletion, Record, TextRecord
+from memstrata.runtime.train.tokenizer import Tokenizer
+
+__all__ = ["Example", "encode_record"]
+
+Example = tuple[list[int], list[bool]]  # token ids, and per token whether it carries a label
+
+
+def encode_record(record: Record, tokenizer: Tokenizer) -> Example:
+    if isinstance(record, TextRecord):
+        ids = [*tokenizer.encode(record.text, first=True), tokenizer.eos_id]
+        return ids, [True] * len(ids)
+    if isinstance(record, PromptCompletion):
+        prompt = tokenizer.encode(record.prompt, first=True)
+        completion = [*tokenizer.encode(record.completion), tokenizer.eos_id]
+        return prompt + completion, [False] * len(prompt) + [True] * len(completion)
+    assert isinstance(record, Messages)
+    return chat_example(record, tokenizer)
