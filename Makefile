@@ -24,10 +24,12 @@ APT_STAMP := $(CACHE)/stamps/apt-$(shell echo $(APT_PACKAGES) | sha256sum | cut 
 TEST_PREREQS :=
 include $(sort $(wildcard mk/*.mk))
 
-.PHONY: help demo test test-fast install deps crd lint clean-venv
+.PHONY: help demo demo-tiny test test-fast install deps crd lint clean-venv
 help:
-	@echo "make demo   — install, then fine-tune examples/finetune-tiny.yaml locally with NVMe offload"
-	@echo "make test   — install, then run every test (unit, loop-device, real control plane, QEMU guest)"
+	@echo "make demo      — install, then fine-tune a real pretrained chat model (SmolLM2-135M-Instruct) on"
+	@echo "                 examples/chat-skill.jsonl locally, with NVMe offload, and save it"
+	@echo "make demo-tiny — the same path on a tiny random GPT and synthetic data (about a minute)"
+	@echo "make test      — install, then run every test (unit, loop-device, real control plane, QEMU guest)"
 
 $(APT_STAMP):
 	@$(TIMED) apt scripts/apt-install $(APT_PACKAGES)
@@ -41,8 +43,14 @@ install: $(APT_STAMP)
 	@$(TIMED) venv scripts/bootstrap-venv
 	@$(TIMED) install scripts/install-editable
 
-demo: install
-	@$(TIMED) demo $(MEMSTRATA) run examples/finetune-tiny.yaml
+# Each demo run writes a new output directory (memstrata never overwrites a model).
+DEMO_OUTPUT = $(CACHE)/demo-output/chat-skill-$(shell date +%Y%m%d-%H%M%S)
+demo: install model
+	@$(TIMED) demo $(MEMSTRATA) run examples/finetune-chat.yaml --model $(MEMSTRATA_SMOLLM2_DIR) \
+		--output $(DEMO_OUTPUT) --sample "What is the capital of Vosessa?"
+
+demo-tiny: install
+	@$(TIMED) demo-tiny $(MEMSTRATA) run examples/finetune-tiny.yaml
 
 test: install $(TEST_PREREQS)
 	@$(TIMED) tests $(PY) -m pytest $(PYTEST_ARGS)

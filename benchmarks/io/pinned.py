@@ -4,7 +4,7 @@ Run (root, or a high enough RLIMIT_MEMLOCK):
     python benchmarks/io/pinned.py
 
 Computed for every preset from the model's real parameter list (memstrata's
-Decoder built on the meta device, so no weights are allocated):
+transformers model built on the meta device, so no weights are allocated):
 
 - DeepSpeed: its own config classes (DeepSpeedZeroConfig with offload_param /
   offload_optimizer on nvme) give buffer_count and sub_group_size;
@@ -59,10 +59,10 @@ def param_numels(preset: str) -> list[tuple[str, int]]:
     """(name, numel) of every parameter tensor, in registration order (the order ZeRO-3 packs sub-groups)."""
     import torch
 
-    from memstrata.runtime.train.model import Decoder
+    from memstrata.runtime.train.hfmodel import random_model
 
     with torch.device("meta"):
-        model = Decoder(PRESETS[preset])
+        model = random_model(PRESETS[preset], 2048, seed=0)
     return [(n, p.numel()) for n, p in model.named_parameters()]
 
 

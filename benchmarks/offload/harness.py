@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepspeed
     from memstrata.api.architecture import PRESETS
-    from memstrata.runtime.train.model import build_model
+    from memstrata.runtime.train.hfmodel import random_model
 
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from memstrata.api.architecture import ModelArchitecture
 
     arch = ModelArchitecture.model_validate_json(args.arch_json) if args.arch_json else PRESETS[args.preset]
-    torch.manual_seed(args.seed)
-    model = build_model(arch, args.seed)
+    model = random_model(arch, args.seq, args.seed)
     cfg = ds_config(arch, swap_dir=args.swap_dir, batch=args.batch, precision=args.precision, profile=args.profile)
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
     init_kw: dict[str, Any] = {"model": model, "model_parameters": model.parameters(), "config": cfg}
@@ -156,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = min(arch.vocab, 256)
     layer = getattr(engine, "memstrata", None)
     for step in range(1, args.steps + 1):
-        ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
         s0 = time.perf_counter()
         mem.phase = "forward"
-        loss = engine(ids[:, :-1], ids[:, 1:])
+        loss = engine(input_ids=ids, labels=ids).loss
         s1 = time.perf_counter()
         mem.phase = "backward"
         engine.backward(loss)

@@ -30,16 +30,16 @@ def main() -> None:
 
     from memstrata.api.architecture import PRESETS
     from memstrata.runtime import initialize
-    from memstrata.runtime.train.model import build_model
+    from memstrata.runtime.train.hfmodel import random_model
 
     arch = PRESETS["gpt-tiny"]
-    model = build_model(arch, 1234)
+    model = random_model(arch, 32, 1234)
     Path(swap_dir).mkdir(parents=True, exist_ok=True)
     cfg = ds_config(arch, swap_dir=swap_dir, batch=2, precision="bf16", profile="tuned")
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                  swap={"nvme": [device]})
-    ids = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(1))
-    engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+    ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
     opt = engine.optimizer
     group = next(i for i in range(len(opt.fp16_groups)) if opt._swappable_optimizer_subgroup(i))
     params = [p for p in opt.fp16_groups[group] if p.requires_grad]

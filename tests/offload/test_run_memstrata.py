@@ -33,7 +33,8 @@ def test_tiny_example_on_the_memstrata_engine(deepspeed_ready: None, tmp_path: P
     report_path = tmp_path / "report.json"
 
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "memstrata.cli", "run", str(job), "--nvme-path", str(nvme),
+    proc = subprocess.Popen([sys.executable, "-m", "memstrata.cli", "run", str(job), "--verbose",
+                             "--nvme-path", str(nvme),
                              "--report-json", str(report_path)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     namespaces: set[str] = set()

@@ -41,9 +41,41 @@ def test_report_prints_loss_trend_bytes_and_phases() -> None:
     out = io.StringIO()
     render_report(report, Console(file=out, width=200))
     text = out.getvalue()
-    assert "loss: first 5 steps mean 4.6000 -> last 5 mean 2.8000 (x0.61, falling)" in text
+    assert "first 5 steps 4.6000 -> last 5 2.8000 (x0.61, falling)" in text
     assert "600.0 MiB" in text and "610.0 MiB" in text and "800.0 MiB" in text
-    assert "backward" in text and "zero_optimization.sub_group_size" in text
+    assert "backward" in text
+    # The DeepSpeed settings table is for --verbose: the default report stays compact.
+    assert "zero_optimization.sub_group_size" not in text
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200), verbose=True)
+    assert "zero_optimization.sub_group_size" in out.getvalue()
+
+
+def test_report_fits_100_columns_and_shows_validation_output_and_sample() -> None:
+    from memstrata.api.finetunejob import OutputStatus
+    from memstrata.runtime.train.progress import Sample
+
+    losses = [2.0, 1.5, 1.0, 0.5, 0.3]
+    report = RunReport(
+        job="chat", model="/models/SmolLM2-135M-Instruct", parameters=134_515_008, precision="bf16",
+        engine="memstrata", offload={"param": "nvme", "optimizer": "nvme"}, steps=5, tokens=2_560,
+        tokens_per_second=50.0, losses=losses, loss=LossSummary.of(losses), peak_rss_bytes=3 << 30,
+        load_peak_rss_bytes=2 << 30, model_bytes=269 << 20, validation_losses={0: 2.72, 5: 0.19},
+        output=OutputStatus(path="/output/chat", step=5, files=6, bytes=269 << 20),
+        sample=Sample(prompt="What is the capital of Vosessa?", before="It is Paris.", after="Brengate."),
+        strata={"dram": StratumCounters(peak_bytes=3 << 30)}, swap_dir="/scratch/x", swap_files=0,
+        swap_files_after_init=0, phases={"init": 10.0, "total": 60.0},
+        deepspeed_settings=[{"key": "k" * 60, "value": 1, "default": 2, "why": "w" * 200}],
+    )
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=100))
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 100
+    text = "\n".join(lines)
+    assert "2.7200 at step 0 -> 0.1900 at step 5" in text
+    assert "2.0 GiB by the end of loading (269.0 MiB of weights)" in text
+    assert "/output/chat (6 files, 269.0 MiB of weights, step 5)" in text
+    assert "It is Paris." in text and "Brengate." in text
 
 
 def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
@@ -71,7 +103,7 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
     )
     assert report.model_dump(mode="json")["memstrata"] == wire  # --report-json: the same names as before
     out = io.StringIO()
-    render_report(report, Console(file=out, width=200))
+    render_report(report, Console(file=out, width=200), verbose=True)
     text = out.getvalue()
     assert "memstrata swap layer" in text and "written through 1 namespace(s)" in text
     assert "optimizer state written / read" in text and "500.0 MiB / 450.0 MiB" in text

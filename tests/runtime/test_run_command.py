@@ -166,4 +166,4 @@ def test_tiny_example_fine_tunes_through_nvme(tmp_path: Path) -> None:
     assert {"zero_optimization.offload_param.buffer_size", "zero_optimization.sub_group_size"} <= {
         s["key"] for s in r["deepspeed_settings"]}
     # The printed report says the same.
-    assert "loss: first 5 steps mean" in out and "nvme" in out and "time per phase" in out
+    assert "first 5 steps" in out and "nvme" in out and "forward" in out and "backward" in out

@@ -86,6 +86,16 @@ class ExtentSwapHandle:
         self.on_io: Callable[[str, float, float], None] | None = None  # (kind, start, end) for tests
         self._t0 = 0.0
 
+    def discard(self, path: str) -> bool:
+        """Give the extent stored under `path` back to the engine (a tensor that no longer exists)."""
+        extent = self._extents.pop(path, None)
+        if extent is None:
+            return False
+        self.engine.free(extent)
+        self.counters.extents_live -= 1
+        self.counters.extent_bytes_live -= extent.padded
+        return True
+
     # -- the interface DeepSpeed's swappers call -----------------------------------------------
     def async_pwrite(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
         if offset:

@@ -49,8 +49,8 @@ from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed, ensu
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SUPPORTED_DEEPSPEED", "SeamMismatch", "UnsupportedDeepSpeed", "check_version", "initialize",
-           "swap_layer_of"]
+__all__ = ["SUPPORTED_DEEPSPEED", "SeamMismatch", "UnsupportedDeepSpeed", "check_version", "constructing",
+           "initialize", "open_layer", "swap_layer_of"]
 
 SUPPORTED_DEEPSPEED = "0.19.8"
 
@@ -123,11 +123,6 @@ def _trim_after_step(optimizer: ZeroOptimizer, layer: SwapLayer) -> None:
     optimizer.step = step_then_trim
 
 
-def _needed_bytes(model: torch.nn.Module | None) -> int:
-    numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
-    return unplanned_namespace_bytes(numel)
-
-
 def _nvme_path(config: dict[str, Any] | str | os.PathLike[str] | None) -> Path:
     cfg = config if isinstance(config, dict) else {}
     if isinstance(config, (str, os.PathLike)):
@@ -157,19 +152,46 @@ def _zero3(engine: Engine) -> ZeroOptimizer | None:
     return opt if isinstance(opt, DeepSpeedZeroOptimizer_Stage3) else None
 
 
-def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, ...]:
-    """`deepspeed.initialize(...)` with memstrata's swap layer; same arguments, same 4-tuple.
-
-    `swap` (or the MEMSTRATA_SWAP environment variable, JSON) configures the layer. The
-    returned engine carries the layer as `engine.memstrata` (see `swap_layer_of`)."""
+def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
+               swap: SwapSettings | dict[str, Any] | None = None, *, numel: int) -> SwapLayer:
+    """The swap layer for a model of `numel` parameters, opened before the model exists, so the model can be
+    built straight into it (`constructing`) and then handed to `initialize(..., layer=...)`."""
     check_version()
     ensure_verified()
     import deepspeed
     from deepspeed import comm as dist
 
+    settings = _settings(swap)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank, local_world=local_world,
+                          fallback_dir=_nvme_path(config), needed_bytes=unplanned_namespace_bytes(numel))
+
+
+@contextlib.contextmanager
+def constructing(layer: SwapLayer) -> Iterator[SwapLayer]:
+    """While a model is built under `deepspeed.zero.Init` (and its weights loaded), its partitions are swapped
+    through `layer`, never through DeepSpeed's swap folder."""
+    with activate(layer), _swappers_installed():
+        yield layer
+
+
+def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, layer: SwapLayer | None = None,
+               **kwargs: Any) -> tuple[Any, ...]:
+    """`deepspeed.initialize(...)` with memstrata's swap layer; same arguments, same 4-tuple.
+
+    `swap` (or the MEMSTRATA_SWAP environment variable, JSON) configures the layer; `layer` is one
+    `open_layer` already opened (the model was built into it), whose settings then apply. The returned
+    engine carries the layer as `engine.memstrata` (see `swap_layer_of`)."""
+    check_version()
+    ensure_verified()
+    import deepspeed
+
     from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
 
-    settings = _settings(swap)
+    settings = layer.settings if layer is not None else _settings(swap)
     # By name, as deepspeed.initialize reads them, whether the caller passed them by position or keyword.
     call = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     key = "config" if call.arguments.get("config") is not None else "config_params"
@@ -178,15 +200,12 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, **
         from memstrata.runtime.swap.gradients import accumulation_config
 
         call.arguments[key] = config = accumulation_config(config)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    rank = dist.get_rank()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    layer = SwapLayer.open(settings, rank=rank, local_rank=local_rank, local_world=local_world,
-                           fallback_dir=_nvme_path(config), needed_bytes=_needed_bytes(call.arguments.get("model")))
+    if layer is None:
+        model = call.arguments.get("model")
+        numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
+        layer = open_layer(config, settings, numel=numel)
     try:
-        with activate(layer), _swappers_installed():
+        with constructing(layer):
             result = deepspeed.initialize(*call.args, **call.kwargs)
     except BaseException:
         layer.close()

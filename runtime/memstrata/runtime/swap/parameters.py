@@ -102,6 +102,19 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
             param.ds_tensor.data = self.invalid_buffer.data
             param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
 
+    def forget_except(self, live: set[int]) -> int:
+        """Free the extents of parameters not in `live` (ds_ids) and return their bytes. A model built under
+        zero.Init swaps out each parameter as its module is built; one replaced afterwards - the LM head's
+        own weight when `transformers` ties it to the embedding - would otherwise hold its extent for the
+        whole run."""
+        freed = 0
+        for pid in [p for p in self.id_to_path if p not in live]:
+            if pid in self.param_id_to_swap_buffer:
+                continue  # gathered right now: in use, whoever owns it
+            if self.aio_write_handle.discard(self.id_to_path.pop(pid)):
+                freed += self.param_id_to_numel.pop(pid, 0) * self.swap_element_size
+        return freed
+
     def reserve_available_buffers(self) -> list[torch.Tensor]:
         # Only used by the optimizer's fast_init, which memstrata's optimizer swapper does
         # without borrowing parameter buffers; ZeRO-3 asserts the list is non-empty.

@@ -114,6 +114,10 @@ SEAM: tuple[Dependency, ...] = (
     Dependency(Kind.CALLED, "deepspeed.comm", "all_reduce", "the one-pass overflow flag, max over ranks (op=, group=)",
                params=("tensor", "op", "group")),
     Dependency(Kind.IMPORTED, "deepspeed.comm", "ReduceOp", "ReduceOp.MAX for the overflow flag"),
+    Dependency(Kind.IMPORTED, "deepspeed", "zero", "the public ZeRO-3 API the model loader and exporter use"),
+    Dependency(Kind.CALLED, "deepspeed.zero", "GatheredParameters", "one module's partitions gathered to load "
+               "checkpoint tensors into them (modifier_rank=0) or to save them (modifier_rank=None)",
+               params=("params", "modifier_rank")),
     # -- the classes ZeRO-3 instantiates, rebound to memstrata's subclasses (integration._swappers_installed) --
     Dependency(Kind.REBOUND, f"{_ZERO}.partition_parameters", "AsyncPartitionedParameterSwapper",
                "zero.Init instantiates it for offload_param nvme; memstrata's subclass goes in its place",
@@ -240,6 +244,8 @@ SEAM: tuple[Dependency, ...] = (
                  set_in="__init__")
       for n in ("dtype", "param_id_to_numel", "param_id_to_buffer_id", "param_id_to_swap_buffer",
                 "available_params", "available_numel", "invalid_buffer")],
+    Dependency(Kind.ATTRIBUTE, _PARAM_SWAPPER, "id_to_path", "ds_id -> swap name: forget_except frees the extents "
+               "of parameters a model replaced after zero.Init built them", set_in="__init__"),
     Dependency(Kind.OVERRIDDEN, _PARAM_SWAPPER, "_configure_aio",
                "no folder, no pinned slab: extents and exact buffers", params=("ds_config",)),
     *[Dependency(Kind.OVERRIDDEN, _PARAM_SWAPPER, n, "exact buffers from the locked pool instead of fixed slots",

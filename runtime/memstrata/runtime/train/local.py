@@ -22,7 +22,7 @@ from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.data import DatasetError
 from memstrata.runtime.train.memwatch import MemWatch
-from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, render_report
+from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, Sample, render_report
 from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, StepResult, TrainResult
 
 EXIT_USAGE = 2
@@ -45,9 +45,11 @@ def _check_report_path(path: Path | None) -> None:
 
 
 def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None,
-              on_report: Callable[[RuntimeReport], None] | None = None) -> int:
-    """Train `job` here; `on_report` (the pod's status patches) gets every step's RuntimeReport, one when
-    initialization starts, and a final one (stage finished or failed)."""
+              on_report: Callable[[RuntimeReport], None] | None = None, sample_prompt: str | None = None,
+              verbose: bool = False) -> int:
+    """Train `job` here, then save the model to spec.output.path; `on_report` (the pod's status patches) gets
+    every step's RuntimeReport, one when initialization starts, and a final one (stage finished or failed).
+    `sample_prompt`: show the model's answer to it before training and, from the saved output, after."""
     report_to = on_report or (lambda _r: None)
     try:
         _check_report_path(report_json)
@@ -56,6 +58,11 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     except (RecipeError, DatasetError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    sample = None
+    if sample_prompt is not None and recipe.model_dir is not None:
+        from memstrata.runtime.train.sample import answer
+
+        sample = Sample(prompt=sample_prompt, before=answer(recipe.model_dir.path, sample_prompt))
 
     training = job.spec.training
     watch = MemWatch(recipe.ds_swap_dir).start()  # DeepSpeed's swap folder (with memstrata: must stay empty)
@@ -70,6 +77,7 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         recipe.setup()
         watch.sample()
         after_init = watch.peak_swap.files
+        load_peak = watch.peak_rss
         started = time.perf_counter()  # the ETA extrapolates training steps, not initialization
 
         def on_step(s: StepResult) -> None:
@@ -80,6 +88,12 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
 
         with bar:
             result = recipe.train(on_step)
+        if job.spec.output is not None:
+            bar.message(f"memstrata: saving the fine-tuned model to {job.spec.output.path}")
+            t0 = time.perf_counter()
+            last_validation = result.validation_losses.get(max(result.validation_losses, default=-1))
+            recipe.save(len(result.steps), last_validation)
+            result.phases.save = time.perf_counter() - t0
     except (RecipeError, DatasetError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
         report_to(last.model_copy(update={"stage": "failed", "message": str(exc)}))
@@ -92,9 +106,14 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         recipe.cleanup()
         watch.stop()
 
+    if sample is not None and recipe.output is not None:
+        from memstrata.runtime.train.sample import answer
+
+        sample.after = answer(Path(recipe.output.path), sample.prompt)
     report = build_report(job, plan, recipe, result, watch, after_init)
-    report_to(last.model_copy(update={"stage": "finished", "strata": report.strata}))
-    render_report(report)
+    report.load_peak_rss_bytes, report.sample = load_peak, sample
+    report_to(last.model_copy(update={"stage": "finished", "strata": report.strata, "output": recipe.output}))
+    render_report(report, verbose=verbose)
     if report_json is not None:
         report_json.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
     return 0
@@ -133,11 +152,14 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
     losses = [s.loss for s in result.steps]
     tokens = sum(s.tokens for s in result.steps)
     train_seconds = sum(s.seconds for s in result.steps)
-    phases = vars(result.phases).copy()
-    phases["total"] = result.phases.init + train_seconds
+    phases = {k: v for k, v in vars(result.phases).items() if v or k != "save"}
+    phases["total"] = result.phases.init + train_seconds + result.phases.save
     return RunReport(
         job=job.metadata.name,
         model=spec.model.preset or str(spec.model.path),
+        model_bytes=recipe.model_dir.tensor_bytes if recipe.model_dir is not None else 0,
+        validation_losses=result.validation_losses,
+        output=recipe.output,
         parameters=plan.parameters,
         precision=spec.training.precision,
         engine=spec.memory.engine,

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memstrata.api.finetunejob import OutputStatus
 from memstrata.api.report import RuntimeReport, StratumCounters, format_duration
 from memstrata.api.units import format_bytes
 from memstrata.runtime.swap.status import SwapStatus
@@ -73,6 +74,14 @@ class LossSummary(BaseModel):
         return cls(first=first, last=last, first_mean=fm, last_mean=lm, ratio=lm / fm if fm else float("inf"))
 
 
+class Sample(BaseModel):
+    """The model's answer to one prompt before and after fine-tuning."""
+
+    prompt: str
+    before: str
+    after: str | None = None
+
+
 class RunReport(BaseModel):
     """The final report of `memstrata run` (also written as JSON by --report-json)."""
 
@@ -88,6 +97,12 @@ class RunReport(BaseModel):
     losses: list[float]
     loss: LossSummary
     peak_rss_bytes: int
+    load_peak_rss_bytes: int = Field(0, description="Peak RSS of the process tree by the end of building and "
+                                                     "loading the model (before the first step).")
+    model_bytes: int = Field(0, description="Bytes of the model's weights in its directory (0 for a preset).")
+    validation_losses: dict[int, float] = Field({}, description="Validation loss by step (0: before training).")
+    output: OutputStatus | None = None
+    sample: Sample | None = None
     strata: dict[str, StratumCounters]
     swap_dir: str
     swap_files: int
@@ -104,35 +119,47 @@ class RunReport(BaseModel):
         return status.wire() if status is not None else None
 
 
-def render_report(r: RunReport, console: Console | None = None) -> None:
-    console = console or Console()
-    verdict = "falling" if r.loss.ratio <= 0.8 else "NOT falling enough"
-    console.print(f"\n[bold]memstrata run: {r.job}[/bold]  {r.model} ({r.parameters:,} parameters, {r.precision}), "
-                  f"engine {r.engine}, weights -> {r.offload['param']}, optimizer state -> {r.offload['optimizer']}")
-    console.print(f"loss: first {len(r.loss.first)} steps mean {r.loss.first_mean:.4f} -> last {len(r.loss.last)} "
-                  f"mean {r.loss.last_mean:.4f} (x{r.loss.ratio:.2f}, {verdict})", highlight=False)
-    console.print(f"{r.steps} steps, {r.tokens:,} tokens, {r.tokens_per_second:,.0f} tok/s; "
-                  f"peak RSS of the process tree {format_bytes(r.peak_rss_bytes)}", highlight=False)
+WIDTH = 100
 
-    strata = Table(title="strata", title_justify="left")
-    for col in ("stratum", "peak", "written", "read"):
-        strata.add_column(col, justify="left" if col == "stratum" else "right")
+
+def render_report(r: RunReport, console: Console | None = None, *, verbose: bool = False) -> None:
+    """The final report, compact (at most 100 columns); `verbose` adds the swap layer's counters and every
+    DeepSpeed setting that differs from its defaults, with the reason."""
+    console = console or Console(width=WIDTH)
+    verdict = "falling" if r.loss.ratio <= 0.8 else "NOT falling enough"
+    line = lambda label, text: console.print(f"{label:<11}{text}", highlight=False, soft_wrap=False)  # noqa: E731
+    console.print(f"\n[bold]memstrata run: {r.job}[/bold]", highlight=False)
+    line("model", f"{r.model} ({r.parameters:,} parameters, {r.precision})")
+    line("engine", f"{r.engine}: weights -> {r.offload['param']}, optimizer state -> {r.offload['optimizer']}")
+    line("loss", f"first {len(r.loss.first)} steps {r.loss.first_mean:.4f} -> last {len(r.loss.last)} "
+                 f"{r.loss.last_mean:.4f} (x{r.loss.ratio:.2f}, {verdict})")
+    if r.validation_losses:
+        steps = sorted(r.validation_losses)
+        first, last = r.validation_losses[steps[0]], r.validation_losses[steps[-1]]
+        line("validation", f"{first:.4f} at step {steps[0]} -> {last:.4f} at step {steps[-1]}")
+    line("speed", f"{r.steps} steps, {r.tokens:,} tokens, {r.tokens_per_second:,.0f} tok/s")
+    loading = f"; {format_bytes(r.load_peak_rss_bytes)} by the end of loading" if r.load_peak_rss_bytes else ""
+    size = f" ({format_bytes(r.model_bytes)} of weights)" if r.model_bytes else ""
+    line("host", f"peak RSS {format_bytes(r.peak_rss_bytes)}{loading}{size}")
     for name, c in r.strata.items():
-        strata.add_row(name, format_bytes(c.peak_bytes), format_bytes(c.bytes_written), format_bytes(c.bytes_read))
-    console.print(strata)
+        moved = f", written {format_bytes(c.bytes_written)}, read {format_bytes(c.bytes_read)}" \
+            if c.bytes_written or c.bytes_read else ""
+        line(name, f"peak {format_bytes(c.peak_bytes)}{moved}")
+    line("time", ", ".join(f"{name} {format_duration(sec)}" for name, sec in r.phases.items()))
+    if r.output is not None:
+        line("output", f"{r.output.path} ({r.output.files} files, {format_bytes(r.output.bytes)} of weights, "
+                       f"step {r.output.step})")
+    if r.sample is not None:
+        line("prompt", r.sample.prompt)
+        line("  before", r.sample.before)
+        if r.sample.after is not None:
+            line("  after", r.sample.after)
+    if not verbose:
+        return
     if r.memstrata is not None:
         render_memstrata(r.memstrata, console)
     console.print(f"swap directory {r.swap_dir}: {r.swap_files} files at most ({r.swap_files_after_init} after init); "
                   "removed after the run", highlight=False)
-
-    phases = Table(title="time per phase", title_justify="left")
-    phases.add_column("phase")
-    phases.add_column("seconds", justify="right")
-    phases.add_column("", justify="right")
-    for name, seconds in r.phases.items():
-        phases.add_row(name, f"{seconds:.1f}", format_duration(seconds))
-    console.print(phases)
-
     settings = Table(title="DeepSpeed settings that differ from its defaults", title_justify="left")
     for col in ("setting", "value", "default", "why"):
         settings.add_column(col, overflow="fold")

@@ -2,10 +2,13 @@
 with memstrata's swap layer in its place (`memory.engine: memstrata`).
 
 Read it in order, torchtune style: `__init__` rejects settings that cannot run
-here (before anything is written); `setup` builds the data, the swap
-directory, the model and the DeepSpeed engine, in dependency order; `train`
-is one linear loop; `cleanup` tears down the process group and removes the
-swap directory. One process, world size 1: gloo on the CPU, NCCL on a GPU.
+here (before anything is written): the model directory, the tokenizer, the
+dataset and the output path are all checked there; `setup` builds the swap
+directory, the model (straight into its ZeRO-3 partitions, weights streamed in)
+and the DeepSpeed engine, in dependency order; `train` is one linear loop with
+validation; `save` writes the fine-tuned model; `cleanup` tears down the
+process group and removes the swap directory. One process, world size 1: gloo
+on the CPU, NCCL on a GPU.
 """
 from __future__ import annotations
 
@@ -17,16 +20,23 @@ import warnings
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from memstrata.api.finetunejob import FineTuneJob
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
-from memstrata.runtime.train.data import Blocks, ByteTokenizer, build_dataset
+from memstrata.api.finetunejob import OutputStatus
+from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
+from memstrata.runtime.train.export import OutputPathError, check_output_path
+from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.swap.protocols import TrainingEngine
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces, swap_settings
+
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RecipeError(ValueError):
@@ -41,6 +51,7 @@ class Phases:
     forward: float = 0.0
     backward: float = 0.0
     step: float = 0.0
+    save: float = 0.0
 
 
 @dataclass
@@ -49,12 +60,14 @@ class StepResult:
     loss: float
     seconds: float
     tokens: int
+    validation_loss: float | None = None
 
 
 @dataclass
 class TrainResult:
     steps: list[StepResult] = field(default_factory=list)
     phases: Phases = field(default_factory=Phases)
+    validation_losses: dict[int, float] = field(default_factory=dict)  # step (0: before training) -> loss
 
 
 def free_port() -> int:
@@ -75,16 +88,25 @@ class FineTuneRecipe:
     def __init__(self, job: FineTuneJob, plan: Plan, nvme_path: Path) -> None:
         spec = self.spec = job.spec
         self.job, self.plan = job, plan
-        self.arch = spec.model.shape()
         self.engine_name = spec.memory.engine
         if self.engine_name not in ("deepspeed", "memstrata"):
             raise RecipeError(f"spec.memory.engine: {self.engine_name!r} is not 'deepspeed' or 'memstrata'")
         if spec.resources.gpus > 1:
             raise RecipeError(f"spec.resources.gpus: a local run is one process on one device, got {spec.resources.gpus}")
-        if spec.model.path is not None:
-            raise RecipeError(f"spec.model.path: {spec.model.path}: loading Hugging Face weights is not supported by "
-                              "local runs yet; use spec.model.preset")
-        if self.arch.vocab < ByteTokenizer.VOCAB:
+        # Every input is checked here, before a byte is written: a bad model directory, tokenizer, dataset or
+        # output path fails in seconds, not after the model was built.
+        self.model_dir: ModelDir | None = None
+        try:
+            if spec.model.path is not None:
+                self.model_dir = read_model_dir(Path(spec.model.path), spec.model.architecture)
+            if spec.output is not None:
+                check_output_path(Path(spec.output.path))
+        except (ModelDirError, OutputPathError) as exc:
+            raise RecipeError(str(exc)) from None
+        self.arch = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
+        self.tokenizer = (load_tokenizer(self.model_dir.path, self.arch.vocab) if self.model_dir is not None
+                          else ByteTokenizer())
+        if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
             raise RecipeError(f"spec.model: vocabulary of {self.arch.vocab} tokens is smaller than the byte "
                               f"tokenizer's {ByteTokenizer.VOCAB}")
         self.on_gpu = spec.resources.gpus == 1 and gpu_available()
@@ -102,7 +124,9 @@ class FineTuneRecipe:
             raise RecipeError(refusal)
         self.strata: SwapStrata | None = None
         self.swap_status: SwapStatus | None = None  # memstrata's per-stratum counters, kept past cleanup
-        self.data: Blocks | None = None
+        self.data: TrainData | None = None
+        self.output: OutputStatus | None = None
+        self.model: Any = None  # the transformers model inside the engine
         self.ds: DsConfig | None = None
         self.engine: TrainingEngine | None = None
         self.phases = Phases()
@@ -132,9 +156,8 @@ class FineTuneRecipe:
         self.engine = self._setup_engine(self.ds)
         self.phases.init = time.perf_counter() - t0
 
-    def _setup_data(self) -> Blocks:
-        d, t = self.spec.dataset, self.spec.training
-        return build_dataset(d.synthetic, d.path, d.text_field, t.sequence_length, t.seed)
+    def _setup_data(self) -> TrainData:
+        return build_data(self.spec.dataset, self.spec.training, self.tokenizer)
 
     def _setup_distributed(self) -> None:
         """Single-process torch.distributed, the way a launcher would have set it up."""
@@ -152,22 +175,47 @@ class FineTuneRecipe:
         deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", verbose=False)
 
     def _setup_engine(self, ds: DsConfig) -> TrainingEngine:
+        import contextlib
+
         import deepspeed
         import torch
 
-        from memstrata.runtime.train.model import build_model
+        from memstrata.runtime.train.hfmodel import build_model, load_weights, preset_config
 
-        torch.manual_seed(self.spec.training.seed)
-        model = build_model(self.arch, self.spec.training.seed)
-        if self.strata is None:
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                   config=ds.config)
+        t = self.spec.training
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[t.precision]
+        if self.model_dir is not None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.model_dir.path)
+        else:
+            config = preset_config(self.arch, t.sequence_length)
+        layer, handed = None, False
+        if self.strata is not None:
+            from memstrata.runtime.swap.integration import constructing, open_layer
+
+            # Opened before the model exists, so the model is built straight into memstrata's strata.
+            layer = open_layer(ds.config, self.strata.settings, numel=self.arch.parameters())
+        try:
+            with constructing(layer) if layer is not None else contextlib.nullcontext():
+                model = build_model(config, ds.config, dtype, checkpointing=t.activation_checkpointing, seed=t.seed)
+                if self.model_dir is not None:
+                    load_weights(model, self.model_dir)
+            self.model = model
+            if layer is None:
+                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config=ds.config)
+                return engine
+            from memstrata.runtime.swap.integration import initialize
+
+            handed = True  # from here on, initialize closes the layer if it fails
+            engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds.config,
+                                         layer=layer)
             return engine
-        from memstrata.runtime.swap.integration import initialize
-
-        engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds.config,
-                                     swap=self.strata.settings)
-        return engine
+        except BaseException:
+            if layer is not None and not handed:
+                layer.close()
+            raise
 
     def memstrata_status(self) -> SwapStatus | None:
         """memstrata's own per-stratum counters (None on the stock engine); live while the engine is."""
@@ -176,22 +224,47 @@ class FineTuneRecipe:
             self.swap_status = layer.status()
         return self.swap_status
 
-    # --- train ------------------------------------------------------------------------------------
+    # --- train ---------------------------------------------------------------------------------------
+    def _loss(self, inputs: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+        assert self.engine is not None
+        device = self.engine.device
+        # Labels sit at the inputs' positions; the model shifts them (Hugging Face's convention).
+        return self.engine(input_ids=inputs.to(device), labels=labels.to(device)).loss
+
+    def evaluate(self) -> float | None:
+        """Mean loss over the validation batches (None when the dataset has none)."""
+        import torch
+
+        if self.engine is None or self.data is None:
+            raise RuntimeError("FineTuneRecipe.evaluate() called before setup()")
+        batches = self.data.validation(self.spec.training.micro_batch)
+        if not batches:
+            return None
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                losses = [float(self._loss(x, y).float()) for x, y in batches]
+        finally:
+            self.engine.train()
+        return sum(losses) / len(losses)
+
     def train(self, on_step: Callable[[StepResult], None]) -> TrainResult:
         import torch
 
         if self.engine is None or self.data is None:
             raise RuntimeError("FineTuneRecipe.train() called before setup()")
         t = self.spec.training
-        device = self.engine.device
         batches = self.data.batches(t.micro_batch)
         result = TrainResult(phases=self.phases)
+        before = self.evaluate()
+        if before is not None:
+            result.validation_losses[0] = before
         for step in range(1, t.steps + 1):
             started, losses = time.perf_counter(), []
             for _ in range(t.gradient_accumulation):
-                inputs, labels = (x.to(device) for x in next(batches))
+                inputs, labels = next(batches)
                 t0 = time.perf_counter()
-                loss = self.engine(inputs, labels)
+                loss = self._loss(inputs, labels)
                 t1 = time.perf_counter()
                 self.engine.backward(loss)
                 t2 = time.perf_counter()
@@ -206,9 +279,33 @@ class FineTuneRecipe:
                 raise FloatingPointError(f"loss became {value} at step {step}")
             record = StepResult(step=step, loss=value, seconds=time.perf_counter() - started,
                                 tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length)
+            if step == t.steps or (t.eval_interval and step % t.eval_interval == 0):
+                record.validation_loss = self.evaluate()
+                if record.validation_loss is not None:
+                    result.validation_losses[step] = record.validation_loss
             result.steps.append(record)
             on_step(record)
         return result
+
+    # --- save ----------------------------------------------------------------------------------------
+    def save(self, step: int, validation_loss: float | None) -> OutputStatus | None:
+        """Write the fine-tuned model to spec.output.path (None when the job has no output)."""
+        import torch
+
+        from memstrata.runtime.train.export import save_model
+
+        out = self.spec.output
+        if out is None:
+            return None
+        if self.engine is None:
+            raise RuntimeError("FineTuneRecipe.save() called before setup()")
+        # Parameters the last forward prefetched are still in flight; gathering one of them would assert.
+        self.engine.empty_partition_cache()
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.spec.training.precision]
+        tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
+        self.output = save_model(self.engine.module, Path(out.path), tokenizer=tokenizer, shard_size=out.shard_size,
+                                 step=step, dtype=dtype, validation_loss=validation_loss)
+        return self.output
 
     # --- cleanup ----------------------------------------------------------------------------------
     def cleanup(self) -> None:
@@ -216,6 +313,13 @@ class FineTuneRecipe:
         swap directory."""
         layer = getattr(self.engine, "memstrata", None)
         self.engine = None
+        if self.model is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            # transformers' ZeRO-3 switch is process-global: off, so a later from_pretrained here (the
+            # sample after training) loads a plain model.
+            unset_hf_deepspeed_config()
+            self.model = None
         try:
             if layer is not None:
                 try:

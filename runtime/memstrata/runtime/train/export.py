@@ -1,0 +1,164 @@
+"""The fine-tuned model out, as a Hugging Face directory that `from_pretrained` loads.
+
+Weights are gathered from their ZeRO-3 partitions one module at a time and written into safetensors
+shards of at most `shard_size` bytes, so the host holds one shard, never the whole model. Everything goes
+to a temporary directory beside the target, which is renamed into place only when complete: a run killed
+while saving leaves no half-written model under the output path (and the next save removes the debris).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memstrata.api.finetunejob import OutputStatus
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+__all__ = ["OutputPathError", "check_output_path", "save_model"]
+
+INDEX = "model.safetensors.index.json"
+
+
+class OutputPathError(ValueError):
+    """The output path cannot take the model; the message names the path and the problem."""
+
+
+def check_output_path(path: Path) -> None:
+    """Refuse, before training, an output that exists or whose parent cannot take a new directory."""
+    if path.exists() or path.is_symlink():
+        raise OutputPathError(f"spec.output.path: {path}: already exists; memstrata never overwrites a model "
+                              "(choose a new path or remove it)")
+    parent = path.parent
+    if not parent.is_dir():
+        raise OutputPathError(f"spec.output.path: {parent}: no such directory (mount a volume there)")
+    try:  # really try: permission bits say nothing about a read-only mount, or to root
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent))
+    except OSError as exc:
+        raise OutputPathError(f"spec.output.path: {parent}: cannot create a directory there: "
+                              f"{exc.strerror or exc}") from None
+
+
+def _temporary(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+@dataclass
+class _Shard:
+    tensors: dict[str, "torch.Tensor"]
+    size: int = 0
+
+
+def _state(model: "PreTrainedModel") -> Iterator[tuple[Any, list[tuple[str, "torch.Tensor"]]]]:
+    """(module, [(state-dict name, tensor)]) for every module that owns parameters or persistent buffers,
+    each shared tensor under its first name only (as `save_pretrained` writes tied embeddings)."""
+    seen: set[int] = set()
+    # The state dict's names: parameters and persistent buffers (references only, nothing is copied).
+    persistent = set(model.state_dict(keep_vars=True))
+    for prefix, module in model.named_modules():
+        own: list[tuple[str, torch.Tensor]] = []
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                own.append((f"{prefix}.{name}" if prefix else name, p))
+        for name, b in module.named_buffers(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            if b is not None and full in persistent and id(b) not in seen:
+                seen.add(id(b))
+                own.append((full, b))
+        if own:
+            yield module, own
+
+
+def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> tuple[int, int]:
+    """Gather, copy, release - module by module; returns (files, bytes)."""
+    import deepspeed
+    import torch
+    from safetensors.torch import save_file
+
+    shards: list[_Shard] = [_Shard({})]
+    names: dict[str, int] = {}
+    written: list[Path] = []
+
+    def flush(shard: _Shard, number: int, total: str) -> None:
+        path = into / f"model-{number:05d}-of-{total}.safetensors"
+        save_file(shard.tensors, str(path), metadata={"format": "pt"})
+        written.append(path)
+        shard.tensors.clear()
+
+    for module, own in _state(model):
+        params = [t for _, t in own if hasattr(t, "ds_id")]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
+            for name, tensor in own:
+                size = tensor.numel() * tensor.element_size()
+                current = shards[-1]
+                if current.tensors and current.size + size > shard_size:
+                    # Write the full shard now under a provisional name; renamed once the count is known.
+                    flush(current, len(shards), "XXXXX")
+                    shards.append(current := _Shard({}))
+                current.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+                current.size += size
+                names[name] = len(shards)
+    if shards[-1].tensors or not written:
+        flush(shards[-1], len(shards), "XXXXX")
+    total = len(written)
+    if total == 1:
+        written[0].rename(into / "model.safetensors")
+        return 1, (into / "model.safetensors").stat().st_size
+    final = {}
+    for number, path in enumerate(written, 1):
+        name = f"model-{number:05d}-of-{total:05d}.safetensors"
+        path.rename(into / name)
+        final[number] = name
+    size = sum((into / n).stat().st_size for n in final.values())
+    index = {"metadata": {"total_size": size}, "weight_map": {k: final[v] for k, v in sorted(names.items())}}
+    (into / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return total + 1, size
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        with f.open("rb") as handle:
+            os.fsync(handle.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, shard_size: int, step: int,
+               dtype: "torch.dtype", validation_loss: float | None = None) -> OutputStatus:
+    """Write `model` (ZeRO-3 partitioned or not) with its config, generation config and tokenizer to `path`,
+    atomically."""
+    check_output_path(path)
+    tmp = _temporary(path)
+    shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed while saving
+    tmp.mkdir()
+    try:
+        files, size = _write_weights(model, tmp, shard_size)
+        config = model.config
+        use_cache, config.use_cache = config.use_cache, True  # training turned the KV cache off; inference wants it
+        config.dtype = dtype
+        try:
+            config.save_pretrained(tmp)
+        finally:
+            config.use_cache = use_cache
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
+        tmp.rename(path)  # atomic: the output path holds a whole model or nothing
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    count = sum(1 for _ in path.iterdir())
+    return OutputStatus(path=str(path), step=step, files=count, bytes=size, validation_loss=validation_loss)

@@ -1,0 +1,223 @@
+"""The model: a `transformers` causal LM, from a Hugging Face directory or a preset's config, built into
+ZeRO-3 partitions.
+
+One path for both: a preset becomes a `transformers` config (GPT-2, Llama or Qwen2) with random weights;
+a directory's `config.json` is read as written. Either way the model is constructed under
+`deepspeed.zero.Init` (through `transformers`' own ZeRO-3 integration, which also runs its weight
+initialisation on gathered parameters), so every module's parameters are partitioned - and, with
+`offload_param: nvme`, swapped out - as soon as the module exists. A directory's weights are then
+streamed in one safetensors shard at a time, one module's tensors at a time: each is read from the
+memory-mapped shard, its partitions gathered, copied and re-partitioned. The host never holds the whole
+model, in fp32 or otherwise.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memstrata.api.architecture import ModelArchitecture
+from memstrata.api.hfconfig import ModelConfigError, architecture_from_config, config_mismatches
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["ModelDirError", "ModelDir", "preset_config", "read_model_dir", "random_model", "build_model",
+           "load_weights"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class ModelDirError(ValueError):
+    """A model directory cannot be used; the message names the path and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A checked Hugging Face model directory: its config and, per shard file, the tensor names in it."""
+
+    path: Path
+    config: dict[str, Any]
+    architecture: ModelArchitecture
+    shards: dict[Path, list[str]]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.shards)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelDirError(f"{path}: missing") from None
+    except OSError as exc:
+        raise ModelDirError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ModelDirError(f"{path}: not valid JSON: {exc}") from None
+
+
+def _shard_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except FileNotFoundError:
+        raise ModelDirError(f"{path}: missing") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types for a truncated or foreign file
+        raise ModelDirError(f"{path}: not a readable safetensors file: {exc}") from None
+
+
+def read_model_dir(path: Path, declared: ModelArchitecture | None = None) -> ModelDir:
+    """Check `path` before anything is built: config.json, every shard the index names, the declared shape."""
+    if not path.is_dir():
+        raise ModelDirError(f"spec.model.path: {path}: no such directory")
+    config = _read_json(path / "config.json")
+    try:
+        arch = architecture_from_config(config, str(path / "config.json"))
+    except ModelConfigError as exc:
+        raise ModelDirError(str(exc)) from None
+    if declared is not None:
+        wrong = config_mismatches(declared, arch)
+        if wrong:
+            raise ModelDirError(f"spec.model.architecture does not match {path / 'config.json'}: " + "; ".join(wrong))
+    shards: dict[Path, list[str]] = {}
+    if (path / INDEX).exists():
+        index = _read_json(path / INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelDirError(f"{path / INDEX}: no weight_map")
+        for name in sorted(set(weight_map.values())):
+            shard = path / name
+            if not shard.is_file():
+                raise ModelDirError(f"{shard}: missing (named by {path / INDEX})")
+            shards[shard] = _shard_names(shard)
+        listed = {n for names in shards.values() for n in names}
+        absent = sorted(set(weight_map) - listed)
+        if absent:
+            raise ModelDirError(f"{path / INDEX}: names tensors its shards do not hold: {', '.join(absent[:5])}")
+    elif (path / SINGLE).exists():
+        shards[path / SINGLE] = _shard_names(path / SINGLE)
+    else:
+        found = ", ".join(sorted(p.name for p in path.glob("*.bin"))[:3])
+        hint = f" (found {found}: convert PyTorch .bin weights to safetensors)" if found else ""
+        raise ModelDirError(f"{path}: no {SINGLE} and no {INDEX}{hint}")
+    return ModelDir(path=path, config=config, architecture=arch, shards=shards)
+
+
+# A preset has no tokenizer of its own (it trains on bytes or synthetic data), so no token id is special to it.
+_NO_SPECIAL_TOKENS: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def preset_config(arch: ModelArchitecture, sequence_length: int) -> "PretrainedConfig":
+    """The `transformers` config of a preset shape (random weights are drawn at build time)."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    if arch.family == "gpt":
+        return GPT2Config(vocab_size=arch.vocab, n_positions=arch.max_positions, n_embd=arch.hidden,
+                          n_layer=arch.layers, n_head=arch.heads, n_inner=arch.intermediate,
+                          activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          tie_word_embeddings=arch.tied, use_cache=False, **_NO_SPECIAL_TOKENS)
+    common = dict(vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+                  num_hidden_layers=arch.layers, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
+                  max_position_embeddings=max(sequence_length, 2048), tie_word_embeddings=arch.tied,
+                  use_cache=False, **_NO_SPECIAL_TOKENS)
+    if arch.qkv_bias:
+        return Qwen2Config(**common)
+    return LlamaConfig(**common)
+
+
+def random_model(arch: ModelArchitecture, sequence_length: int, seed: int) -> "PreTrainedModel":
+    """A preset's model with seeded random weights, outside ZeRO-3 (for benchmarks and tests that hand a
+    plain module to `deepspeed.initialize`, and for building on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(preset_config(arch, sequence_length))
+
+
+def build_model(config: "PretrainedConfig", ds_config: dict[str, Any], dtype: "torch.dtype", *,
+                checkpointing: bool, seed: int) -> "PreTrainedModel":
+    """The model under ZeRO-3, constructed partition by partition. The caller keeps the returned model's
+    `hf_deepspeed_config` alive: `transformers` checks it (through a weak reference) whenever it touches
+    parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(ds_config)
+    torch.manual_seed(seed)
+    config.use_cache = False  # no KV cache in training; it only costs memory
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.hf_deepspeed_config = keep
+    swapper = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
+    if swapper is not None and hasattr(swapper, "forget_except"):
+        # Tied weights: the LM head's own weight was built (and swapped out) before it was replaced.
+        swapper.forget_except({p.ds_id for p in model.parameters()})
+    if checkpointing:
+        # Non-reentrant: the reentrant variant drops gradients of inputs that do not require them.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _module_groups(names: list[str], params: dict[str, "torch.nn.Parameter"]) -> Iterator[list[str]]:
+    """The shard's tensor names grouped by owning module, in order: gathering a module's parameters at once
+    costs one module's memory, never the shard's."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        groups[name.rpartition(".")[0]].append(name)
+    yield from groups.values()
+
+
+def _resolve(name: str, params: dict[str, Any], prefix: str) -> str | None:
+    """The model's parameter name for a checkpoint tensor name (checkpoints saved from the base model lack
+    the task model's prefix, e.g. GPT-2's `h.0...` for `transformer.h.0...`)."""
+    if name in params:
+        return name
+    if prefix and f"{prefix}.{name}" in params:
+        return f"{prefix}.{name}"
+    return None
+
+
+def load_weights(model: "PreTrainedModel", model_dir: ModelDir,
+                 on_tensor: Callable[[int], None] = lambda _n: None) -> None:
+    """Copy every checkpoint tensor into its ZeRO-3 partitions, one module at a time; `on_tensor` gets the
+    byte count of each tensor copied (for a progress bar). A parameter the checkpoint lacks, or a shape
+    that differs, fails with both named; buffers (e.g. rotary frequencies) are recomputed, not loaded."""
+    import deepspeed
+    import torch
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    prefix = getattr(model, "base_model_prefix", "")
+    loaded: set[str] = set()
+    for shard, names in model_dir.shards.items():
+        with safe_open(str(shard), framework="pt") as f:
+            for group in _module_groups(names, params):
+                targets = {n: t for n in group if (t := _resolve(n, params, prefix)) is not None}
+                if not targets:
+                    continue  # buffers such as attn.bias masks of old GPT-2 checkpoints
+                owned = [params[t] for t in targets.values()]
+                with deepspeed.zero.GatheredParameters(owned, modifier_rank=0), torch.no_grad():
+                    for name, target in targets.items():
+                        tensor = f.get_tensor(name)
+                        param = params[target]
+                        if tuple(tensor.shape) != tuple(param.shape):
+                            raise ModelDirError(f"{shard}: {name} has shape {tuple(tensor.shape)}, the model's "
+                                                f"{target} is {tuple(param.shape)}")
+                        param.copy_(tensor.to(param.dtype))
+                        loaded.add(target)
+                        on_tensor(tensor.numel() * tensor.element_size())
+                        del tensor
+    tied = {id(p) for n, p in params.items() if n in loaded}
+    missing = sorted(n for n, p in params.items() if n not in loaded and id(p) not in tied)
+    if missing:
+        raise ModelDirError(f"{model_dir.path}: the checkpoint has no weights for {len(missing)} parameter(s) of "
+                            f"the model: {', '.join(missing[:5])}")
