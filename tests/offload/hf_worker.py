@@ -13,6 +13,14 @@ import sys
 from pathlib import Path
 
 
+def status_param_bytes(recipe: object) -> int:
+    status = recipe.memstrata_status()  # type: ignore[attr-defined]
+    if status is None:
+        return 0
+    moved = status.nvme.by_kind.get("param")
+    return int(moved.written) if moved is not None else 0
+
+
 def main() -> int:
     job_file, nvme, out = (Path(a) for a in sys.argv[1:4])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -46,7 +54,8 @@ def main() -> int:
             "validation": {str(k): v for k, v in result.validation_losses.items()},
             "losses": [s.loss for s in result.steps],
             "output": status.model_dump(mode="json") if status else None,
-            "swapped_params": bool(getattr(recipe.engine, "memstrata", None)),
+            # What memstrata's NVMe engine moved for parameters (0 on the stock engine).
+            "param_bytes_written": status_param_bytes(recipe),
         }))
     finally:
         recipe.cleanup()

@@ -57,11 +57,11 @@ def fine_tune(tmp: Path, model: Path, **kw: Any) -> tuple[dict[str, Any], torch.
 
 
 def validation_file(tmp: Path) -> Path:
-    """The first 12 validation conversations: each evaluation is a forward pass per batch, with every
+    """The first 8 validation conversations: each evaluation is a forward pass per batch, with every
     parameter swapped in, so the whole file would cost minutes on 2 cores."""
     path = tmp / "validation.jsonl"
     if not path.exists():
-        path.write_text("".join(VALIDATION.read_text().splitlines(keepends=True)[:12]))
+        path.write_text("".join(VALIDATION.read_text().splitlines(keepends=True)[:8]))
     return path
 
 
@@ -93,18 +93,23 @@ def reloaded_logits(out: Path, probe: torch.Tensor, precision: str) -> torch.Ten
 
 def check_round_trip(tmp: Path, model: Path, *, engine: str, precision: str, lr: float,
                      dram_budget: str = "256Mi") -> dict[str, Any]:
-    result, logits, probe, out = fine_tune(tmp, model, engine=engine, precision=precision, steps=3, lr=lr,
+    result, logits, probe, out = fine_tune(tmp, model, engine=engine, precision=precision, steps=2, lr=lr,
                                            dram_budget=dram_budget)
-    before, after = result["validation"]["0"], result["validation"]["3"]
+    before, after = result["validation"]["0"], result["validation"]["2"]
     if precision == "fp32":
         assert before == pytest.approx(transformers_loss(model, precision, validation_file(tmp)), abs=1e-3), \
             "memstrata's forward loss differs from transformers' own on the same checkpoint and batches"
     assert after < before - 0.05, f"validation loss did not fall: {before:.4f} -> {after:.4f}"
     status = result["output"]
-    assert status["path"] == str(out) and status["step"] == 3
+    assert status["path"] == str(out) and status["step"] == 2
     assert not list(out.parent.glob(f".{out.name}.partial*")), "the temporary directory was left behind"
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= names, names
+    # The source's stop tokens and sampling defaults survive, not a generation config derived from config.json.
+    saved = json.loads((out / "generation_config.json").read_text())
+    source = json.loads((model / "generation_config.json").read_text())
+    assert {k: v for k, v in saved.items() if k != "transformers_version"} == \
+        {k: v for k, v in source.items() if k != "transformers_version"}
     tol = 1e-4 if precision == "fp32" else 2e-2
     assert torch.allclose(reloaded_logits(out, probe, precision), logits, atol=tol, rtol=tol), \
         "the saved model does not reproduce the trained engine's logits"
@@ -116,7 +121,9 @@ def test_smollm2_fine_tunes_on_memstrata_and_reloads(tmp_path: Path, smollm2_dir
     # Adam moments to the NVMe stratum.
     result = check_round_trip(tmp_path, smollm2_dir, engine="memstrata", precision="fp32", lr=1e-4,
                               dram_budget="1200Mi")
-    assert result["swapped_params"], "the weights never went through memstrata's swap layer"
+    # The weights were built into, loaded into and trained from memstrata's NVMe stratum: at least the whole
+    # fp32 model went through it.
+    assert result["param_bytes_written"] >= 134_515_008 * 4, "the weights never went through memstrata's swap layer"
 
 
 def test_smollm2_fine_tunes_on_stock_deepspeed_and_reloads(tmp_path: Path, smollm2_dir: Path) -> None:
@@ -141,6 +148,7 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     path = tmp / f"{family}-small"
     # Qwen2 is saved in several shards with an index, as large checkpoints are.
+    model.generation_config.update(eos_token_id=[2, 0], temperature=0.7, do_sample=True)  # a source's own settings
     model.save_pretrained(path, max_shard_size="4MB" if family == "qwen2" else "1GB")
     for name in TOKENIZER_FILES:
         shutil.copy(smollm2_dir / name, path / name)

@@ -102,6 +102,22 @@ def test_reports_are_paced_but_the_last_one_always_goes() -> None:
     assert sent[-1]["status"]["progress"]["summary"] == "10/10 (100%)"
 
 
+def test_the_saved_model_is_reported_at_once_and_once() -> None:
+    from memstrata.api.finetunejob import OutputStatus
+
+    sent: list[dict[str, Any]] = []
+    now = [0.0]
+    reporter = StatusReporter(sent.append, interval=10, clock=lambda: now[0])
+    reporter(_report("training", 1))
+    saved = _report("training", 1).model_copy(update={"output": OutputStatus(path="/out/m", step=1, files=4,
+                                                                              bytes=1 << 20)})
+    now[0] = 1.0  # within the interval: a step report would wait, the saved model does not
+    reporter(saved)
+    now[0] = 2.0
+    reporter(saved)  # nothing new: paced again
+    assert len(sent) == 2 and sent[1]["status"]["output"]["path"] == "/out/m"
+
+
 def test_a_failing_api_server_is_counted_not_raised() -> None:
     calls = []
 

@@ -24,8 +24,15 @@ class NameClash(Exception):
 
 
 class PodRejected(Exception):
-    """The API server refused the job's pod as invalid (422): a bad spec.volumes source, say. The same
-    pod would be refused on every retry, so the job fails with the API server's message."""
+    """The API server refused the job's pod as invalid (422: a bad spec.volumes source, say) or as breaking
+    the namespace's Pod Security level (403: a hostPath volume under `restricted`). The same pod would be
+    refused on every retry, so the job fails with the API server's message."""
+
+
+def _refused_for_good(exc: KubeError) -> bool:
+    # A 403 is also what missing RBAC gives, which an admin can fix while the job waits: only PodSecurity's
+    # refusal is about the pod itself.
+    return exc.status == 422 or (exc.status == 403 and "violates PodSecurity" in (exc.message or ""))
 
 
 async def create_pod(kube: Kube, job: JobView, pod: dict[str, Any]) -> None:
@@ -36,7 +43,7 @@ async def create_pod(kube: Kube, job: JobView, pod: dict[str, Any]) -> None:
     except Conflict:
         await check_owned(kube, job, pod)
     except KubeError as exc:
-        if exc.status != 422:
+        if not _refused_for_good(exc):
             raise
         # The pod's spec.volumes and its container's first volumeMounts are the job's, in the job's order
         # (render.user_volumes), so the API server's field paths name the job's fields.

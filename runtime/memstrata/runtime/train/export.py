@@ -2,8 +2,9 @@
 
 Weights are gathered from their ZeRO-3 partitions one module at a time and written into safetensors
 shards of at most `shard_size` bytes, so the host holds one shard, never the whole model. Everything goes
-to a temporary directory beside the target, which is renamed into place only when complete: a run killed
-while saving leaves no half-written model under the output path (and the next save removes the debris).
+to a temporary directory beside the target (`.<name>.partial-*`), which is renamed into place only when
+complete: a run killed while saving leaves no half-written model under the output path (only that hidden
+directory, which nothing reads).
 """
 from __future__ import annotations
 
@@ -45,9 +46,6 @@ def check_output_path(path: Path) -> None:
         raise OutputPathError(f"spec.output.path: {parent}: cannot create a directory there: "
                               f"{exc.strerror or exc}") from None
 
-
-def _temporary(path: Path) -> Path:
-    return path.parent / f".{path.name}.partial"
 
 
 @dataclass
@@ -123,10 +121,7 @@ def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> tup
     return total + 1, size
 
 
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        with f.open("rb") as handle:
-            os.fsync(handle.fileno())
+def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -134,14 +129,20 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        with f.open("rb") as handle:
+            os.fsync(handle.fileno())
+    _fsync_dir(path)
+
+
 def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, shard_size: int, step: int,
                dtype: "torch.dtype", validation_loss: float | None = None) -> OutputStatus:
     """Write `model` (ZeRO-3 partitioned or not) with its config, generation config and tokenizer to `path`,
     atomically."""
     check_output_path(path)
-    tmp = _temporary(path)
-    shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed while saving
-    tmp.mkdir()
+    # A name of its own: two jobs given the same output path never write into each other's files.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
         files, size = _write_weights(model, tmp, shard_size)
         config = model.config
@@ -156,7 +157,11 @@ def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, s
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
         _fsync_tree(tmp)
-        tmp.rename(path)  # atomic: the output path holds a whole model or nothing
+        # rename(2) would silently replace an empty directory made meanwhile: check once more, then rename
+        # (atomic: the output path holds a whole model or nothing) and make the rename itself durable.
+        check_output_path(path)
+        tmp.rename(path)
+        _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -12,6 +12,7 @@ model, in fp32 or otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -143,19 +144,42 @@ def random_model(arch: ModelArchitecture, sequence_length: int, seed: int) -> "P
     return AutoModelForCausalLM.from_config(preset_config(arch, sequence_length))
 
 
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Build without drawing random weights: a checkpoint overwrites every parameter, and under ZeRO-3
+    `transformers`' initialisation gathers (with NVMe offload: reads and writes back) every module once more
+    for nothing. (transformers 5.23 calls `initialize_weights_zero3` from its integration module by name.)"""
+    import transformers.integrations.deepspeed as hf_deepspeed
+    from transformers.initialization import no_init_weights
+
+    saved = hf_deepspeed.initialize_weights_zero3
+    hf_deepspeed.initialize_weights_zero3 = lambda model: None
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        hf_deepspeed.initialize_weights_zero3 = saved
+
+
 def build_model(config: "PretrainedConfig", ds_config: dict[str, Any], dtype: "torch.dtype", *,
-                checkpointing: bool, seed: int) -> "PreTrainedModel":
-    """The model under ZeRO-3, constructed partition by partition. The caller keeps the returned model's
-    `hf_deepspeed_config` alive: `transformers` checks it (through a weak reference) whenever it touches
-    parameters."""
+                checkpointing: bool, seed: int, pretrained: ModelDir | None = None) -> "PreTrainedModel":
+    """The model under ZeRO-3, constructed partition by partition; random weights unless `pretrained` (whose
+    weights `load_weights` then streams in, and whose generation config the model takes). The caller keeps
+    the returned model's `hf_deepspeed_config` alive: `transformers` checks it (through a weak reference)
+    whenever it touches parameters."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.integrations import HfDeepSpeedConfig
 
     keep = HfDeepSpeedConfig(ds_config)
     torch.manual_seed(seed)
     config.use_cache = False  # no KV cache in training; it only costs memory
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _no_random_init() if pretrained is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if pretrained is not None and (pretrained.path / "generation_config.json").is_file():
+        # The source's stop tokens and sampling defaults (e.g. Llama-3-Instruct's <|eot_id|>), which a
+        # generation config derived from config.json would lose.
+        model.generation_config = GenerationConfig.from_pretrained(pretrained.path)
     model.hf_deepspeed_config = keep
     swapper = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
     if swapper is not None and hasattr(swapper, "forget_except"):
@@ -212,7 +236,7 @@ def load_weights(model: "PreTrainedModel", model_dir: ModelDir,
                         if tuple(tensor.shape) != tuple(param.shape):
                             raise ModelDirError(f"{shard}: {name} has shape {tuple(tensor.shape)}, the model's "
                                                 f"{target} is {tuple(param.shape)}")
-                        param.copy_(tensor.to(param.dtype))
+                        param.copy_(tensor)  # converts the dtype in place: no second host copy
                         loaded.add(target)
                         on_tensor(tensor.numel() * tensor.element_size())
                         del tensor

@@ -21,6 +21,7 @@ from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.data import DatasetError
+from memstrata.runtime.train.hfmodel import ModelDirError
 from memstrata.runtime.train.memwatch import MemWatch
 from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, Sample, render_report
 from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, StepResult, TrainResult
@@ -60,9 +61,8 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         return EXIT_USAGE
     sample = None
     if sample_prompt is not None and recipe.model_dir is not None:
-        from memstrata.runtime.train.sample import answer
-
-        sample = Sample(prompt=sample_prompt, before=answer(recipe.model_dir.path, sample_prompt))
+        before = _answer(recipe.model_dir.path, sample_prompt)
+        sample = Sample(prompt=sample_prompt, before=before) if before is not None else None
 
     training = job.spec.training
     watch = MemWatch(recipe.ds_swap_dir).start()  # DeepSpeed's swap folder (with memstrata: must stay empty)
@@ -94,7 +94,11 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
             last_validation = result.validation_losses.get(max(result.validation_losses, default=-1))
             recipe.save(len(result.steps), last_validation)
             result.phases.save = time.perf_counter() - t0
-    except (RecipeError, DatasetError) as exc:
+            # At once, not with the final report: a model on the volume must be reported even if this
+            # process dies before the end.
+            last = last.model_copy(update={"output": recipe.output})
+            report_to(last)
+    except (RecipeError, DatasetError, ModelDirError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
         report_to(last.model_copy(update={"stage": "failed", "message": str(exc)}))
         return EXIT_USAGE
@@ -107,9 +111,7 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         watch.stop()
 
     if sample is not None and recipe.output is not None:
-        from memstrata.runtime.train.sample import answer
-
-        sample.after = answer(Path(recipe.output.path), sample.prompt)
+        sample.after = _answer(Path(recipe.output.path), sample.prompt)
     report = build_report(job, plan, recipe, result, watch, after_init)
     report.load_peak_rss_bytes, report.sample = load_peak, sample
     report_to(last.model_copy(update={"stage": "finished", "strata": report.strata, "output": recipe.output}))
@@ -117,6 +119,18 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     if report_json is not None:
         report_json.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
     return 0
+
+
+def _answer(model_dir: Path, prompt: str) -> str | None:
+    """The --sample answer, or None (said once) when the model cannot produce one here: a sample is a
+    courtesy, never a reason to fail or to lose the report."""
+    from memstrata.runtime.train.sample import answer
+
+    try:
+        return answer(model_dir, prompt)
+    except Exception as exc:  # noqa: BLE001 - out of memory, a model transformers cannot generate with, ...
+        print(f"memstrata: --sample: no answer from {model_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def _strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounters]:

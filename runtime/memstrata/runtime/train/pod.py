@@ -97,11 +97,14 @@ class StatusReporter:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.patch, self.interval, self.clock = patch, interval, clock
         self._last = float("-inf")
+        self._output: object = None
         self.sent = 0
         self.failed = 0
 
     def __call__(self, report: RuntimeReport) -> None:
-        final = report.stage in ("finished", "failed")
+        # The saved model is news that must not wait for the next interval (the pod may die before it).
+        new_output = report.output is not None and report.output != self._output
+        final = report.stage in ("finished", "failed") or new_output
         now = self.clock()
         if not final and now - self._last < self.interval:
             return
@@ -109,6 +112,7 @@ class StatusReporter:
         try:
             self.patch(report.status_patch())
             self.sent += 1
+            self._output = report.output
         except Exception as exc:  # noqa: BLE001 - the API being away must not stop training
             self.failed += 1
             log.warning("memstrata: status patch failed (%d so far), retried with the next report: %s",

@@ -104,6 +104,15 @@ class FineTuneRecipe:
         except (ModelDirError, OutputPathError) as exc:
             raise RecipeError(str(exc)) from None
         self.arch = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
+        self.hf_config: Any = None
+        if self.model_dir is not None:
+            from transformers import AutoConfig
+
+            try:
+                self.hf_config = AutoConfig.from_pretrained(self.model_dir.path, local_files_only=True)
+            except (ValueError, KeyError, OSError) as exc:  # an unknown model_type, a config transformers refuses
+                raise RecipeError(f"{self.model_dir.path / 'config.json'}: transformers cannot build this model: "
+                                  f"{exc}") from None
         self.tokenizer = (load_tokenizer(self.model_dir.path, self.arch.vocab) if self.model_dir is not None
                           else ByteTokenizer())
         if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
@@ -184,12 +193,7 @@ class FineTuneRecipe:
 
         t = self.spec.training
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[t.precision]
-        if self.model_dir is not None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(self.model_dir.path)
-        else:
-            config = preset_config(self.arch, t.sequence_length)
+        config = self.hf_config if self.hf_config is not None else preset_config(self.arch, t.sequence_length)
         layer, handed = None, False
         if self.strata is not None:
             from memstrata.runtime.swap.integration import constructing, open_layer
@@ -198,7 +202,8 @@ class FineTuneRecipe:
             layer = open_layer(ds.config, self.strata.settings, numel=self.arch.parameters())
         try:
             with constructing(layer) if layer is not None else contextlib.nullcontext():
-                model = build_model(config, ds.config, dtype, checkpointing=t.activation_checkpointing, seed=t.seed)
+                model = build_model(config, ds.config, dtype, checkpointing=t.activation_checkpointing, seed=t.seed,
+                                    pretrained=self.model_dir)
                 if self.model_dir is not None:
                     load_weights(model, self.model_dir)
             self.model = model

@@ -151,6 +151,10 @@ def load_tokenizer(model_dir: Path, vocab: int) -> HFTokenizer:
         hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for a broken directory
         raise TokenizerError(f"{model_dir}: the tokenizer does not load: {type(exc).__name__}: {exc}") from None
+    if not getattr(hf, "is_fast", False):
+        # Loss masks need each token's character offsets, which only a tokenizers-backed tokenizer gives.
+        raise TokenizerError(f"{model_dir}: the tokenizer is not backed by the `tokenizers` library (no "
+                             "tokenizer.json, or a slow-only class); memstrata needs tokenizer.json")
     if len(hf) > vocab:
         raise TokenizerError(f"{model_dir}: the tokenizer has {len(hf)} tokens but the model's vocabulary has "
                              f"{vocab}: a tokenizer that does not match the vocab")
