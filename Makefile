@@ -46,6 +46,7 @@ install: $(APT_STAMP)
 # Each demo run writes a new output directory (memstrata never overwrites a model).
 DEMO_OUTPUT = $(CACHE)/demo-output/chat-skill-$(shell date +%Y%m%d-%H%M%S)
 demo: install model
+	@mkdir -p $(CACHE)/demo-output
 	@$(TIMED) demo $(MEMSTRATA) run examples/finetune-chat.yaml --model $(MEMSTRATA_SMOLLM2_DIR) \
 		--output $(DEMO_OUTPUT) --sample "What is the capital of Vosessa?"
 

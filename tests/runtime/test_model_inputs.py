@@ -30,8 +30,8 @@ def _model(tmp: Path, smollm2_dir: Path, *, vocab: int = 49152, shards: bool = F
     return path
 
 
-def _run(cli, tmp: Path, model: Path, *, data: str | None = None, output: Path | None = None
-         ) -> subprocess.CompletedProcess[str]:
+def _run(cli, tmp: Path, model: Path, *, data: str | None = None, output: Path | None = None,
+         architecture: str = "") -> subprocess.CompletedProcess[str]:
     dataset = tmp / "data.jsonl"
     dataset.write_text(data if data is not None else '{"text": "hello world, hello world"}\n' * 40)
     out = output or tmp / "out"
@@ -39,7 +39,7 @@ def _run(cli, tmp: Path, model: Path, *, data: str | None = None, output: Path |
 kind: FineTuneJob
 metadata: {{name: bad-input}}
 spec:
-  model: {{path: {model}}}
+  model: {{path: {model}{architecture}}}
   dataset: {{path: {dataset}}}
   training: {{sequenceLength: 16, steps: 1}}
   resources: {{gpus: 0}}
@@ -58,6 +58,15 @@ def test_directory_without_config_json(cli, tmp_path: Path, smollm2_dir: Path) -
     model = _model(tmp_path, smollm2_dir)
     (model / "config.json").unlink()
     assert f"{model}/config.json: no such file" in _run(cli, tmp_path, model).stderr
+
+
+def test_declared_architecture_that_differs_names_both_values(cli, tmp_path: Path, smollm2_dir: Path) -> None:
+    model = _model(tmp_path, smollm2_dir)
+    declared = (", architecture: {layers: 3, hidden: 32, intermediate: 64, heads: 2, kvHeads: 1, "
+                "vocab: 49152}")
+    err = _run(cli, tmp_path, model, architecture=declared).stderr
+    assert "architecture.layers: the job declares 3, the model directory has 2" in err, err
+    assert str(model / "config.json") in err
 
 
 def test_missing_shard_is_named_with_the_index(cli, tmp_path: Path, smollm2_dir: Path) -> None:
