@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstrata.api.finetunejob import OutputStatus
+from memstrata.runtime.train.hfmodel import INDEX, SINGLE
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
 __all__ = ["OutputPathError", "check_output_path", "save_model"]
-
-INDEX = "model.safetensors.index.json"
 
 
 class OutputPathError(ValueError):
@@ -45,7 +44,6 @@ def check_output_path(path: Path) -> None:
     except OSError as exc:
         raise OutputPathError(f"spec.output.path: {parent}: cannot create a directory there: "
                               f"{exc.strerror or exc}") from None
-
 
 
 @dataclass
@@ -75,41 +73,39 @@ def _state(model: "PreTrainedModel") -> Iterator[tuple[Any, list[tuple[str, "tor
             yield module, own
 
 
-def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> tuple[int, int]:
-    """Gather, copy, release - module by module; returns (files, bytes)."""
+def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int:
+    """Gather, copy, release - module by module; returns the bytes written."""
     import deepspeed
     import torch
     from safetensors.torch import save_file
 
-    shards: list[_Shard] = [_Shard({})]
-    names: dict[str, int] = {}
+    current = _Shard({})
+    names: dict[str, int] = {}  # tensor -> the number of its shard
     written: list[Path] = []
 
-    def flush(shard: _Shard, number: int, total: str) -> None:
-        path = into / f"model-{number:05d}-of-{total}.safetensors"
-        save_file(shard.tensors, str(path), metadata={"format": "pt"})
+    def flush() -> None:
+        # Under a provisional name: renamed once the number of shards is known.
+        path = into / f"model-{len(written) + 1:05d}-of-XXXXX.safetensors"
+        save_file(current.tensors, str(path), metadata={"format": "pt"})
         written.append(path)
-        shard.tensors.clear()
 
     for module, own in _state(model):
         params = [t for _, t in own if hasattr(t, "ds_id")]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
             for name, tensor in own:
                 size = tensor.numel() * tensor.element_size()
-                current = shards[-1]
                 if current.tensors and current.size + size > shard_size:
-                    # Write the full shard now under a provisional name; renamed once the count is known.
-                    flush(current, len(shards), "XXXXX")
-                    shards.append(current := _Shard({}))
+                    flush()
+                    current = _Shard({})
                 current.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
                 current.size += size
-                names[name] = len(shards)
-    if shards[-1].tensors or not written:
-        flush(shards[-1], len(shards), "XXXXX")
+                names[name] = len(written) + 1
+    if current.tensors or not written:
+        flush()
     total = len(written)
     if total == 1:
-        written[0].rename(into / "model.safetensors")
-        return 1, (into / "model.safetensors").stat().st_size
+        written[0].rename(into / SINGLE)
+        return (into / SINGLE).stat().st_size
     final = {}
     for number, path in enumerate(written, 1):
         name = f"model-{number:05d}-of-{total:05d}.safetensors"
@@ -118,7 +114,7 @@ def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> tup
     size = sum((into / n).stat().st_size for n in final.values())
     index = {"metadata": {"total_size": size}, "weight_map": {k: final[v] for k, v in sorted(names.items())}}
     (into / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return total + 1, size
+    return size
 
 
 def _fsync_dir(path: Path) -> None:
@@ -144,7 +140,7 @@ def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, s
     # A name of its own: two jobs given the same output path never write into each other's files.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        files, size = _write_weights(model, tmp, shard_size)
+        size = _write_weights(model, tmp, shard_size)
         config = model.config
         use_cache, config.use_cache = config.use_cache, True  # training turned the KV cache off; inference wants it
         config.dtype = dtype

@@ -3,8 +3,8 @@ ZeRO-3 partitions.
 
 One path for both: a preset becomes a `transformers` config (GPT-2, Llama or Qwen2) with random weights;
 a directory's `config.json` is read as written. Either way the model is constructed under
-`deepspeed.zero.Init` (through `transformers`' own ZeRO-3 integration, which also runs its weight
-initialisation on gathered parameters), so every module's parameters are partitioned - and, with
+`deepspeed.zero.Init` (through `transformers`' own ZeRO-3 integration, which for a preset also draws the
+random weights on gathered parameters), so every module's parameters are partitioned - and, with
 `offload_param: nvme`, swapped out - as soon as the module exists. A directory's weights are then
 streamed in one safetensors shard at a time, one module's tensors at a time: each is read from the
 memory-mapped shard, its partitions gathered, copied and re-partitioned. The host never holds the whole
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,10 +40,9 @@ class ModelDirError(ValueError):
 
 @dataclass(frozen=True)
 class ModelDir:
-    """A checked Hugging Face model directory: its config and, per shard file, the tensor names in it."""
+    """A checked Hugging Face model directory: its shape and, per shard file, the tensor names in it."""
 
     path: Path
-    config: dict[str, Any]
     architecture: ModelArchitecture
     shards: dict[Path, list[str]]
 
@@ -109,7 +108,7 @@ def read_model_dir(path: Path, declared: ModelArchitecture | None = None) -> Mod
         found = ", ".join(sorted(p.name for p in path.glob("*.bin"))[:3])
         hint = f" (found {found}: convert PyTorch .bin weights to safetensors)" if found else ""
         raise ModelDirError(f"{path}: no {SINGLE} and no {INDEX}{hint}")
-    return ModelDir(path=path, config=config, architecture=arch, shards=shards)
+    return ModelDir(path=path, architecture=arch, shards=shards)
 
 
 # A preset has no tokenizer of its own (it trains on bytes or synthetic data), so no token id is special to it.
@@ -191,7 +190,7 @@ def build_model(config: "PretrainedConfig", ds_config: dict[str, Any], dtype: "t
     return model
 
 
-def _module_groups(names: list[str], params: dict[str, "torch.nn.Parameter"]) -> Iterator[list[str]]:
+def _module_groups(names: list[str]) -> Iterator[list[str]]:
     """The shard's tensor names grouped by owning module, in order: gathering a module's parameters at once
     costs one module's memory, never the shard's."""
     groups: dict[str, list[str]] = defaultdict(list)
@@ -210,11 +209,10 @@ def _resolve(name: str, params: dict[str, Any], prefix: str) -> str | None:
     return None
 
 
-def load_weights(model: "PreTrainedModel", model_dir: ModelDir,
-                 on_tensor: Callable[[int], None] = lambda _n: None) -> None:
-    """Copy every checkpoint tensor into its ZeRO-3 partitions, one module at a time; `on_tensor` gets the
-    byte count of each tensor copied (for a progress bar). A parameter the checkpoint lacks, or a shape
-    that differs, fails with both named; buffers (e.g. rotary frequencies) are recomputed, not loaded."""
+def load_weights(model: "PreTrainedModel", model_dir: ModelDir) -> None:
+    """Copy every checkpoint tensor into its ZeRO-3 partitions, one module at a time. A parameter the
+    checkpoint lacks, or a shape that differs, fails with both named; buffers (e.g. rotary frequencies)
+    are recomputed, not loaded."""
     import deepspeed
     import torch
     from safetensors import safe_open
@@ -224,7 +222,7 @@ def load_weights(model: "PreTrainedModel", model_dir: ModelDir,
     loaded: set[str] = set()
     for shard, names in model_dir.shards.items():
         with safe_open(str(shard), framework="pt") as f:
-            for group in _module_groups(names, params):
+            for group in _module_groups(names):
                 targets = {n: t for n in group if (t := _resolve(n, params, prefix)) is not None}
                 if not targets:
                     continue  # buffers such as attn.bias masks of old GPT-2 checkpoints
@@ -238,7 +236,6 @@ def load_weights(model: "PreTrainedModel", model_dir: ModelDir,
                                                 f"{target} is {tuple(param.shape)}")
                         param.copy_(tensor)  # converts the dtype in place: no second host copy
                         loaded.add(target)
-                        on_tensor(tensor.numel() * tensor.element_size())
                         del tensor
     tied = {id(p) for n, p in params.items() if n in loaded}
     missing = sorted(n for n, p in params.items() if n not in loaded and id(p) not in tied)

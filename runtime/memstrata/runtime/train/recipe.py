@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.finetunejob import FineTuneJob, OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
-from memstrata.api.finetunejob import OutputStatus
 from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
 from memstrata.runtime.train.export import OutputPathError, check_output_path
 from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
@@ -183,16 +182,21 @@ class FineTuneRecipe:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", verbose=False)
 
+    def _dtype(self) -> "torch.dtype":
+        """The torch dtype of the job's precision: the model is built, trained and saved in it."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.spec.training.precision]
+
     def _setup_engine(self, ds: DsConfig) -> TrainingEngine:
         import contextlib
 
         import deepspeed
-        import torch
 
         from memstrata.runtime.train.hfmodel import build_model, load_weights, preset_config
 
         t = self.spec.training
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[t.precision]
+        dtype = self._dtype()
         config = self.hf_config if self.hf_config is not None else preset_config(self.arch, t.sequence_length)
         layer, handed = None, False
         if self.strata is not None:
@@ -295,8 +299,6 @@ class FineTuneRecipe:
     # --- save ----------------------------------------------------------------------------------------
     def save(self, step: int, validation_loss: float | None) -> OutputStatus | None:
         """Write the fine-tuned model to spec.output.path (None when the job has no output)."""
-        import torch
-
         from memstrata.runtime.train.export import save_model
 
         out = self.spec.output
@@ -306,7 +308,7 @@ class FineTuneRecipe:
             raise RuntimeError("FineTuneRecipe.save() called before setup()")
         # Parameters the last forward prefetched are still in flight; gathering one of them would assert.
         self.engine.empty_partition_cache()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.spec.training.precision]
+        dtype = self._dtype()
         tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
         self.output = save_model(self.engine.module, Path(out.path), tokenizer=tokenizer, shard_size=out.shard_size,
                                  step=step, dtype=dtype, validation_loss=validation_loss)
