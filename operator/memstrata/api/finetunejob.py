@@ -129,6 +129,34 @@ class Output(ApiModel):
 
     path: str = Field(min_length=1, description="A directory that must not exist yet, on a writable volume.")
     shard_size: Bytes = Field(2 * GiB, description="Largest safetensors shard (default 2Gi).")
+    metrics_path: str | None = Field(
+        None, min_length=1, description="Directory for metrics.jsonl (one line per step) and TensorBoard event "
+                                        "files; default: `<path>-metrics` beside the model.")
+
+    def metrics_dir(self) -> str:
+        return self.metrics_path or f"{self.path.rstrip('/')}-metrics"
+
+
+class Checkpoint(ApiModel):
+    """Resumable training state: model (fp32 master weights), optimizer state, LR schedule, data position and
+    every RNG, in one directory per step under `path`, completed by a marker file."""
+
+    path: str = Field(min_length=1, description="A directory on a writable volume; `step-NNNNNNNN` directories "
+                                                "are written under it.")
+    every_steps: int | None = Field(None, gt=0, description="A checkpoint every this many optimizer steps.")
+    every_minutes: float | None = Field(
+        None, gt=0, description="A checkpoint when this many minutes have passed since the last one (or the "
+                                "start); with neither field set: every 30 minutes.")
+    keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are removed only after "
+                                                   "a newer one is complete.")
+
+    def due(self, step: int, minutes_since_last: float) -> bool:
+        """Whether a checkpoint is due after optimizer step `step`."""
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        minutes = self.every_minutes if self.every_minutes is not None else (
+            30.0 if self.every_steps is None else None)
+        return minutes is not None and minutes_since_last >= minutes
 
 
 # What the operator itself puts in the job's pod: the runtime config's volume and where it is mounted, and
@@ -187,7 +215,34 @@ class Volume(ApiModel):
         return self
 
 
+ScheduleType = Literal["constant", "linear", "cosine"]
+
+
+class LearningRateSchedule(ApiModel):
+    """Linear warmup from 0 to training.learningRate, then constant, linear or cosine decay to
+    `minLearningRateRatio` x learningRate at the last step (Hugging Face's schedules, with a floor)."""
+
+    type: ScheduleType = "constant"
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    min_learning_rate_ratio: float = Field(0.0, ge=0, le=1, description="The decay's floor, as a fraction of "
+                                                                        "learningRate (linear and cosine).")
+
+
+class Optimizer(ApiModel):
+    """AdamW (DeepSpeed's CPU Adam when the optimizer state is offloaded)."""
+
+    type: Literal["adamw"] = "adamw"
+    beta1: float = Field(0.9, ge=0, lt=1, description="Decay of the first moment.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="Decay of the second moment.")
+    eps: float = Field(1e-8, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=10, description="Decoupled weight decay (AdamW).")
+
+
 class Training(ApiModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!has(self.schedule) || !has(self.schedule.warmupSteps) || self.schedule.warmupSteps <= self.steps",
+            "schedule.warmupSteps must not exceed training.steps")]})
+
     method: Literal["full"] = Field("full", description="Full fine-tune (every parameter trains).")
     sequence_length: int = Field(2048, gt=0, le=1 << 20)
     micro_batch: int = Field(1, gt=0)
@@ -200,6 +255,17 @@ class Training(ApiModel):
         True, description="Keep one hidden state per layer and recompute the rest in backward (the planner "
                           "counts activations this way); false keeps every activation.")
     eval_interval: int = Field(0, ge=0, description="Validation loss every this many steps (0: at the end only).")
+    schedule: LearningRateSchedule = LearningRateSchedule()
+    optimizer: Optimizer = Optimizer()
+    gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no "
+                                                            "clipping).")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "Training":
+        if self.schedule.warmup_steps > self.steps:
+            raise ValueError(f"schedule.warmupSteps: {self.schedule.warmup_steps} is more than training.steps "
+                             f"({self.steps})")
+        return self
 
 
 class Resources(ApiModel):
@@ -240,6 +306,8 @@ class FineTuneJobSpec(ApiModel):
     resources: Resources = Resources()
     memory: MemoryPolicy = MemoryPolicy()
     output: Output | None = Field(None, description="Where the fine-tuned model is written.")
+    checkpoint: Checkpoint | None = Field(None, description="Periodic checkpoints; a new attempt resumes from the "
+                                                            "latest complete one.")
     volumes: list[Volume] = Field(
         [], max_length=MAX_VOLUMES, description="Volumes (Kubernetes' own types) holding the model, the data and "
                                                 "the output.",
@@ -320,6 +388,9 @@ class Progress(ApiModel):
     step: int = Field(0, ge=0)
     total: int = Field(0, ge=0)
     loss: float | None = None
+    validation_loss: float | None = Field(None, description="The latest validation loss.")
+    learning_rate: float | None = None
+    resumed_from: int | None = Field(None, description="The checkpoint step this attempt resumed from.")
     tokens_per_second: float | None = None
     percent: int = Field(0, ge=0, le=100)
     eta_seconds: float | None = None
@@ -341,6 +412,8 @@ class FineTuneJobStatus(ApiModel):
     model_architecture: ModelArchitecture | None = Field(
         None, description="The shape read from the model directory (when spec.model.architecture is absent).")
     output: "OutputStatus | None" = None
+    checkpoint: "CheckpointStatus | None" = Field(None, description="The latest complete checkpoint.")
+    result: "ResultStatus | None" = Field(None, description="The final losses, once training has finished.")
     model_config = ConfigDict(extra="allow")
 
 
@@ -351,6 +424,24 @@ class OutputStatus(ApiModel):
     step: int = Field(ge=0, description="The optimizer step whose weights were saved.")
     files: int = Field(ge=0)
     bytes: int = Field(ge=0)
+    validation_loss: float | None = None
+
+
+class CheckpointStatus(ApiModel):
+    """The latest complete checkpoint the runtime wrote."""
+
+    path: str
+    step: int = Field(ge=0)
+    time: datetime
+    bytes: int = Field(0, ge=0)
+    seconds: float = Field(0, ge=0, description="How long writing it took.")
+
+
+class ResultStatus(ApiModel):
+    """The final numbers of a finished run."""
+
+    steps: int = Field(ge=0)
+    train_loss: float | None = Field(None, description="The mean loss of the last step.")
     validation_loss: float | None = None
 
 

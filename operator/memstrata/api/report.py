@@ -12,14 +12,14 @@ from typing import Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import OutputStatus, Progress
+from memstrata.api.finetunejob import CheckpointStatus, OutputStatus, Progress, ResultStatus
 
 RuntimeStage = Literal["initializing", "training", "finished", "failed"]
 
 
 # The only status fields a job's runtime writes (status_patch); every other one is the operator's.
 # charts/memstrata/templates/runtime-status-policy.yaml enforces it at the API server.
-RUNTIME_STATUS_FIELDS = ("progress", "peakMemory", "output")
+RUNTIME_STATUS_FIELDS = ("progress", "peakMemory", "output", "checkpoint", "result")
 
 
 class StratumCounters(ApiModel):
@@ -33,11 +33,16 @@ class RuntimeReport(ApiModel):
     step: int = Field(0, ge=0)
     total_steps: int = Field(0, ge=0)
     loss: float | None = None
+    validation_loss: float | None = None
+    learning_rate: float | None = None
+    resumed_from: int | None = Field(None, description="The checkpoint step this attempt resumed from.")
     tokens_per_second: float | None = None
     elapsed_seconds: float = Field(0, ge=0)
     strata: dict[str, StratumCounters] = Field(default_factory=dict, description="Keyed by hbm/dram/cxl/nvme.")
     message: str | None = None
     output: OutputStatus | None = Field(None, description="The fine-tuned model, once saved.")
+    checkpoint: CheckpointStatus | None = Field(None, description="The latest complete checkpoint.")
+    result: ResultStatus | None = Field(None, description="The final losses, once training has finished.")
 
     @property
     def eta_seconds(self) -> float | None:
@@ -53,6 +58,9 @@ class RuntimeReport(ApiModel):
             step=self.step,
             total=self.total_steps,
             loss=self.loss,
+            validation_loss=self.validation_loss,
+            learning_rate=self.learning_rate,
+            resumed_from=self.resumed_from,
             tokens_per_second=self.tokens_per_second,
             percent=min(percent, 100),
             eta_seconds=eta,
@@ -68,6 +76,10 @@ class RuntimeReport(ApiModel):
             patch["peakMemory"] = peak
         if self.output is not None:
             patch["output"] = self.output.wire()
+        if self.checkpoint is not None:
+            patch["checkpoint"] = self.checkpoint.wire()
+        if self.result is not None:
+            patch["result"] = self.result.wire()
         return {"status": patch}
 
 

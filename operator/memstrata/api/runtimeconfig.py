@@ -11,7 +11,7 @@ from typing import Final, Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import Dataset, MemoryPolicy, ModelSource, Output, Resources, Training
+from memstrata.api.finetunejob import Checkpoint, Dataset, MemoryPolicy, ModelSource, Output, Resources, Training
 from memstrata.api.strataplan import Plan
 
 RUNTIME_CONFIG_VERSION: Final = "memstrata.dev/runtime-config/v1"
@@ -37,6 +37,8 @@ class RuntimeConfig(ApiModel):
     resources: Resources = Resources()
     memory: MemoryPolicy = MemoryPolicy()
     output: Output | None = Field(None, description="Where the fine-tuned model is written (spec.output).")
+    checkpoint: Checkpoint | None = Field(None, description="spec.checkpoint: the runtime resumes from the latest "
+                                                            "complete checkpoint there.")
     plan: Plan = Field(description="The plan for the chosen node: what the runtime sizes its strata from.")
     node: str = ""
     attempt: int = Field(0, ge=0, description="Which pod attempt this is (0-based).")
