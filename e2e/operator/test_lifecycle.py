@@ -46,7 +46,7 @@ def test_example_lands_on_the_node_with_fewest_bytes_on_slow_strata(memstrata_cl
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("FineTuneJob", job_obj["metadata"]["uid"], True)
     table = cluster.kubectl("get", "ftj", "-n", ns)
     header, row = table.splitlines()[:2]
-    assert header.split() == ["NAME", "PHASE", "NODE", "PROGRESS", "ETA", "AGE"]
+    assert header.split() == ["NAME", "PHASE", "NODE", "PROGRESS", "ETA", "CHECKPOINT", "AGE"]
     assert row.split()[:3] == ["llama3-8b-32k", "Running", dram]
 
 
@@ -112,6 +112,41 @@ def test_suspend_removes_pods_and_resume_recreates_them(memstrata_cluster, ns, n
     assert pod["metadata"]["name"] == "pausable-1"
     obj = ftj(cluster, ns, "pausable")
     assert condition(obj, "Suspended")["reason"] == "Resumed" and "failedPods" not in obj["status"]
+
+
+def test_a_checkpoint_and_a_resume_are_each_announced_once(memstrata_cluster, ns, nodes):
+    """The runtime reports a checkpoint (and, in a later attempt, that it resumed) into the job's status; the
+    operator posts one event for each, however many progress reports follow."""
+    cluster = memstrata_cluster
+    nodes.add("gpu", dram_gib=64, gpus=1)
+    apply_yaml(cluster, job("saver", checkpoint={"path": "/output/ckpt", "everySteps": 10}), ns)
+    wait("Running", lambda: phase(cluster, ns, "saver") == "Running")
+
+    def report(status):  # as the runtime's token would (the status policy only binds ServiceAccounts)
+        cluster.kubectl("patch", "ftj", "saver", "-n", ns, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": status}))
+
+    def told(reason):
+        return [e for e in events_of(cluster, ns, "saver") if e["reason"] == reason]
+
+    ckpt = {"path": "/output/ckpt/step-00000010", "step": 10, "time": "2026-01-01T12:00:00Z",
+            "bytes": 3 << 30, "seconds": 2.5}
+    report({"checkpoint": ckpt, "progress": {"step": 10, "total": 40, "attempt": 0}})
+    (event,) = wait("Checkpointed", lambda: told("Checkpointed"))
+    assert event["type"] == "Normal"
+    assert event["message"] == "step 10 written to /output/ckpt/step-00000010 in 2.5s, 3.0 GiB"
+    for step in (11, 12, 13):
+        report({"progress": {"step": step, "total": 40, "attempt": 0}})
+    report({"progress": {"step": 12, "total": 40, "attempt": 0, "resumedFrom": 10}})
+    wait("Resumed", lambda: told("Resumed"))
+    subprocess.run(["sleep", "2"], check=True)  # time for any (wrong) repeat to be posted
+    assert [e["count"] for e in told("Checkpointed")] == [1]
+    assert [e["message"] for e in told("Resumed")] == ["attempt 1 resumed from checkpoint step 10"]
+    obj = ftj(cluster, ns, "saver")
+    assert (obj["status"]["announcedCheckpoint"], obj["status"]["announcedResume"]) == (10, 0)
+    table = cluster.kubectl("get", "ftj", "saver", "-n", ns)
+    header, row = table.splitlines()[:2]
+    assert row[header.index("CHECKPOINT"):header.index("AGE")].strip() == "10", table
 
 
 def test_deleting_a_job_removes_every_child(memstrata_cluster, ns, nodes):

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.cluster
 OPTIONAL: dict[str, tuple[Any, bool]] = {
     "resources": ({"gpus": 1}, False),
     "memory": ({"engine": "memstrata"}, False),
+    "checkpoint": ({"path": "/ckpt", "everySteps": 2}, False),  # a retry resumes from where it says
     "image": ("registry.example/memstrata/runtime:custom", True),
     "command": (["memstrata", "pod"], True),
     "runPolicy": ({"backoffLimit": 2}, True),

@@ -66,6 +66,10 @@ def test_the_runtime_reports_into_its_jobs_status(memstrata_cluster: Any, namesp
     cluster.apply(*[o for o in companions if o["kind"] != "ConfigMap"], namespace=namespace)
     config = tmp_path / "runtime-config.json"
     config.write_text(next(o for o in companions if o["kind"] == "ConfigMap")["data"]["runtime-config.json"])
+    # The operator writes the status before it creates the pod (the API server fills in the schema's defaults
+    # then, status.restarts among them): the runtime's patches only ever add to a status that exists.
+    cluster.kubectl("patch", "finetunejob", "tiny-pod", "-n", namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": {"phase": "Created", "activePod": "tiny-pod-0"}}))
     token = cluster.kubectl("create", "token", names.runtime_account_name("tiny-pod", body["metadata"]["uid"]), "-n", namespace).strip()
     kubeconfig = token_kubeconfig(cluster, token, tmp_path / "runtime.kubeconfig")
 
@@ -89,6 +93,9 @@ def test_the_runtime_reports_into_its_jobs_status(memstrata_cluster: Any, namesp
     progress = status["progress"]
     assert (progress["step"], progress["total"], progress["summary"]) == (STEPS, STEPS, f"{STEPS}/{STEPS} (100%)")
     assert isinstance(progress["loss"], float) and progress["loss"] > 0
+    # The attempt's own report (the operator announces a resume only for the attempt that reported it);
+    # nulls for what it left unset (merge-patched away), so no key is stored as null.
+    assert progress["attempt"] == 0 and "resumedFrom" not in progress and None not in progress.values()
     assert status["peakMemory"]["dram"] > 50 << 20 and status["peakMemory"]["nvme"] > 0
     # Progress arrived while it trained, not only at the end.
     assert any(0 < s < STEPS for s in seen), f"steps seen while training: {seen}"

@@ -1,5 +1,6 @@
-"""A job's runtime token may write its job's progress and peak memory, and nothing else of the status:
-clearing status.startTime would disable activeDeadlineSeconds. The chart's ValidatingAdmissionPolicy
+"""A job's runtime token may write its job's progress, peak memory, saved model, checkpoint and result, and
+nothing else of the status: clearing status.startTime would disable activeDeadlineSeconds, clearing
+status.failedPods would retry forever. The chart's ValidatingAdmissionPolicy
 (applied as the chart installs it) holds that at the API server. The test runs on a control plane no
 operator watches, so that the only writers of the job are the test, as operator, and the runtime's token."""
 from __future__ import annotations
@@ -39,8 +40,10 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
     cluster.apply(doc)
     body = cluster.get_json("finetunejob", "owned", "-n", namespace)
     # The operator's part, as it writes it: the phase, the node and when the attempt started.
+    # activePod and failedPods are beyond the status schema, kept as unknown fields: guarded all the same.
     cluster.kubectl("patch", "finetunejob", "owned", "-n", namespace, "--subresource=status", "--type=merge",
-                    "-p", json.dumps({"status": {"phase": "Running", "node": "n1", "startTime": START}}))
+                    "-p", json.dumps({"status": {"phase": "Running", "node": "n1", "startTime": START,
+                                                 "activePod": "owned-1", "failedPods": ["owned-0"]}}))
     inv = NodeInventory.model_validate({"hostname": "n1", "numaNodes": [{"id": 0, "memoryBytes": "64Gi"}]})
     companions, _ = attempt_objects(job_view(body), "n1", plan_job(job_view(body).spec, inv), attempt=0)
     cluster.apply(*[o for o in companions if o["kind"] != "ConfigMap"], namespace=namespace)
@@ -51,18 +54,36 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
     saved = {"path": "/output/m", "step": 10, "files": 3, "bytes": 4096, "validationLoss": 1.5}
     allowed = _patch(cluster, runtime, namespace, "owned", {"output": saved})  # the saved model
     assert allowed.returncode == 0, allowed.stderr
+    ckpt = {"path": "/ckpt/step-00000010", "step": 10, "time": START, "bytes": 4096, "seconds": 1.5}
+    result = {"steps": 10, "trainLoss": 1.75}
+    allowed = _patch(cluster, runtime, namespace, "owned", {"checkpoint": ckpt, "result": result})
+    assert allowed.returncode == 0, allowed.stderr
     arch = {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kvHeads": 4, "vocab": 300}
     for status, field in (({"startTime": None}, "startTime"), ({"phase": "Succeeded"}, "phase"),
                           ({"node": "elsewhere"}, "node"), ({"conditions": []}, "conditions"),
-                          ({"modelArchitecture": arch}, "modelArchitecture")):
+                          ({"modelArchitecture": arch}, "modelArchitecture"), ({"failedPods": None}, "failedPods"),
+                          ({"activePod": "owned-9"}, "activePod"),
+                          ({"announcedCheckpoint": 10}, "announcedCheckpoint")):
         denied = _patch(cluster, runtime, namespace, "owned", status)
         assert denied.returncode != 0, f"the runtime's token changed status.{field}"
         assert f"status.{field} is the operator's" in denied.stderr, denied.stderr
+    # Along with its own fields it may not slip in the operator's: the whole patch is refused.
+    denied = _patch(cluster, runtime, namespace, "owned", {"progress": {"step": 9, "total": 10}, "restarts": 5,
+                                                            "message": "fine"})
+    assert denied.returncode != 0 and " are the operator's" in denied.stderr, denied.stderr
+    assert "status.message" in denied.stderr and "status.restarts" in denied.stderr, denied.stderr
 
     status = cluster.get_json("finetunejob", "owned", "-n", namespace)["status"]
     assert (status["startTime"], status["phase"], status["node"]) == (START, "Running", "n1")
+    assert (status["activePod"], status["failedPods"]) == ("owned-1", ["owned-0"])
     assert status["progress"]["step"] == 3 and status["peakMemory"] == {"dram": 1}
+    assert status["checkpoint"] == ckpt and status["result"] == result
     assert status["output"] == saved and "modelArchitecture" not in status
     wide = cluster.kubectl("get", "finetunejob", "owned", "-n", namespace, "-o", "wide")
     header, row = (line.split() for line in wide.splitlines()[:2])
     assert "OUTPUT" in header and "/output/m" in row, wide
+    table = cluster.kubectl("get", "finetunejob", "owned", "-n", namespace)
+    header, row = table.splitlines()[:2]
+    assert header.split() == ["NAME", "PHASE", "NODE", "PROGRESS", "ETA", "CHECKPOINT", "AGE"], table
+    # Cells line up under their headers (an empty one is blank: this progress has no summary, no ETA).
+    assert row[header.index("CHECKPOINT"):header.index("AGE")].strip() == "10", table

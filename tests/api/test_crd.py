@@ -25,7 +25,9 @@ def test_crd_names_status_and_columns() -> None:
     version = spec["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")] == [
-        "Phase", "Node", "Progress", "ETA", "Age"]
+        "Phase", "Node", "Progress", "ETA", "Checkpoint", "Age"]
+    checkpoint = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Checkpoint")
+    assert (checkpoint["jsonPath"], checkpoint["type"]) == (".status.checkpoint.step", "integer")
     wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority")}
     assert wide == {"Loss": ".status.progress.loss", "Output": ".status.output.path"}
     schema = version["schema"]["openAPIV3Schema"]["properties"]
@@ -93,7 +95,7 @@ def test_cel_rules_follow_the_optional_architecture_and_the_volumes() -> None:
     mounts_rule = rules["every volumeMounts[].name must be one of spec.volumes[].name"]
     assert "self.volumes.exists(v, v.name == m.name)" in mounts_rule
     immutable = next(r for m, r in rules.items() if "immutable" in m)
-    for field in ("output", "volumes", "volumeMounts"):
+    for field in ("output", "checkpoint", "volumes", "volumeMounts"):
         assert f"self.{field} == oldSelf.{field}" in immutable
     dataset_rules = [r["message"] for r in spec["properties"]["dataset"]["x-kubernetes-validations"]]
     assert "set at most one of dataset.validationSplit or dataset.validationPath" in dataset_rules

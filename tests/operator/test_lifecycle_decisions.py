@@ -320,3 +320,199 @@ def test_job_labels_reach_the_pod_but_reserved_ones_do_not():
     manifest = pod(job_view(w.job), create.node, create.plan, create.attempt)
     assert manifest["metadata"]["labels"]["team"] == "nlp"
     assert manifest["metadata"]["labels"]["memstrata.dev/job-uid"] == "uid-1"
+
+
+# -- checkpoints and resume ----------------------------------------------------------------------------------
+
+CHECKPOINT_SPEC = {"path": "/output/ckpt", "everySteps": 100}
+
+
+def checkpointed(step: int, seconds: float = 42.0) -> dict[str, Any]:
+    """status.checkpoint as the runtime writes it."""
+    return {"path": f"/output/ckpt/step-{step:08d}", "step": step, "time": "2026-01-01T12:10:00Z",
+            "bytes": 17 << 30, "seconds": seconds}
+
+
+def running_with_checkpoints(**kw: Any) -> World:
+    w = World(**kw)
+    w.job["spec"]["checkpoint"] = dict(CHECKPOINT_SPEC)
+    w.settle(0)
+    w.pod(0, "Running", node="gpu-1")
+    w.settle(1)
+    w.events.clear()
+    return w
+
+
+def test_each_checkpoint_is_announced_once_however_often_the_job_is_reconciled():
+    w = running_with_checkpoints()
+    w.status["checkpoint"] = checkpointed(100)
+    d = w.step(2)
+    # The mark goes in the status patch before the event: a patch refused (a conflict) posts nothing.
+    kinds = [type(a).__name__ for a in d.actions]
+    assert kinds == ["PatchStatus", "Event"] and d.of(PatchStatus)[0].patch == {"announcedCheckpoint": 100}
+    assert w.events == [Event("Normal", "Checkpointed",
+                              "step 100 written to /output/ckpt/step-00000100 in 42.0s, 17.0 GiB")]
+    # Progress reports trigger reconciles all the time; an operator restart reads the same status.
+    w.status["progress"] = {"step": 130, "total": 2000, "attempt": 0}
+    for t in (3, 4, 5):
+        assert w.step(t).actions == ()
+    w.status["checkpoint"] = checkpointed(200, seconds=125)
+    w.settle(6)
+    assert [e.message for e in w.events[1:]] == ["step 200 written to /output/ckpt/step-00000200 in 2m05s, 17.0 GiB"]
+    assert w.status["phase"] == "Running"
+
+
+def test_an_attempt_that_resumed_is_announced_once_and_a_previous_attempts_report_is_not_taken_for_it():
+    w = running_with_checkpoints(run_policy={"backoffLimit": 2})
+    w.status["progress"] = {"step": 0, "total": 2000, "attempt": 0}  # attempt 1 started from scratch
+    w.status["checkpoint"] = checkpointed(100)
+    w.settle(2)
+    assert [e.reason for e in w.events] == ["Checkpointed"]
+    w.pod(0, "Failed", node="gpu-1", exit_code=1)
+    w.settle(3)
+    w.settle(20)  # past the backoff: attempt 2's pod
+    assert [c.attempt for c in w.created] == [0, 1]
+    w.pod(1, "Running", node="gpu-1")
+    w.settle(21)
+    assert "Resumed" not in [e.reason for e in w.events]  # attempt 2 has not reported yet
+    w.status["progress"] = {"step": 100, "total": 2000, "attempt": 1, "resumedFrom": 100}
+    w.settle(22)
+    w.settle(23)
+    resumed = [e for e in w.events if e.reason == "Resumed"]
+    assert resumed == [Event("Normal", "Resumed", "attempt 2 resumed from checkpoint step 100")]
+
+    # Attempt 3 fails before its first report: status.progress is still attempt 2's, so nothing is said for it.
+    w.pod(1, "Failed", node="gpu-1", exit_code=1)
+    w.settle(24)
+    w.settle(60)
+    w.pod(2, "Running", node="gpu-1")
+    w.settle(61)
+    assert [e.reason for e in w.events].count("Resumed") == 1
+    w.status["progress"] = {"step": 100, "total": 2000, "attempt": 2, "resumedFrom": 100}  # the same checkpoint
+    w.settle(62)
+    assert [e.message for e in w.events if e.reason == "Resumed"][1:] == [
+        "attempt 3 resumed from checkpoint step 100"]
+    assert w.status["restarts"] == 2
+
+
+def test_a_progress_report_that_names_no_attempt_announces_no_resume():
+    w = running_with_checkpoints()
+    w.status["progress"] = {"step": 100, "total": 2000, "resumedFrom": 100}  # a runtime that predates attempt
+    w.settle(2)
+    assert w.events == [] and "announcedResume" not in w.status
+
+
+def test_a_checkpoint_status_the_operator_cannot_read_is_not_announced_and_breaks_nothing():
+    w = running_with_checkpoints()
+    w.status["checkpoint"] = {"path": "/output/ckpt"}  # hand-edited: no step, no time
+    w.settle(2)
+    assert w.events == [] and w.status["phase"] == "Running"
+
+
+def test_a_checkpoint_written_while_the_job_is_being_suspended_is_announced():
+    w = running_with_checkpoints()
+    w.job["spec"]["runPolicy"]["suspend"] = True
+    w.settle(2)
+    w.status["checkpoint"] = checkpointed(150)  # the stopping pod saved its state
+    w.settle(3)
+    assert w.status["phase"] == "Suspended" and [e.reason for e in w.events].count("Checkpointed") == 1
+
+
+def test_a_finished_job_announces_nothing_more():
+    w = running_with_checkpoints()
+    w.pod(0, "Succeeded", node="gpu-1", exit_code=0)
+    w.settle(2)
+    w.events.clear()
+    w.status["checkpoint"] = checkpointed(2000)  # e.g. a job finished under an operator that did not announce
+    assert w.settle(3).actions == () and w.events == []
+
+
+def _config_of(w: World, create: CreateAttempt) -> dict[str, Any]:
+    """The runtime config the reconciler renders for an attempt the lifecycle asked for."""
+    import json
+
+    from memstrata.operator.render import attempt_objects
+
+    companions, _ = attempt_objects(job_view(w.job), create.node, create.plan, create.attempt,
+                                    architecture=create.architecture)
+    cm = next(o for o in companions if o["kind"] == "ConfigMap")
+    return json.loads(next(iter(cm["data"].values())))
+
+
+@pytest.mark.parametrize("end, failed", [
+    ("failed", True),  # the runtime crashed: the pod Failed
+    ("evicted", True),  # the kubelet evicted it (memory pressure): Failed with reason Evicted
+    ("deleted", True),  # its node was lost, or someone deleted it: terminating before it finished
+    ("vanished", True),  # gone altogether before the operator saw it end
+    ("suspended", False),  # the user suspended the job and unsuspended it
+])
+def test_every_way_an_attempt_ends_gets_a_new_attempt_that_resumes_from_the_checkpoint(end, failed):
+    w = running_with_checkpoints(run_policy={"backoffLimit": 3})
+    w.status["checkpoint"] = checkpointed(100)
+    w.settle(2)
+    if end == "failed":
+        w.pod(0, "Failed", node="gpu-1", exit_code=137)
+    elif end == "evicted":
+        w.pod(0, "Failed", node="gpu-1")
+        w.pods["llama-0"]["status"]["reason"] = "Evicted"
+    elif end == "deleted":
+        w.pods["llama-0"]["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:03Z"
+    elif end == "vanished":
+        w.gone(0)
+    else:
+        w.job["spec"]["runPolicy"]["suspend"] = True
+        w.settle(3)
+        w.gone(0)
+        w.settle(4)
+        w.job["spec"]["runPolicy"]["suspend"] = False
+    w.settle(5)
+    if failed:  # a failure waits out the backoff first
+        assert len(w.created) == 1 and w.status["phase"] == "Restarting"
+        w.settle(15)
+    assert [c.attempt for c in w.created] == [0, 1]
+    assert w.status["restarts"] == (1 if failed else 0) and w.status["attempts"] == 2
+    assert w.status.get("failedPods", []) == (["llama-0"] if failed else [])
+    config = _config_of(w, w.created[-1])
+    assert config["attempt"] == 1 and config["checkpoint"] == {**CHECKPOINT_SPEC, "keep": 2}  # keep: its default
+    assert w.status["checkpoint"]["step"] == 100  # the runtime's report stays until the new attempt's
+
+
+def test_unsuspending_after_an_old_failure_starts_at_once_and_keeps_the_restarts():
+    """Suspension is the user's pause, not a failure: no backoff, no warning about a failure long past."""
+    w = running_with_checkpoints(run_policy={"backoffLimit": 3})
+    w.pod(0, "Failed", node="gpu-1", exit_code=1)
+    w.settle(2)
+    w.settle(20)
+    w.pod(1, "Running", node="gpu-1")
+    w.settle(21)
+    assert w.status["restarts"] == 1 and w.condition("Restarting")["status"] == "False"
+    w.job["spec"]["runPolicy"]["suspend"] = True
+    w.settle(30)
+    w.gone(1)
+    w.settle(31)
+    w.events.clear()
+    w.job["spec"]["runPolicy"]["suspend"] = False
+    w.settle(100)
+    assert [c.attempt for c in w.created] == [0, 1, 2]
+    assert w.status["phase"] == "Created" and w.status["restarts"] == 1 and w.status["failedPods"] == ["llama-0"]
+    assert [(e.type, e.reason) for e in w.events] == [("Normal", "PodCreated"), ("Normal", "Resumed")]
+    w.pod(2, "Pending", node="gpu-1")
+    w.settle(101)
+    assert w.status["phase"] == "Scheduled"  # not Restarting: nothing failed since the job was unsuspended
+    # A failure after the unsuspend is a failure again: backoff (20 s, the second one) and Restarting.
+    w.pod(2, "Failed", node="gpu-1", exit_code=1)
+    d = w.settle(102)
+    assert w.status["phase"] == "Restarting" and d.requeue_after == pytest.approx(20) and len(w.created) == 3
+
+
+def test_suspending_during_a_backoff_ends_it():
+    w = running_with_checkpoints(run_policy={"backoffLimit": 3})
+    w.pod(0, "Failed", node="gpu-1", exit_code=1)
+    w.settle(2)
+    assert w.condition("Restarting")["status"] == "True"
+    w.job["spec"]["runPolicy"]["suspend"] = True
+    w.settle(3)
+    assert w.condition("Restarting") == {**w.condition("Restarting"), "status": "False", "reason": "Suspended"}
+    w.job["spec"]["runPolicy"]["suspend"] = False
+    w.settle(4)  # within what was the backoff: starts at once all the same
+    assert [c.attempt for c in w.created] == [0, 1] and w.status["restarts"] == 1

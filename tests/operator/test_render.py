@@ -79,6 +79,25 @@ def test_configmap_carries_a_runtime_config_the_runtime_can_read():
     assert config.output == JOB.spec.output and config.output.path == "/output/llama3-8b-32k-chat"
 
 
+def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
+    """A retry resumes from spec.checkpoint: the runtime looks there itself, so each attempt's config must say
+    where, exactly as the job does; a job without checkpoints gets none."""
+    body = job_dict("llama")
+    body["spec"]["checkpoint"] = {"path": "/output/ckpt", "everySteps": 50, "keep": 3}
+    job = job_view(body)
+    assert PLACED.plan is not None
+    for attempt in (0, 3):
+        before, _ = attempt_objects(job, "cxl-1", PLACED.plan, attempt)
+        cm = next(o for o in before if o["kind"] == "ConfigMap")
+        config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
+        assert config.checkpoint == job.spec.checkpoint and config.attempt == attempt
+        assert json.loads(cm["data"][CONFIGMAP_KEY])["checkpoint"] == {"path": "/output/ckpt", "everySteps": 50,
+                                                                      "keep": 3}
+    before, _ = objects()
+    cm = next(o for o in before if o["kind"] == "ConfigMap")
+    assert "checkpoint" not in json.loads(cm["data"][CONFIGMAP_KEY])
+
+
 def test_the_jobs_volumes_are_mounted_first_beside_the_operators_own():
     _, pod = objects()
     volumes, mounts = pod["spec"]["volumes"], pod["spec"]["containers"][0]["volumeMounts"]

@@ -24,6 +24,8 @@ PRINTER_COLUMNS = [
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
     {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta"},
+    # The step a retry (or a resumed job) would start from: what a failure now would cost.
+    {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.checkpoint.step"},
     # A path is too long for the default table: `kubectl get ftj -o wide` shows where the model went.
     {"name": "Output", "type": "string", "jsonPath": ".status.output.path", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -31,7 +33,10 @@ PRINTER_COLUMNS = [
 
 # Fields a running job may not change: a new model or dataset is a new job. The volumes too: the shape the
 # operator read from the model directory, and the output a retry resumes writing, are the volumes' as created.
-IMMUTABLE = ("model", "dataset", "training", "resources", "memory", "output", "volumes", "volumeMounts")
+# And the checkpoints: a retry resumes from spec.checkpoint.path, so a path changed mid-job (or checkpoints
+# removed) would silently start training over.
+IMMUTABLE = ("model", "dataset", "training", "resources", "memory", "output", "checkpoint", "volumes",
+             "volumeMounts")
 
 
 def _unchanged(field: str) -> str:

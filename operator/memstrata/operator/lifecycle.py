@@ -4,7 +4,9 @@ Level-triggered: the decision depends only on what is observed now, so running
 it twice, or after an operator restart, asks for nothing new. Two facts cannot
 be observed and are kept in status: which pod is the current attempt
 (`activePod`, written only after the pod exists) and which pods already failed
-(`failedPods`), so a failed pod that someone deletes still counts.
+(`failedPods`), so a failed pod that someone deletes still counts. Likewise what
+the runtime reported that the user was already told (memstrata.operator.announce:
+the Checkpointed and Resumed events, once each).
 
 Phases: Pending -> Created -> Scheduled -> Running -> Succeeded | Failed, with
 Restarting between attempts and Suspended while spec.runPolicy.suspend is true. A job whose
@@ -12,6 +14,13 @@ model.path comes without an architecture first stays Pending while an inspection
 directory's config.json (memstrata.operator.inspection); the shape it reports is kept in
 status.modelArchitecture and every attempt is planned with it.
 backoffLimit N allows N failed attempts to be retried: N+1 attempts in all.
+
+Every new attempt - after a failed pod, after a pod deleted under it (a lost node, an eviction), after
+suspend and unsuspend - is a new pod whose runtime config carries spec.checkpoint as the job states
+it (memstrata.operator.render); the runtime resumes from the latest complete checkpoint there by
+itself, so the operator passes nothing else. Only failures count against backoffLimit (`restarts`)
+and only a failure delays the next attempt: suspending deletes the pod but is no failure, and a job
+unsuspended after an old failure starts at once.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.manifest import describe_validation_error
 from memstrata.api.report import format_duration
 from memstrata.operator import inspection
+from memstrata.operator.announce import announce
 from memstrata.operator.actions import (
     Action, AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, Decision, DeleteJob, DeletePods, Event,
     PatchStatus,
@@ -135,6 +145,9 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
         return run.done()
     if job.spec is None:
         return run.finish("Failed", "InvalidSpec", job.spec_error)
+    # Whatever comes next (even suspension: a pod being stopped may still write a checkpoint), the runtime's
+    # news is told. Not for a finished job: its runtime has nothing left to say.
+    run.actions += announce(run.b)
     policy_ = job.spec.run_policy
     if policy_.suspend:
         return _suspend(run)
@@ -220,6 +233,8 @@ def _suspend(run: _Run) -> Decision:
     b.phase("Suspended", message)
     b.condition("Suspended", "True", "Suspended", message)
     b.condition_if_true("Running", "False", "Suspended", message)
+    # A backoff under way ends with the suspension: the next attempt starts when the job is unsuspended.
+    b.condition_if_true("Restarting", "False", "Suspended", message)
     b.set("activePod", None)
     # The deadline counts running time only, as the Job controller's does.
     b.set("startTime", None)
@@ -253,8 +268,21 @@ def _failures(run: _Run) -> list[str]:
     return known + new
 
 
+def _retrying(run: _Run, failures: list[str]) -> bool:
+    """Whether the next (or current) attempt replaces a failed one, so that it waits out a backoff and the job
+    is Restarting: some attempt failed and the job was not unsuspended since the last failure. Suspension is
+    the user's pause, not a failure: an attempt after it starts at once, as the first one did."""
+    if not failures:
+        return False
+    failed = parse_time((run.b.get("lastFailure") or {}).get("time"))
+    unsuspended = next((parse_time(c.get("lastTransitionTime")) for c in run.b.get("conditions") or []
+                        if c.get("type") == "Suspended" and c.get("status") == "False"), None)
+    return failed is None or unsuspended is None or failed >= unsuspended
+
+
 def _track(run: _Run, pod: PodView, failures: list[str]) -> Decision:
     b = run.b
+    retrying = _retrying(run, failures)
     if b.get("activePod") != pod.name:  # adopted after a restart between create and status patch
         b.set("activePod", pod.name)
     b.set("attempts", max(int(b.get("attempts") or 0), pod.attempt + 1))
@@ -266,10 +294,10 @@ def _track(run: _Run, pod: PodView, failures: list[str]) -> Decision:
         b.condition("Running", "True", "PodRunning", f"pod {pod.name} is running on {pod.node}")
         b.condition_if_true("Restarting", "False", "Restarted", f"attempt {pod.attempt + 1} is running")
     elif pod.node:
-        b.phase("Restarting" if failures else "Scheduled", f"pod {pod.name} is bound to node {pod.node}")
+        b.phase("Restarting" if retrying else "Scheduled", f"pod {pod.name} is bound to node {pod.node}")
         b.condition("Scheduled", "True", "PodScheduled", f"pod {pod.name} is bound to node {pod.node}")
     else:
-        b.phase("Restarting" if failures else "Created", f"pod {pod.name} waits for the scheduler")
+        b.phase("Restarting" if retrying else "Created", f"pod {pod.name} waits for the scheduler")
         if pod.unschedulable:
             b.condition("Scheduled", "False", "Unschedulable", pod.reason)
             run.waiting = True
@@ -280,7 +308,8 @@ def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: Lifecy
                    spec: FineTuneJobSpec, architecture: ModelArchitecture | None) -> Decision:
     job, b = run.job, run.b
     limit = spec.run_policy.backoff_limit
-    if failures:
+    retrying = _retrying(run, failures)
+    if retrying:
         wait = policy.backoff(len(failures))
         failure = b.get("lastFailure") or {}
         due = (parse_time(failure.get("time")) or run.now) + timedelta(seconds=wait)
@@ -300,7 +329,7 @@ def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: Lifecy
         b.set("shortfalls", [s.wire() for s in placement.shortfalls])
         return run.finish("Failed", placement.reason, placement.message)
     if placement.outcome == "no-room":
-        if not failures:
+        if not retrying:
             b.phase("Pending", placement.message)
         b.condition("Scheduled", "False", "Unschedulable", placement.message)
         run.waiting = True
@@ -320,10 +349,13 @@ def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: Lifecy
     b.set("shortfalls", None)
     if b.get("startTime") is None:
         b.set("startTime", b.now_str)
-    if not failures:
+    if not retrying:
         b.phase("Created", message)
+    # The first pod's event comes with the Created condition; a later one's (a retry, or the pod after an
+    # unsuspend) needs its own, as the condition stays True.
+    created_before = any(c.get("type") == "Created" and c.get("status") == "True" for c in b.get("conditions") or [])
     b.condition("Created", "True", "PodCreated", message)
-    if failures:  # the first pod's event comes with the Created condition; a retry's needs its own
+    if created_before:
         run.actions.append(Event("Normal", "PodCreated", message))
     return run.done()
 

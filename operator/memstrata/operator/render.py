@@ -120,6 +120,9 @@ def runtime_config(job: JobView, node: str, plan: Plan, attempt: int, report_int
         job=JobRef(name=job.name, namespace=job.namespace, uid=job.uid),
         model=spec.model, dataset=spec.dataset, training=spec.training, resources=spec.resources,
         memory=spec.memory, output=spec.output, plan=plan, node=node, attempt=attempt,
+        # Every attempt gets the same checkpoint spec: the runtime itself resumes from the latest complete
+        # checkpoint under spec.checkpoint.path, so a retry needs nothing else from the operator.
+        checkpoint=spec.checkpoint,
         report_interval_seconds=report_interval_seconds,
     )
 
