@@ -76,6 +76,32 @@ def test_batch_precision_and_optimizer_come_from_training() -> None:
     assert fp16["fp16"]["enabled"] and not fp16["bf16"]["enabled"]
 
 
+def test_adamw_and_clipping_come_from_the_spec_and_the_record_says_so() -> None:
+    from memstrata.api.finetunejob import Optimizer
+
+    training = TRAINING.model_copy(update={"optimizer": Optimizer(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1),
+                                           "gradient_clipping": 0.5})
+    ds = build_ds_config(_plan("gpt-tiny", 64 * GiB), TINY, training, SWAP, on_gpu=False)
+    assert ds.config["optimizer"]["params"] == {"lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1}
+    assert ds.config["gradient_clipping"] == 0.5
+    recorded = {s.key: s for s in ds.settings}
+    for key, field in (("optimizer.params.betas", "beta1/beta2"), ("optimizer.params.eps", "eps"),
+                       ("optimizer.params.weight_decay", "weightDecay"), ("gradient_clipping", "gradientClipping")):
+        assert field in recorded[key].why and "spec.training" in recorded[key].why, recorded[key]
+
+
+def test_values_equal_to_deepspeeds_defaults_are_not_reported_as_tuned() -> None:
+    from memstrata.api.finetunejob import Optimizer
+
+    # DeepSpeed's CPU Adam defaults and no clipping: nothing to explain in the report.
+    training = TRAINING.model_copy(update={"optimizer": Optimizer(beta2=0.999), "gradient_clipping": 0.0})
+    ds = build_ds_config(_plan("gpt-tiny", 64 * GiB), TINY, training, SWAP, on_gpu=False)
+    assert ds.config["gradient_clipping"] == 0.0 and ds.config["optimizer"]["params"]["weight_decay"] == 0.0
+    keys = {s.key for s in ds.settings}
+    assert not keys & {"optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+                       "gradient_clipping"}, keys
+
+
 def test_on_gpu_pins_host_memory() -> None:
     ds = build_ds_config(_plan("gpt-125m", GiB), PRESETS["gpt-125m"], TRAINING, SWAP, on_gpu=True)
     assert ds.config["zero_optimization"]["offload_param"]["pin_memory"] is True

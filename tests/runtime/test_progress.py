@@ -25,6 +25,14 @@ def test_plain_progress_lines_off_a_terminal() -> None:
     assert out.getvalue().strip() == "step 1/4  loss 2.5000  1,500 tok/s  ETA 9s"
 
 
+def test_progress_lines_show_the_learning_rate_when_known() -> None:
+    out = io.StringIO()
+    with ProgressBar(4, console=Console(file=out, width=200)) as bar:
+        bar.update(RuntimeReport(stage="training", step=2, total_steps=4, loss=2.5, learning_rate=1.5e-3,
+                                 tokens_per_second=1500.0, elapsed_seconds=4.0))
+    assert out.getvalue().strip() == "step 2/4  loss 2.5000  lr 1.50e-03  1,500 tok/s  ETA 4s"
+
+
 def test_report_prints_loss_trend_bytes_and_phases() -> None:
     losses = [5.0, 4.8, 4.6, 4.4, 4.2, 3.0, 2.9, 2.8, 2.7, 2.6]
     report = RunReport(
@@ -60,6 +68,7 @@ def test_report_fits_100_columns_and_shows_validation_output_and_sample() -> Non
         job="chat", model="/models/SmolLM2-135M-Instruct", parameters=134_515_008, precision="bf16",
         engine="memstrata", offload={"param": "nvme", "optimizer": "nvme"}, steps=5, tokens=2_560,
         tokens_per_second=50.0, losses=losses, loss=LossSummary.of(losses), peak_rss_bytes=3 << 30,
+        learning_rates=[0.0, 1e-3, 2e-3, 1.1e-3, 2e-4], schedule="cosine to 0.1x, 2 warmup steps",
         load_peak_rss_bytes=2 << 30, model_bytes=269 << 20, validation_losses={0: 2.72, 5: 0.19},
         output=OutputStatus(path="/output/chat", step=5, files=6, bytes=269 << 20),
         sample=Sample(prompt="What is the capital of Vosessa?", before="It is Paris.", after="Brengate."),
@@ -73,6 +82,7 @@ def test_report_fits_100_columns_and_shows_validation_output_and_sample() -> Non
     assert max(len(line) for line in lines) <= 100
     text = "\n".join(lines)
     assert "2.7200 at step 0 -> 0.1900 at step 5" in text
+    assert "cosine to 0.1x, 2 warmup steps: 0.00e+00 first, 2.00e-03 peak, 2.00e-04 last" in text
     assert "2.0 GiB by the end of loading (269.0 MiB of weights)" in text
     assert "/output/chat (6 files, 269.0 MiB of weights, step 5)" in text
     assert "It is Paris." in text and "Brengate." in text

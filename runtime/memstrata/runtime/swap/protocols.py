@@ -102,6 +102,13 @@ class TrainingEngine(Protocol):
 
     def empty_partition_cache(self) -> None: ...
 
+    # The scheduler train.schedule.build_scheduler made; DeepSpeed steps it and checkpoints its state_dict.
+    lr_scheduler: Any
+
+    def get_lr(self) -> list[float]: ...
+
+    def get_global_grad_norm(self) -> Any: ...  # a float or 0-d tensor, None before the first step
+
 
 class ZeroConfig(Protocol):
     offload_param: object

@@ -11,7 +11,7 @@ Pure: no I/O, no torch import.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,27 @@ def deepspeed_swap_refusal(plan: Plan, engine: str, *, granted: Sequence[str], s
         return (f"spec.memory.engine: deepspeed would swap the {what} the plan puts on NVMe to {swap_dir}, on the "
                 f"container's root filesystem (the pod was granted no NVMe namespace); {fix}")
     return None
+
+
+# What DeepSpeed builds when a key is absent: the optimizer state is always offloaded here, so its AdamW is
+# DeepSpeedCPUAdam, whose defaults these are.
+CPU_ADAM_DEFAULTS: dict[str, Any] = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _adamw_params(training: Training, note: Callable[[str, Any, Any, str], Any]) -> dict[str, Any]:
+    """AdamW's hyperparameters from spec.training.optimizer; the learning rate is the schedule's peak (the
+    scheduler multiplies it every step)."""
+    opt = training.optimizer
+    return {
+        "lr": training.learning_rate,
+        "betas": note("optimizer.params.betas", [opt.beta1, opt.beta2], CPU_ADAM_DEFAULTS["betas"],
+                      "from spec.training.optimizer.beta1/beta2 (memstrata's default beta2 0.95 forgets old "
+                      "gradient scales faster than 0.999 over a short fine-tune)"),
+        "eps": note("optimizer.params.eps", opt.eps, CPU_ADAM_DEFAULTS["eps"], "from spec.training.optimizer.eps"),
+        "weight_decay": note("optimizer.params.weight_decay", opt.weight_decay, CPU_ADAM_DEFAULTS["weight_decay"],
+                             "from spec.training.optimizer.weightDecay: decoupled (AdamW) decay of every "
+                             "parameter"),
+    }
 
 
 def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swap_dir: Path,
@@ -168,13 +189,10 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         "steps_per_print": note("steps_per_print", 1 << 30, 10,
                                 "memstrata's progress bar reports every step; DeepSpeed's own lines would break it"),
         "wall_clock_breakdown": False,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": training.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8,
-            "weight_decay": note("optimizer.params.weight_decay", 0.0, 0.01,
-                                 "full fine-tune of a short run: decay only fights the signal"),
-        }},
-        "gradient_clipping": note("gradient_clipping", 1.0, 0.0,
-                                  "clip the global norm at 1.0 so an early large gradient cannot derail a short run"),
+        "optimizer": {"type": "AdamW", "params": _adamw_params(training, note)},
+        "gradient_clipping": note("gradient_clipping", training.gradient_clipping, 0.0,
+                                  "from spec.training.gradientClipping: the global gradient norm is clipped to it "
+                                  "(the default 1.0 keeps an early large gradient from derailing a short run)"),
         "bf16": {"enabled": precision == "bf16"},
         "fp16": fp16,
         "zero_optimization": zero,

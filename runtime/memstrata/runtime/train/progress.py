@@ -33,22 +33,25 @@ class ProgressBar:
         if self.live:
             self._progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} tok/s"),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
+                TextColumn("{task.fields[rate]} tok/s"),
                 TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), console=self.console,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total, loss="-", rate="-", eta="-")
+            self._task = self._progress.add_task("train", total=self.total, loss="-", lr="-", rate="-", eta="-")
         return self
 
     def update(self, report: RuntimeReport) -> None:
         loss = f"{report.loss:.4f}" if report.loss is not None else "-"
         rate = f"{report.tokens_per_second:,.0f}" if report.tokens_per_second else "-"
+        lr = f"{report.learning_rate:.2e}" if report.learning_rate is not None else "-"
         eta = report.progress().eta or "-"
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=report.step, loss=loss, rate=rate, eta=eta)
+            self._progress.update(self._task, completed=report.step, loss=loss, lr=lr, rate=rate, eta=eta)
         else:
-            self.console.print(f"step {report.step}/{report.total_steps}  loss {loss}  {rate} tok/s  ETA {eta}",
-                               highlight=False)
+            shown = f"  lr {lr}" if report.learning_rate is not None else ""
+            self.console.print(f"step {report.step}/{report.total_steps}  loss {loss}{shown}  {rate} tok/s  "
+                               f"ETA {eta}", highlight=False)
 
     def message(self, text: str) -> None:
         self.console.print(text, highlight=False)
@@ -96,6 +99,8 @@ class RunReport(BaseModel):
     tokens_per_second: float
     losses: list[float]
     loss: LossSummary
+    learning_rates: list[float] = Field([], description="The learning rate each step was taken with.")
+    schedule: str = Field("", description="spec.training.schedule in words: 'cosine to 0.1x, 10 warmup steps'.")
     peak_rss_bytes: int
     load_peak_rss_bytes: int = Field(0, description="Peak RSS of the process tree by the end of building and "
                                                      "loading the model (before the first step).")
@@ -133,6 +138,9 @@ def render_report(r: RunReport, console: Console | None = None, *, verbose: bool
     line("engine", f"{r.engine}: weights -> {r.offload['param']}, optimizer state -> {r.offload['optimizer']}")
     line("loss", f"first {len(r.loss.first)} steps {r.loss.first_mean:.4f} -> last {len(r.loss.last)} "
                  f"{r.loss.last_mean:.4f} (x{r.loss.ratio:.2f}, {verdict})")
+    if r.learning_rates:
+        lrs, schedule = r.learning_rates, f"{r.schedule}: " if r.schedule else ""
+        line("lr", f"{schedule}{lrs[0]:.2e} first, {max(lrs):.2e} peak, {lrs[-1]:.2e} last")
     if r.validation_losses:
         steps = sorted(r.validation_losses)
         first, last = r.validation_losses[steps[0]], r.validation_losses[steps[-1]]
