@@ -23,12 +23,13 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "finetune-tiny.yaml"
 
 
-def rendered_config(tmp_path: Path) -> Path:
-    """The runtime config exactly as the operator renders it into the job's ConfigMap."""
+def rendered_config(tmp_path: Path, **spec: Any) -> Path:
+    """The runtime config exactly as the operator renders it into the job's ConfigMap (`spec`: fields added to
+    the tiny example's spec)."""
     job = load_job(TINY)
     plan = plan_job(job.spec, local_inventory(tmp_path / "nvme"))
     body = {"metadata": {"name": job.metadata.name, "namespace": "team-a", "uid": "u-1"},
-            "spec": job.spec.wire()}
+            "spec": {**job.spec.wire(), **spec}}
     companions, _ = attempt_objects(job_view(body), "node-1", plan, attempt=0, report_interval_seconds=3)
     cm = next(o for o in companions if o["kind"] == "ConfigMap")
     path = tmp_path / "runtime-config.json"
@@ -44,6 +45,15 @@ def test_the_operators_config_becomes_the_same_job_and_plan(tmp_path: Path) -> N
     assert job.spec.training == original.spec.training and job.spec.memory == original.spec.memory
     assert job.spec.memory.engine == "memstrata"
     assert plan.feasible and plan.parameters == 527_872
+
+
+def test_the_checkpoint_spec_reaches_the_runtimes_job(tmp_path: Path) -> None:
+    """A retried pod resumes only if its job still says where the checkpoints are."""
+    checkpoint = {"path": "/data/ckpt", "everyMinutes": 15, "keep": 1}
+    job, _ = job_and_plan(load_config(rendered_config(tmp_path, checkpoint=checkpoint)))
+    assert job.spec.checkpoint is not None and job.spec.checkpoint.wire() == checkpoint
+    job, _ = job_and_plan(load_config(rendered_config(tmp_path)))
+    assert job.spec.checkpoint is None
 
 
 @pytest.mark.parametrize("edit, expected", [
@@ -116,6 +126,30 @@ def test_the_saved_model_is_reported_at_once_and_once() -> None:
     now[0] = 2.0
     reporter(saved)  # nothing new: paced again
     assert len(sent) == 2 and sent[1]["status"]["output"]["path"] == "/out/m"
+
+
+def test_a_new_checkpoint_is_reported_at_once_and_says_which_attempt_wrote_it() -> None:
+    """The operator announces a checkpoint when status.checkpoint changes, and a resume only for the attempt
+    that reported it: each patch names the pod's attempt and clears what an earlier attempt left in progress."""
+    from datetime import datetime, timezone
+
+    from memstrata.api.finetunejob import CheckpointStatus
+
+    sent: list[dict[str, Any]] = []
+    now = [0.0]
+    reporter = StatusReporter(sent.append, interval=10, clock=lambda: now[0], attempt=2)
+    reporter(_report("training", 1))
+    ckpt = CheckpointStatus(path="/ckpt/step-00000002", step=2, time=datetime(2026, 1, 1, tzinfo=timezone.utc),
+                            bytes=1 << 30, seconds=4.5)
+    now[0] = 1.0  # within the interval: a step report would wait, a new checkpoint does not
+    reporter(_report("training", 2).model_copy(update={"checkpoint": ckpt, "resumed_from": 1}))
+    now[0] = 2.0
+    reporter(_report("training", 3).model_copy(update={"checkpoint": ckpt}))  # nothing new: paced again
+    assert len(sent) == 2 and sent[1]["status"]["checkpoint"]["step"] == 2
+    assert [p["status"]["progress"]["attempt"] for p in sent] == [2, 2]
+    assert sent[1]["status"]["progress"]["resumedFrom"] == 1
+    # Unset progress fields go as null: a merge patch then deletes what a previous attempt had written.
+    assert "resumedFrom" in sent[0]["status"]["progress"] and sent[0]["status"]["progress"]["resumedFrom"] is None
 
 
 def test_a_failing_api_server_is_counted_not_raised() -> None:

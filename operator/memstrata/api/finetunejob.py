@@ -133,6 +133,18 @@ class Output(ApiModel):
         None, min_length=1, description="Directory for metrics.jsonl (one line per step) and TensorBoard event "
                                         "files; default: `<path>-metrics` beside the model.")
 
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "!has(self.metricsPath) || !(self.metricsPath == self.path || self.metricsPath.startsWith(self.path + '/'))",
+        "output.metricsPath must not be output.path or inside it: the model directory is created whole at the end",
+        "metricsPath")]})
+
+    @model_validator(mode="after")
+    def _metrics_outside_model(self) -> "Output":
+        if self.metrics_path is not None and _under(self.metrics_path.rstrip("/"), self.path.rstrip("/")):
+            raise ValueError("output.metricsPath must not be output.path or inside it: the model directory is "
+                             "created whole at the end")
+        return self
+
     def metrics_dir(self) -> str:
         return self.metrics_path or f"{self.path.rstrip('/')}-metrics"
 
@@ -391,6 +403,8 @@ class Progress(ApiModel):
     validation_loss: float | None = Field(None, description="The latest validation loss.")
     learning_rate: float | None = None
     resumed_from: int | None = Field(None, description="The checkpoint step this attempt resumed from.")
+    attempt: int | None = Field(None, ge=0, description="The pod attempt (0-based) that reported this progress: "
+                                                        "what a previous attempt reported is not this one's.")
     tokens_per_second: float | None = None
     percent: int = Field(0, ge=0, le=100)
     eta_seconds: float | None = None

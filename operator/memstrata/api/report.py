@@ -36,6 +36,8 @@ class RuntimeReport(ApiModel):
     validation_loss: float | None = None
     learning_rate: float | None = None
     resumed_from: int | None = Field(None, description="The checkpoint step this attempt resumed from.")
+    attempt: int | None = Field(None, ge=0, description="The pod attempt (0-based) reporting; set by the pod "
+                                                        "entrypoint, absent in a local run.")
     tokens_per_second: float | None = None
     elapsed_seconds: float = Field(0, ge=0)
     strata: dict[str, StratumCounters] = Field(default_factory=dict, description="Keyed by hbm/dram/cxl/nvme.")
@@ -61,6 +63,7 @@ class RuntimeReport(ApiModel):
             validation_loss=self.validation_loss,
             learning_rate=self.learning_rate,
             resumed_from=self.resumed_from,
+            attempt=self.attempt,
             tokens_per_second=self.tokens_per_second,
             percent=min(percent, 100),
             eta_seconds=eta,
@@ -69,9 +72,12 @@ class RuntimeReport(ApiModel):
         )
 
     def status_patch(self) -> dict[str, object]:
-        """The merge patch of the job's status subresource."""
+        """The merge patch of the job's status subresource. status.progress is replaced whole: its unset fields
+        go as null, which a merge patch deletes, so nothing a previous attempt reported (resumedFrom, a loss)
+        stays behind as if this attempt had said it."""
         peak = {name: c.peak_bytes for name, c in self.strata.items() if c.peak_bytes}
-        patch: dict[str, object] = {"progress": self.progress().wire()}  # RUNTIME_STATUS_FIELDS
+        progress = self.progress().model_dump(mode="json", by_alias=True)
+        patch: dict[str, object] = {"progress": progress}  # RUNTIME_STATUS_FIELDS
         if peak:
             patch["peakMemory"] = peak
         if self.output is not None:

@@ -78,7 +78,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
 
         rc = run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json,
-                       sample_prompt=args.sample, verbose=args.verbose)
+                       sample_prompt=args.sample, verbose=args.verbose, resume=args.resume)
         return rc
     finally:
         if created and rc == EXIT_USAGE:
@@ -87,7 +87,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJobSpec":
-    """The spec with --model, --output and --steps applied, validated again as a whole."""
+    """The spec with --model, --output, --checkpoint, --checkpoint-every and --steps applied, validated again
+    as a whole."""
     from pydantic import ValidationError
 
     from memstrata.api.finetunejob import FineTuneJobSpec
@@ -101,6 +102,12 @@ def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJ
         wire["output"] = {**wire.get("output", {}), "path": str(args.output.absolute())}
     if args.steps is not None:
         wire["training"]["steps"] = args.steps
+    if args.checkpoint is not None:
+        wire["checkpoint"] = {**wire.get("checkpoint", {}), "path": str(args.checkpoint.absolute())}
+    if args.checkpoint_every is not None:
+        if "checkpoint" not in wire:
+            raise UserError(f"{args.file}: --checkpoint-every needs spec.checkpoint or --checkpoint DIR")
+        wire["checkpoint"]["everySteps"] = args.checkpoint_every
     try:
         return FineTuneJobSpec.model_validate(wire)
     except ValidationError as exc:
@@ -176,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, help="override spec.training.steps")
     s.add_argument("--model", type=Path, help="override spec.model: a Hugging Face model directory")
     s.add_argument("--output", type=Path, help="override spec.output.path: a new directory for the fine-tuned model")
+    s.add_argument("--checkpoint", type=Path, metavar="DIR", help="override spec.checkpoint.path: where checkpoints "
+                                                                   "are written")
+    s.add_argument("--checkpoint-every", type=int, metavar="STEPS", help="override spec.checkpoint.everySteps")
+    s.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in "
+                                                         "spec.checkpoint.path (from step 0 if there is none)")
     s.add_argument("--sample", metavar="PROMPT", help="show the model's answer to PROMPT before and after training")
     s.add_argument("--report-json", type=Path, help="also write the final report as JSON here")
     s.add_argument("--verbose", action="store_true", help="also report the swap layer's counters and every "

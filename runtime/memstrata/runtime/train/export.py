@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-__all__ = ["OutputPathError", "check_output_path", "save_model"]
+__all__ = ["OutputPathError", "check_output_path", "finished_output", "save_model"]
+
+RUN_FILE = "memstrata-run.json"  # which job and step wrote the model: lets a retry recognise its own finished work
 
 
 class OutputPathError(ValueError):
@@ -132,8 +134,24 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def finished_output(path: Path, *, job: str, job_uid: str, steps: int) -> OutputStatus | None:
+    """The model at `path` if this job already wrote it after its last step (an attempt that died after the save
+    and before it could say so); None for anything else, which check_output_path then refuses."""
+    try:
+        run = json.loads((path / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(run, dict) or (run.get("job"), run.get("jobUid"), run.get("step")) != (job, job_uid, steps):
+        return None
+    files = [f for f in path.iterdir() if f.is_file()]
+    return OutputStatus(path=str(path), step=steps, files=len(files),
+                        bytes=sum(f.stat().st_size for f in files if f.suffix == ".safetensors"),
+                        validation_loss=run.get("validationLoss"))
+
+
 def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, shard_size: int, step: int,
-               dtype: "torch.dtype", validation_loss: float | None = None) -> OutputStatus:
+               dtype: "torch.dtype", validation_loss: float | None = None, job: str = "",
+               job_uid: str = "") -> OutputStatus:
     """Write `model` (ZeRO-3 partitioned or not) with its config, generation config and tokenizer to `path`,
     atomically."""
     check_output_path(path)
@@ -152,6 +170,8 @@ def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, s
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
+        (tmp / RUN_FILE).write_text(json.dumps({"job": job, "jobUid": job_uid, "step": step,
+                                                "validationLoss": validation_loss}, indent=1) + "\n")
         _fsync_tree(tmp)
         # rename(2) would silently replace an empty directory made meanwhile: check once more, then rename
         # (atomic: the output path holds a whole model or nothing) and make the rename itself durable.

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 
-from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.finetunejob import FineTuneJob, ResultStatus
 from memstrata.api.inventory import Gpu
 from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
@@ -23,8 +23,10 @@ from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.data import DatasetError
 from memstrata.runtime.train.hfmodel import ModelDirError
 from memstrata.runtime.train.memwatch import MemWatch
+from memstrata.runtime.train.metrics import MetricsError, MetricsWriter
 from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, Sample, render_report
 from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, StepResult, TrainResult
+from memstrata.runtime.train.schedule import describe
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -47,18 +49,26 @@ def _check_report_path(path: Path | None) -> None:
 
 def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None,
               on_report: Callable[[RuntimeReport], None] | None = None, sample_prompt: str | None = None,
-              verbose: bool = False) -> int:
+              verbose: bool = False, resume: bool = False, job_uid: str = "") -> int:
     """Train `job` here, then save the model to spec.output.path; `on_report` (the pod's status patches) gets
     every step's RuntimeReport, one when initialization starts, and a final one (stage finished or failed).
-    `sample_prompt`: show the model's answer to it before training and, from the saved output, after."""
+    `sample_prompt`: show the model's answer to it before training and, from the saved output, after.
+    `resume`: continue from the newest intact checkpoint in spec.checkpoint.path, if any (a pod always does);
+    `job_uid`: the FineTuneJob's uid, which that checkpoint must have been written for."""
     report_to = on_report or (lambda _r: None)
     try:
         _check_report_path(report_json)
-        recipe = FineTuneRecipe(job, plan, nvme_path)
+        recipe = FineTuneRecipe(job, plan, nvme_path, resume=resume, job_uid=job_uid)
         recipe.load_data()  # a bad dataset file fails here, before the swap directory exists
     except (RecipeError, DatasetError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if recipe.finished is not None:
+        print(f"memstrata: {job.metadata.name}: {recipe.finished.path} already holds this job's model after step "
+              f"{recipe.finished.step}: nothing left to do", file=sys.stderr)
+        report_to(RuntimeReport(stage="finished", step=job.spec.training.steps, total_steps=job.spec.training.steps,
+                                output=recipe.finished))
+        return 0
     sample = None
     if sample_prompt is not None and recipe.model_dir is not None:
         before = _answer(recipe.model_dir.path, sample_prompt)
@@ -69,36 +79,67 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     bar = ProgressBar(training.steps)
     last = RuntimeReport(stage="initializing", total_steps=training.steps)
     report_to(last)
+    metrics: MetricsWriter | None = None
+    validation: float | None = None  # the latest validation loss measured
     try:
         bar.message(f"memstrata: {job.metadata.name}: initializing DeepSpeed ZeRO-3 with the "
                     f"{recipe.engine_name} swap layer "
                     f"(weights -> {plan.offload_device('weights')}, optimizer state -> "
                     f"{plan.offload_device('master', 'optimizer')}) in {recipe.swap_dir}")
         recipe.setup()
+        resumed_from = recipe.resumed.step if recipe.resumed is not None else None
+        if recipe.resumed is not None:
+            for why in recipe.resumed.skipped:
+                bar.message(f"memstrata: passed over a damaged checkpoint: {why}")
+            bar.message(f"memstrata: resumed from {recipe.resumed.directory} (step {resumed_from} of "
+                        f"{training.steps})")
+            last = last.model_copy(update={"step": resumed_from, "resumed_from": resumed_from,
+                                           "checkpoint": recipe.checkpointer.latest if recipe.checkpointer else None})
+            report_to(last)
+            validation = recipe.resumed.manifest.validation_loss
+        if job.spec.output is not None:  # cut back to the resumed step: the steps after it are replayed
+            metrics = MetricsWriter(Path(job.spec.output.metrics_dir()), resume_step=resumed_from).open()
         watch.sample()
         after_init = watch.peak_swap.files
         load_peak = watch.peak_rss
         started = time.perf_counter()  # the ETA extrapolates training steps, not initialization
 
+        def on_validation(step: int, loss: float) -> None:
+            nonlocal validation
+            validation = loss
+            if metrics is not None:
+                metrics.write_validation(step, loss)
+
         def on_step(s: StepResult) -> None:
-            nonlocal last
-            last = _status(watch, recipe.memstrata_status(), s, training.steps, time.perf_counter() - started)
+            nonlocal last, validation
+            validation = s.validation_loss if s.validation_loss is not None else validation
+            if metrics is not None:
+                metrics.write_step(s)  # flushed: a killed run keeps every step it finished
+            last = _status(watch, recipe.memstrata_status(), s, training.steps, time.perf_counter() - started,
+                           validation)
+            last.resumed_from = resumed_from
+            last.checkpoint = recipe.checkpointer.latest if recipe.checkpointer is not None else None
+            if s.checkpoint is not None:
+                bar.message(f"memstrata: checkpoint at step {s.step}: {s.checkpoint.path} "
+                            f"({s.checkpoint.bytes / 2**20:.1f} MiB in {s.checkpoint.seconds:.1f}s)")
             bar.update(last)
             report_to(last)
 
         with bar:
-            result = recipe.train(on_step)
+            result = recipe.train(on_step, on_validation)
         if job.spec.output is not None:
             bar.message(f"memstrata: saving the fine-tuned model to {job.spec.output.path}")
             t0 = time.perf_counter()
             last_validation = result.validation_losses.get(max(result.validation_losses, default=-1))
-            recipe.save(len(result.steps), last_validation)
+            if last_validation is None and recipe.resumed is not None:  # resumed after the last step itself
+                last_validation = recipe.resumed.manifest.validation_loss
+            recipe.save(training.steps, last_validation)
             result.phases.save = time.perf_counter() - t0
             # At once, not with the final report: a model on the volume must be reported even if this
             # process dies before the end.
             last = last.model_copy(update={"output": recipe.output})
             report_to(last)
-    except (RecipeError, DatasetError, ModelDirError) as exc:
+    except (RecipeError, DatasetError, ModelDirError, MetricsError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
         report_to(last.model_copy(update={"stage": "failed", "message": str(exc)}))
         return EXIT_USAGE
@@ -109,12 +150,16 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     finally:
         recipe.cleanup()
         watch.stop()
+        if metrics is not None:
+            metrics.close()
 
     if sample is not None and recipe.output is not None:
         sample.after = _answer(Path(recipe.output.path), sample.prompt)
     report = build_report(job, plan, recipe, result, watch, after_init)
     report.load_peak_rss_bytes, report.sample = load_peak, sample
-    report_to(last.model_copy(update={"stage": "finished", "strata": report.strata, "output": recipe.output}))
+    final = ResultStatus(steps=last.step, train_loss=last.loss, validation_loss=validation)
+    report_to(last.model_copy(update={"stage": "finished", "strata": report.strata, "output": recipe.output,
+                                      "result": final}))
     render_report(report, verbose=verbose)
     if report_json is not None:
         report_json.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
@@ -152,8 +197,9 @@ def _strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounte
 
 
 def _status(watch: MemWatch, swap: SwapStatus | None, s: StepResult, total: int,
-            elapsed: float) -> RuntimeReport:
+            elapsed: float, validation_loss: float | None = None) -> RuntimeReport:
     return RuntimeReport(stage="training", step=s.step, total_steps=total, loss=s.loss,
+                         learning_rate=s.learning_rate, validation_loss=validation_loss,
                          tokens_per_second=s.tokens / s.seconds if s.seconds else None,
                          elapsed_seconds=elapsed, strata=_strata(watch, swap))
 
@@ -183,6 +229,8 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         tokens_per_second=tokens / train_seconds if train_seconds else 0.0,
         losses=losses,
         loss=LossSummary.of(losses),
+        learning_rates=[s.learning_rate for s in result.steps if s.learning_rate is not None],
+        schedule=describe(spec.training.schedule),
         peak_rss_bytes=watch.peak_rss,
         strata=_strata(watch, recipe.swap_status),
         memstrata=recipe.swap_status,

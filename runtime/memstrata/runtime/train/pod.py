@@ -78,7 +78,8 @@ def job_and_plan(cfg: RuntimeConfig) -> tuple[FineTuneJob, Plan]:
             "metadata": {"name": cfg.job.name, "namespace": cfg.job.namespace},
             "spec": {"model": cfg.model.wire(), "dataset": cfg.dataset.wire(), "training": cfg.training.wire(),
                      "resources": cfg.resources.wire(), "memory": cfg.memory.wire(),
-                     **({"output": cfg.output.wire()} if cfg.output is not None else {})},
+                     **({"output": cfg.output.wire()} if cfg.output is not None else {}),
+                     **({"checkpoint": cfg.checkpoint.wire()} if cfg.checkpoint is not None else {})},
         })
     except ValidationError as exc:
         raise PodConfigError(f"runtime config: {describe_validation_error(exc)}") from None
@@ -91,28 +92,34 @@ def job_and_plan(cfg: RuntimeConfig) -> tuple[FineTuneJob, Plan]:
 
 class StatusReporter:
     """Sends RuntimeReports as status patches: at most one per `interval` while training, and always the
-    last one. Failed patches are counted and logged, never raised."""
+    last one. Failed patches are counted and logged, never raised. Each says which pod `attempt` it comes from,
+    so the operator never takes what an earlier attempt reported (its resumedFrom) for this one's."""
 
     def __init__(self, patch: Callable[[dict[str, Any]], None], interval: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.patch, self.interval, self.clock = patch, interval, clock
+                 clock: Callable[[], float] = time.monotonic, attempt: int | None = None) -> None:
+        self.patch, self.interval, self.clock, self.attempt = patch, interval, clock, attempt
         self._last = float("-inf")
         self._output: object = None
+        self._checkpoint: object = None
         self.sent = 0
         self.failed = 0
 
     def __call__(self, report: RuntimeReport) -> None:
-        # The saved model is news that must not wait for the next interval (the pod may die before it).
+        # The saved model and a new checkpoint are news that must not wait for the next interval (the pod
+        # may die before it; the operator announces a checkpoint when it sees it).
         new_output = report.output is not None and report.output != self._output
-        final = report.stage in ("finished", "failed") or new_output
+        new_checkpoint = report.checkpoint is not None and report.checkpoint != self._checkpoint
+        final = report.stage in ("finished", "failed") or new_output or new_checkpoint
         now = self.clock()
         if not final and now - self._last < self.interval:
             return
         self._last = now
+        if self.attempt is not None:
+            report = report.model_copy(update={"attempt": self.attempt})
         try:
             self.patch(report.status_patch())
             self.sent += 1
-            self._output = report.output
+            self._output, self._checkpoint = report.output, report.checkpoint
         except Exception as exc:  # noqa: BLE001 - the API being away must not stop training
             self.failed += 1
             log.warning("memstrata: status patch failed (%d so far), retried with the next report: %s",
@@ -164,7 +171,7 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
     try:
         cfg = load_config(config_path if config_path is not None else os.environ.get(ENV_RUNTIME_CONFIG))
         job, plan = job_and_plan(cfg)
-        reporter = StatusReporter(patcher(cfg.job), cfg.report_interval_seconds)
+        reporter = StatusReporter(patcher(cfg.job), cfg.report_interval_seconds, attempt=cfg.attempt)
     except PodConfigError as exc:
         _say_why(f"error: {exc}")
         return EXIT_USAGE
@@ -174,7 +181,8 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
     if refusal is not None:
         _say_why(f"error: {refusal}")
         return EXIT_USAGE
-    rc = run_local(job, plan, nvme_path=nvme_path, on_report=reporter)
+    # Every attempt resumes from the newest intact checkpoint of this job, if there is one.
+    rc = run_local(job, plan, nvme_path=nvme_path, on_report=reporter, resume=True, job_uid=cfg.job.uid)
     if rc != 0:
         _say_why(f"{job.metadata.name}: training failed (exit {rc}); the lines above say why")
     log.info("memstrata: %d status patches sent, %d failed", reporter.sent, reporter.failed)

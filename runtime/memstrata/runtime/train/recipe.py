@@ -22,13 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from memstrata.api.finetunejob import FineTuneJob, OutputStatus
+from memstrata.api.finetunejob import CheckpointStatus, FineTuneJob, OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
+from memstrata.runtime.train.checkpoint import CheckpointError, Checkpointer, Found, Resumed
 from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
-from memstrata.runtime.train.export import OutputPathError, check_output_path
+from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output
+from memstrata.runtime.train.metrics import MetricsError, check_metrics_dir
 from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
+from memstrata.runtime.train.schedule import build_scheduler
 from memstrata.runtime.swap.protocols import TrainingEngine
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces, swap_settings
@@ -60,6 +63,9 @@ class StepResult:
     seconds: float
     tokens: int
     validation_loss: float | None = None
+    learning_rate: float | None = None  # the rate this step's update was made with
+    grad_norm: float | None = None  # DeepSpeed's global gradient norm before clipping (None if it gives none)
+    checkpoint: CheckpointStatus | None = None  # the checkpoint written after this step, if one was
 
 
 @dataclass
@@ -84,7 +90,11 @@ def gpu_available() -> bool:
 
 
 class FineTuneRecipe:
-    def __init__(self, job: FineTuneJob, plan: Plan, nvme_path: Path) -> None:
+    def __init__(self, job: FineTuneJob, plan: Plan, nvme_path: Path, *, resume: bool = False,
+                 job_uid: str = "") -> None:
+        """`resume`: continue from the newest intact checkpoint under spec.checkpoint.path when there is one
+        (without it, existing checkpoints are refused rather than overwritten); `job_uid`: the FineTuneJob's
+        uid, which a checkpoint must share."""
         spec = self.spec = job.spec
         self.job, self.plan = job, plan
         self.engine_name = spec.memory.engine
@@ -95,14 +105,39 @@ class FineTuneRecipe:
         # Every input is checked here, before a byte is written: a bad model directory, tokenizer, dataset or
         # output path fails in seconds, not after the model was built.
         self.model_dir: ModelDir | None = None
+        self.job_uid = job_uid
         try:
             if spec.model.path is not None:
                 self.model_dir = read_model_dir(Path(spec.model.path), spec.model.architecture)
-            if spec.output is not None:
+            # A retry of a job that saved its model and died before it could report so is finished, not refused.
+            self.finished = (finished_output(Path(spec.output.path), job=job.metadata.name, job_uid=job_uid,
+                                             steps=spec.training.steps)
+                             if spec.output is not None and resume else None)
+            if spec.output is not None and self.finished is None:
                 check_output_path(Path(spec.output.path))
-        except (ModelDirError, OutputPathError) as exc:
+                check_metrics_dir(Path(spec.output.metrics_dir()))
+        except (ModelDirError, OutputPathError, MetricsError) as exc:
             raise RecipeError(str(exc)) from None
         self.arch = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
+        self.checkpointer: Checkpointer | None = None
+        self.found: Found | None = None  # the checkpoint this run resumes from
+        self.resumed: Resumed | None = None
+        if spec.checkpoint is not None:
+            self.checkpointer = Checkpointer(spec.checkpoint, job=job.metadata.name, job_uid=job_uid, arch=self.arch,
+                                             precision=spec.training.precision, engine_name=spec.memory.engine)
+            try:
+                self.checkpointer.check_path()
+                self.found = self.checkpointer.existing()
+            except CheckpointError as exc:
+                raise RecipeError(str(exc)) from None
+            if self.found is not None and not resume:
+                raise RecipeError(f"spec.checkpoint.path: {spec.checkpoint.path} holds checkpoints up to step "
+                                  f"{self.found.manifest.step} of an earlier run; resume from it (memstrata run "
+                                  f"--resume) or choose another path")
+            # Everything but the sub-group layout is known now: another model fails in seconds, not after setup.
+            refusal = self.checkpointer.refusal(self.found) if self.found is not None else None
+            if refusal is not None:
+                raise RecipeError(refusal)
         self.hf_config: Any = None
         if self.model_dir is not None:
             from transformers import AutoConfig
@@ -162,6 +197,11 @@ class FineTuneRecipe:
             create_file_namespaces(self.strata)
         self._setup_distributed()
         self.engine = self._setup_engine(self.ds)
+        if self.checkpointer is not None and self.found is not None:
+            try:
+                self.resumed = self.checkpointer.resume(self.engine, self.found)
+            except CheckpointError as exc:
+                raise RecipeError(str(exc)) from None
         self.phases.init = time.perf_counter() - t0
 
     def _setup_data(self) -> TrainData:
@@ -190,6 +230,7 @@ class FineTuneRecipe:
 
     def _setup_engine(self, ds: DsConfig) -> TrainingEngine:
         import contextlib
+        import functools
 
         import deepspeed
 
@@ -211,15 +252,18 @@ class FineTuneRecipe:
                 if self.model_dir is not None:
                     load_weights(model, self.model_dir)
             self.model = model
+            # DeepSpeed calls this with its basic optimizer, steps the scheduler after every applied optimizer
+            # step and keeps it as engine.lr_scheduler (saved in its checkpoints).
+            scheduler = functools.partial(build_scheduler, training=t)
             if layer is None:
                 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                       config=ds.config)
+                                                       config=ds.config, lr_scheduler=scheduler)
                 return engine
             from memstrata.runtime.swap.integration import initialize
 
             handed = True  # from here on, initialize closes the layer if it fails
             engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds.config,
-                                         layer=layer)
+                                         lr_scheduler=scheduler, layer=layer)
             return engine
         except BaseException:
             if layer is not None and not handed:
@@ -257,19 +301,27 @@ class FineTuneRecipe:
             self.engine.train()
         return sum(losses) / len(losses)
 
-    def train(self, on_step: Callable[[StepResult], None]) -> TrainResult:
+    def train(self, on_step: Callable[[StepResult], None],
+              on_validation: Callable[[int, float], None] | None = None) -> TrainResult:
+        """`on_step` gets every step's record (with its validation loss when one was measured);
+        `on_validation` (step, loss) the validation loss measured before the first step."""
         import torch
 
         if self.engine is None or self.data is None:
             raise RuntimeError("FineTuneRecipe.train() called before setup()")
         t = self.spec.training
-        batches = self.data.batches(t.micro_batch)
+        done = self.resumed.step if self.resumed is not None else 0
+        # A resumed run reads the data from where the checkpoint stood, so it sees what an uninterrupted one would.
+        batches = self.data.batches(t.micro_batch, start=self.resumed.micro_batches if self.resumed else 0)
         result = TrainResult(phases=self.phases)
-        before = self.evaluate()
+        before = self.evaluate() if self.resumed is None else None
         if before is not None:
             result.validation_losses[0] = before
-        for step in range(1, t.steps + 1):
+            if on_validation is not None:
+                on_validation(0, before)
+        for step in range(done + 1, t.steps + 1):
             started, losses = time.perf_counter(), []
+            rate = self.engine.get_lr()[0]  # the scheduler set it after the previous update
             for _ in range(t.gradient_accumulation):
                 inputs, labels = next(batches)
                 t0 = time.perf_counter()
@@ -286,12 +338,18 @@ class FineTuneRecipe:
             value = sum(losses) / len(losses)
             if not torch.isfinite(torch.tensor(value)):
                 raise FloatingPointError(f"loss became {value} at step {step}")
+            norm = self.engine.get_global_grad_norm()
             record = StepResult(step=step, loss=value, seconds=time.perf_counter() - started,
-                                tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length)
+                                tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length,
+                                learning_rate=float(rate), grad_norm=float(norm) if norm is not None else None)
             if step == t.steps or (t.eval_interval and step % t.eval_interval == 0):
                 record.validation_loss = self.evaluate()
                 if record.validation_loss is not None:
                     result.validation_losses[step] = record.validation_loss
+            if self.checkpointer is not None and self.checkpointer.due(step):
+                record.checkpoint = self.checkpointer.save(
+                    self.engine, step=step, micro_batches=step * t.gradient_accumulation,
+                    validation_loss=record.validation_loss)
             result.steps.append(record)
             on_step(record)
         return result
@@ -311,7 +369,8 @@ class FineTuneRecipe:
         dtype = self._dtype()
         tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
         self.output = save_model(self.engine.module, Path(out.path), tokenizer=tokenizer, shard_size=out.shard_size,
-                                 step=step, dtype=dtype, validation_loss=validation_loss)
+                                 step=step, dtype=dtype, validation_loss=validation_loss, job=self.job.metadata.name,
+                                 job_uid=self.job_uid)
         return self.output
 
     # --- cleanup ----------------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""The on-disk checkpoint contract: one directory per optimizer step, its manifest and what must match to resume.
+
+A checkpoint is `<spec.checkpoint.path>/step-NNNNNNNN/`, holding per rank one
+safetensors file per optimizer sub-group (fp32 master weights and optimizer
+moments), the rank's RNG and optimizer scalars (`rank-RRRRR.json`), the
+manifest (`checkpoint.json`: what was trained, where the data stood, the LR
+schedule, a size and sha256 per file) and, written last, the marker
+(`COMPLETE`, holding the manifest's sha256). The directory is written under a
+hidden partial name and renamed into place once complete, so a directory that
+is named `step-*` and has a marker whose hash matches is complete; anything
+else is an interrupted write.
+
+Pure: names, the manifest model and the resume rule; the runtime does the I/O.
+"""
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Final
+
+from pydantic import Field
+
+from memstrata.api.base import ApiModel
+
+FORMAT: Final = 1
+MANIFEST: Final = "checkpoint.json"
+MARKER: Final = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a complete checkpoint's directory name, or None for anything else (a partial, a stray file)."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def group_file(rank: int, group: int) -> str:
+    return f"rank-{rank:05d}-group-{group:05d}.safetensors"
+
+
+class FileDigest(ApiModel):
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Identity(ApiModel):
+    """What a checkpoint must share with the run that resumes from it."""
+
+    memstrata_version: str
+    model: dict[str, Any] = Field(description="The model architecture (memstrata.api.architecture), as trained.")
+    precision: str
+    world_size: int = Field(ge=1)
+    sub_groups: list[int] = Field(description="Elements per optimizer sub-group of rank 0 (the ZeRO-3 layout).")
+    job_uid: str = Field("", description="The FineTuneJob's uid; empty for a local run.")
+
+
+class Manifest(ApiModel):
+    format: int = FORMAT
+    identity: Identity
+    job: str
+    step: int = Field(ge=1, description="Optimizer steps taken: training resumes at step + 1.")
+    time: datetime
+    engine: str
+    micro_batches: int = Field(ge=0, description="Training micro-batches consumed (the data position).")
+    scheduler: dict[str, Any] | None = Field(None, description="The LR scheduler's state_dict.")
+    counters: dict[str, int] = Field(default_factory=dict, description="DeepSpeed engine counters.")
+    validation_loss: float | None = None
+    files: dict[str, FileDigest]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
+
+
+def identity_mismatches(saved: Identity, current: Identity) -> list[str]:
+    """Why a checkpoint with `saved` cannot resume a run with `current`, one line per difference (empty: it can).
+
+    The optimizer state is partitioned by rank and sub-group; memstrata does not reshard it, so another world
+    size or layout is refused, as are another model, precision, memstrata version and another job."""
+    out: list[str] = []
+    if saved.memstrata_version != current.memstrata_version:
+        out.append(f"memstrata version: the checkpoint was written by {saved.memstrata_version}, this runtime is "
+                   f"{current.memstrata_version}")
+    for key in sorted(set(saved.model) | set(current.model)):
+        if saved.model.get(key) != current.model.get(key):
+            out.append(f"model.{key}: the checkpoint has {saved.model.get(key)!r}, this job {current.model.get(key)!r}")
+    if saved.precision != current.precision:
+        out.append(f"training.precision: the checkpoint has {saved.precision}, this job {current.precision}")
+    if saved.world_size != current.world_size:
+        out.append(f"world size: the checkpoint was written by {saved.world_size} ranks, this run has "
+                   f"{current.world_size} (memstrata does not reshard optimizer state)")
+    elif saved.sub_groups != current.sub_groups and current.sub_groups:  # empty: not known yet
+        out.append(f"optimizer sub-groups: the checkpoint has {len(saved.sub_groups)} ({sum(saved.sub_groups)} "
+                   f"elements), this run {len(current.sub_groups)} ({sum(current.sub_groups)} elements)")
+    if saved.job_uid and current.job_uid and saved.job_uid != current.job_uid:
+        out.append(f"job: the checkpoint belongs to another FineTuneJob (uid {saved.job_uid}, this one is "
+                   f"{current.job_uid})")
+    return out

@@ -1,0 +1,302 @@
+"""Checkpoints of a training run, for both engines, and resuming from them.
+
+What is saved is what the next step needs to be the step an uninterrupted run
+would take: per optimizer sub-group, the fp32 master weights and the optimizer
+moments (the 16-bit weights are their cast, re-derived on resume exactly as the
+update derives them); the LR schedule; DeepSpeed's counters and loss scale; the
+data position; and the Python, NumPy and torch RNGs.
+
+The sub-groups are read through ZeRO-3's own swap-in/release calls, one at a
+time, so stock ZeRO-Infinity reads its swap files and memstrata its NVMe extents
+(or its DRAM cache) into the buffers a step would use, and each is written from
+those buffers to the volume before the next is read: host memory grows by one
+sub-group at most, never by the whole state. Nothing is written back to NVMe
+while saving. Resuming goes the other way: each sub-group is swapped in, filled
+from the checkpoint, its 16-bit partitions re-derived, and swapped out.
+"""
+from __future__ import annotations
+
+import base64
+import importlib.metadata
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from memstrata.api.architecture import ModelArchitecture
+from memstrata.api.checkpoint import FileDigest, Identity, Manifest, group_file, identity_mismatches, rank_file
+from memstrata.api.finetunejob import Checkpoint, CheckpointStatus
+from memstrata.runtime.train import ckptstore
+from memstrata.runtime.train.ckptstore import CheckpointError, Found
+
+__all__ = ["CheckpointError", "Checkpointer", "Resumed", "capture_rng", "restore_rng"]
+
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def memstrata_version() -> str:
+    return importlib.metadata.version("memstrata")
+
+
+# --- RNG -----------------------------------------------------------------------------------------------
+def capture_rng() -> dict[str, Any]:
+    """Every RNG a step may draw from (dropout, the data loader's shuffles), as JSON."""
+    import numpy as np
+    import torch
+
+    np_state: Any = np.random.get_state()  # legacy tuple (name, keys, pos, has_gauss, cached_gaussian)
+    py_state: Any = random.getstate()
+    out: dict[str, Any] = {
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+    def tensor(b64: str) -> "torch.Tensor":
+        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+
+
+# --- optimizer sub-groups ---------------------------------------------------------------------------------
+def _scalar(value: Any) -> dict[str, Any]:
+    import torch
+
+    if torch.is_tensor(value):
+        return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return {"value": value}
+
+
+def _unscalar(saved: dict[str, Any], device: Any) -> Any:
+    import torch
+
+    if "tensor" in saved:
+        return torch.tensor(saved["tensor"], dtype=getattr(torch, saved["dtype"]), device=device)
+    return saved["value"]
+
+
+class _SubGroups:
+    """ZeRO-3's optimizer sub-groups of one rank, each brought in and put back through ZeRO-3's own calls."""
+
+    def __init__(self, zero: Any) -> None:
+        self.zero = zero
+
+    def __len__(self) -> int:
+        return len(self.zero.fp16_groups)
+
+    def numels(self) -> list[int]:
+        return [int(n) for n in self.zero.fp16_partitioned_groups_flat_numel]
+
+    def swapped(self, i: int) -> bool:
+        return bool(self.zero._swappable_optimizer_subgroup(i))
+
+    def read(self, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(tensors, scalars) of sub-group i, resident until `release(i)`."""
+        if self.swapped(i):
+            self.zero._optimizer_states_and_gradient_swap_in(i)
+        fp32 = self.zero.fp32_partitioned_groups_flat[i]
+        tensors: dict[str, Any] = {"master": fp32.data}
+        scalars: dict[str, Any] = {}
+        for key, value in self.zero.optimizer.state.get(fp32, {}).items():
+            if hasattr(value, "numel") and value.numel() == fp32.numel():
+                tensors[f"state.{key}"] = value
+            else:
+                scalars[key] = _scalar(value)
+        return tensors, scalars
+
+    def release(self, i: int) -> None:
+        # The NVMe copy is current: nothing is written back. (A sub-group kept in DRAM keeps its gradient
+        # buffer: ZeRO-3 allocated it once and copies into it at every boundary.)
+        if self.swapped(i):
+            self.zero._release_swap_buffers(i)
+
+    def write(self, i: int, tensors: Callable[[str], Any], names: list[str], scalars: dict[str, Any]) -> None:
+        """Fill sub-group i from a checkpoint, re-derive its 16-bit partitions, put it back."""
+        if self.swapped(i):
+            self.zero._optimizer_states_and_gradient_swap_in(i)
+        fp32 = self.zero.fp32_partitioned_groups_flat[i]
+        fp32.data.copy_(tensors("master"))
+        state = self.zero.optimizer.state[fp32]
+        for name in names:
+            if name.startswith("state."):
+                key, value = name.removeprefix("state."), tensors(name)
+                if key in state and hasattr(state[key], "copy_"):
+                    state[key].copy_(value)
+                else:
+                    state[key] = value.to(fp32.device)
+        for key, saved in scalars.items():
+            state[key] = _unscalar(saved, fp32.device)
+        self.zero._reassign_or_swap_out_partitioned_parameters(i)
+        if self.swapped(i):
+            self.zero._optimizer_states_and_gradient_swap_out(i)
+
+
+def _replay_cpu_adam_steps(optimizer: Any, steps: int) -> None:
+    """Make a fresh DeepSpeedCPUAdam's bias correction bit-identical to that of the run that saved.
+
+    Its C++ side keeps beta^t as a running product, multiplied once per step; a fresh optimizer whose first
+    step is k+1 computes pow(beta, k+1) instead, which can differ in the last bit, and the losses of a resumed
+    run would drift from the uninterrupted run's within a step. Stepping its counter 1..k on a one-element
+    dummy with lr 0 rebuilds the same product (the dummy is the only tensor touched)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    import torch
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam) or steps <= 0:
+        return
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    p, g, m, v = (torch.zeros(1) for _ in range(4))
+    for step in range(1, steps + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, 0.0, beta1, beta2, group["eps"], 0.0,
+                                          group["bias_correction"], p, g, m, v)
+
+
+# --- the checkpointer ---------------------------------------------------------------------------------
+class Resumed:
+    """Where a resumed run stands: its step and data position, and the checkpoints passed over."""
+
+    def __init__(self, found: Found) -> None:
+        self.directory, self.manifest, self.skipped = found.directory, found.manifest, found.skipped
+        self.step = found.manifest.step
+        self.micro_batches = found.manifest.micro_batches
+
+
+class Checkpointer:
+    """spec.checkpoint for one run: when to save, saving, and resuming."""
+
+    def __init__(self, spec: Checkpoint, *, job: str, job_uid: str, arch: ModelArchitecture, precision: str,
+                 engine_name: str) -> None:
+        self.spec, self.root = spec, Path(spec.path)
+        self.job, self.job_uid, self.arch, self.precision = job, job_uid, arch, precision
+        self.engine_name = engine_name
+        self.last_time = time.monotonic()
+        self.latest: CheckpointStatus | None = None
+
+    def check_path(self) -> None:
+        """Refuse, before training, a checkpoint path that cannot take a directory; remove what interrupted
+        writes left there (one run writes a job's checkpoints at a time)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            ckptstore.partial_dir(self.root, 0).rmdir()
+            ckptstore.remove_partials(self.root)
+        except OSError as exc:
+            raise CheckpointError(f"spec.checkpoint.path: {self.root}: cannot create a directory there: "
+                                  f"{exc.strerror or exc}") from None
+
+    def existing(self) -> Found | None:
+        """The newest intact checkpoint here (see ckptstore.find_latest)."""
+        return ckptstore.find_latest(self.root)
+
+    def identity(self, engine: Any = None) -> Identity:
+        """This run's identity; before the engine exists (`engine` None) without the sub-group layout, and with
+        the world size the launcher set."""
+        if engine is None:
+            world, groups = int(os.environ.get("WORLD_SIZE", "1")), []
+        else:
+            import deepspeed.comm as dist
+
+            world, groups = dist.get_world_size(), _SubGroups(engine.optimizer).numels()
+        return Identity(memstrata_version=memstrata_version(), model=self.arch.model_dump(mode="json"),
+                        precision=self.precision, world_size=world, sub_groups=groups, job_uid=self.job_uid)
+
+    def refusal(self, found: Found, engine: Any = None) -> str | None:
+        """Why `found` cannot resume this run (None: it can)."""
+        differences = identity_mismatches(found.manifest.identity, self.identity(engine))
+        if not differences:
+            return None
+        return f"{found.directory}: cannot resume from this checkpoint: " + "; ".join(differences)
+
+    def due(self, step: int) -> bool:
+        return self.spec.due(step, (time.monotonic() - self.last_time) / 60)
+
+    def save(self, engine: Any, *, step: int, micro_batches: int, validation_loss: float | None) -> CheckpointStatus:
+        import deepspeed.comm as dist
+
+        started = time.monotonic()
+        rank = dist.get_rank()
+        groups = _SubGroups(engine.optimizer)
+        partial = ckptstore.partial_dir(self.root, step)
+        try:
+            files: dict[str, FileDigest] = {}
+            scalars: list[dict[str, Any]] = []
+            for i in range(len(groups)):
+                tensors, group_scalars = groups.read(i)
+                try:
+                    files[group_file(rank, i)] = ckptstore.write_tensors(partial / group_file(rank, i), tensors)
+                finally:
+                    groups.release(i)
+                scalars.append(group_scalars)
+            scaler = getattr(engine.optimizer, "loss_scaler", None)
+            files[rank_file(rank)] = ckptstore.write_json(partial / rank_file(rank), {
+                "rng": capture_rng(), "groups": scalars,
+                "loss_scaler": {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+                if scaler is not None else {}})
+            scheduler = getattr(engine, "lr_scheduler", None)
+            manifest = Manifest(
+                identity=self.identity(engine), job=self.job, step=step, time=datetime.now(timezone.utc),
+                engine=self.engine_name, micro_batches=micro_batches,
+                scheduler=scheduler.state_dict() if scheduler is not None else None,
+                counters={k: int(getattr(engine, k)) for k in _COUNTERS if hasattr(engine, k)},
+                validation_loss=validation_loss, files=files)
+            final = ckptstore.finish(partial, manifest)
+        except BaseException:
+            ckptstore.shutil.rmtree(partial, ignore_errors=True)
+            raise
+        ckptstore.prune(self.root, self.spec.keep)  # only now: the new one is complete
+        self.last_time = time.monotonic()
+        self.latest = CheckpointStatus(path=str(final), step=step, time=manifest.time, bytes=manifest.total_bytes,
+                                       seconds=round(time.monotonic() - started, 3))
+        return self.latest
+
+    def resume(self, engine: Any, found: Found) -> Resumed:
+        """Load `found` into the engine; CheckpointError naming every difference if it belongs to another run."""
+        from safetensors import safe_open
+        import deepspeed.comm as dist
+
+        manifest = found.manifest
+        refusal = self.refusal(found, engine)
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        rank = dist.get_rank()
+        ranked = json.loads((found.directory / rank_file(rank)).read_text())
+        groups = _SubGroups(engine.optimizer)
+        for i in range(len(groups)):
+            with safe_open(str(found.directory / group_file(rank, i)), framework="pt") as f:
+                groups.write(i, f.get_tensor, list(f.keys()), ranked["groups"][i])
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        for key, value in ranked["loss_scaler"].items():
+            setattr(scaler, key, value)
+        for key, value in manifest.counters.items():
+            setattr(engine, key, value)
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if scheduler is not None and manifest.scheduler is not None:
+            scheduler.load_state_dict(manifest.scheduler)
+            # load_state_dict restores the schedule's position but not the rate in use until its next step
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        adam_steps = [g["step"]["value"] for g in ranked["groups"] if "value" in g.get("step", {})]
+        _replay_cpu_adam_steps(engine.optimizer.optimizer, max(adam_steps, default=0))
+        restore_rng(ranked["rng"])
+        self.last_time = time.monotonic()
+        self.latest = CheckpointStatus(path=str(found.directory), step=manifest.step, time=manifest.time,
+                                       bytes=manifest.total_bytes)
+        return Resumed(found)

@@ -1,0 +1,62 @@
+"""`memstrata run --resume` as a user meets it: checkpoints of an earlier run are never silently overwritten, a
+checkpoint of another model is refused in seconds naming what differs, and a job whose model is already saved
+after its last step has nothing left to do."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from memstrata.api import load_job
+from memstrata.api.checkpoint import Identity, Manifest
+
+pytest.importorskip("torch")
+from memstrata.runtime.train import ckptstore  # noqa: E402
+from memstrata.runtime.train.checkpoint import memstrata_version  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "finetune-tiny.yaml"
+
+
+def foreign_checkpoint(root: Path, layers: int) -> None:
+    """A complete checkpoint of gpt-tiny with `layers` layers (the example has 2)."""
+    arch = load_job(TINY).spec.model.shape().model_dump(mode="json")
+    identity = Identity(memstrata_version=memstrata_version(), model={**arch, "layers": layers}, precision="bf16",
+                        world_size=1, sub_groups=[1])
+    partial = ckptstore.partial_dir(root, 4)
+    files = {"rank-00000.json": ckptstore.write_json(partial / "rank-00000.json", {})}
+    ckptstore.finish(partial, Manifest(identity=identity, job="finetune-tiny", step=4, time=datetime.now(timezone.utc),
+                                       engine="memstrata", micro_batches=4, files=files))
+
+
+def test_checkpoints_of_an_earlier_run_need_resume(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    foreign_checkpoint(tmp_path / "ck", layers=2)
+    r = cli("run", str(TINY), "--checkpoint", str(tmp_path / "ck"), "--nvme-path", str(tmp_path / "nvme"))
+    assert r.returncode == 2, r.stderr
+    assert "holds checkpoints up to step 4 of an earlier run" in r.stderr and "--resume" in r.stderr
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir())
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_built(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    foreign_checkpoint(tmp_path / "ck", layers=4)
+    r = cli("run", str(TINY), "--checkpoint", str(tmp_path / "ck"), "--resume", "--nvme-path",
+                str(tmp_path / "nvme"), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "cannot resume from this checkpoint: model.layers: the checkpoint has 4, this job 2" in r.stderr
+    assert "initializing DeepSpeed" not in r.stdout + r.stderr
+
+
+def test_a_retry_after_the_model_was_saved_finishes_without_training(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"x" * 10)
+    steps = load_job(TINY).spec.training.steps
+    (out / "memstrata-run.json").write_text(json.dumps({"job": "finetune-tiny", "jobUid": "", "step": steps}))
+    r = cli("run", str(TINY), "--output", str(out), "--resume", "--nvme-path", str(tmp_path / "nvme"))
+    assert r.returncode == 0, r.stderr
+    assert "already holds this job's model after step" in r.stderr
+    # Someone else's model at the path (or this job's, saved at another step) is still never overwritten.
+    (out / "memstrata-run.json").write_text(json.dumps({"job": "other", "jobUid": "", "step": steps}))
+    r = cli("run", str(TINY), "--output", str(out), "--resume", "--nvme-path", str(tmp_path / "nvme"))
+    assert r.returncode == 2 and "already exists" in r.stderr
