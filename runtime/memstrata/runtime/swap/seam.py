@@ -180,6 +180,19 @@ SEAM: tuple[Dependency, ...] = (
                params=("input",)),
     Dependency(Kind.CALLED, _Z3, "get_param_id", "keys of grad_position and of the swapper's state",
                params=("param",)),
+    # -- checkpoints (memstrata.runtime.train.checkpoint): sub-groups brought in and put back as a step does --
+    Dependency(Kind.CALLED, _Z3, "_optimizer_states_and_gradient_swap_in", "a checkpoint reads a sub-group's state "
+               "through it", params=_SUBGROUP),
+    Dependency(Kind.CALLED, _Z3, "_release_swap_buffers", "a checkpoint releases what it read, writing nothing back",
+               params=_SUBGROUP),
+    Dependency(Kind.CALLED, _Z3, "_optimizer_states_and_gradient_swap_out", "resuming writes a restored sub-group "
+               "back", params=_SUBGROUP),
+    Dependency(Kind.IMPORTED, "deepspeed.ops.adam", "DeepSpeedCPUAdam", "resuming replays its step counter"),
+    Dependency(Kind.ATTRIBUTE, "deepspeed.ops.adam.DeepSpeedCPUAdam", "ds_opt_adam", "the C++ op whose running "
+               "beta^t product resuming rebuilds", set_in="__init__"),
+    Dependency(Kind.ATTRIBUTE, "deepspeed.ops.adam.DeepSpeedCPUAdam", "opt_id", "which C++ optimizer that is",
+               set_in="__init__"),
+    Dependency(Kind.CALLED, "deepspeed.comm", "get_world_size", "a checkpoint records the world size", params=()),
     # -- the optimizer swapper (optimizer.MemstrataOptimizerSwapper) --
     *_recreated(_OPT_SWAPPER, "__init__", {
         "swap_config": "stock keeps the offload config", "aio_config": "stock keeps the aio config",
