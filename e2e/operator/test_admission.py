@@ -19,6 +19,11 @@ def _bad(mutate):
 
 
 INVALID = [
+    (lambda s: s["training"].update(steps=10, schedule={"type": "cosine", "warmupSteps": 20}),
+     "schedule.warmupSteps must not exceed training.steps"),
+    (lambda s: s.update(output={"path": "/out/m", "metricsPath": "/out/m/logs"}),
+     "output.metricsPath must not be output.path or inside it"),
+    (lambda s: s["training"].update(optimizer={"beta2": 1.0}), "spec.training.optimizer.beta2"),
     (lambda s: s["training"].update(steps=0), "spec.training.steps"),
     (lambda s: s["model"].update(path="/models/x"), "set exactly one of model.preset or model.path"),
     (lambda s: s["training"].update(sequenceLength=1 << 16), "training.sequenceLength"),

@@ -136,7 +136,7 @@ class Output(ApiModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
         "!has(self.metricsPath) || !(self.metricsPath == self.path || self.metricsPath.startsWith(self.path + '/'))",
         "output.metricsPath must not be output.path or inside it: the model directory is created whole at the end",
-        "metricsPath")]})
+        ".metricsPath")]})
 
     @model_validator(mode="after")
     def _metrics_outside_model(self) -> "Output":
