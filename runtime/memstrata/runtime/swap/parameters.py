@@ -9,6 +9,17 @@ prefetcher is told how many more fit in the staging budget, so it never
 over-commits, and a fetch that must happen is never refused. I/O goes through
 `ExtentSwapHandle`, so no swap folder is created and no file is written.
 
+A released buffer goes back to the pool only once no tensor views it any more.
+On a rank whose partition is the whole parameter (one rank, and on the CPU),
+ZeRO-3 does not gather into a fresh tensor: `param.data` *is* the staging
+buffer. Autograd can keep that storage past the release: non-reentrant
+activation checkpointing recomputes a block's forward inside backward, saving
+the weights it gathers, and ZeRO-3 releases them when that recomputed forward
+ends, before the backward ops that read them run. A torch allocation outlives
+such a reference by reference counting; a pool region does not, so the buffer
+would be handed to the next parameter while backward still reads it as this
+one. Such a buffer lingers (still counted in use) until its storage is freed.
+
 Only buffer ownership and I/O are replaced; the status bookkeeping that
 ZeRO-3's coordinator reads (`ds_tensor.status`, `available_params`, ...) is
 DeepSpeed's own.
@@ -16,6 +27,7 @@ DeepSpeed's own.
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from deepspeed import comm as dist
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartitionedParameterSwapper,
                                                                      PartitionedParamStatus)
@@ -25,6 +37,19 @@ from memstrata.runtime.swap import layer as swaplayer
 from memstrata.runtime.swap.protocols import DsConfig, ZeroParam
 
 __all__ = ["MemstrataParamSwapper"]
+
+
+class _Lingering:
+    """A released staging buffer that a tensor outside the swapper still views: its storage, weakly, and the
+    address and size `LockedPool.free` needs once that storage is gone."""
+
+    __slots__ = ("storage", "address", "nbytes")
+
+    def __init__(self, storage: StorageWeakRef, address: int, nbytes: int) -> None:
+        self.storage, self.address, self.nbytes = storage, address, nbytes
+
+    def data_ptr(self) -> int:  # what LockedPool.free keys a buffer by
+        return self.address
 
 
 class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
@@ -55,15 +80,18 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self.buffers = None
         self.swap_out_params: list[ZeroParam] = []
         self._reserved: list[torch.Tensor] = []
+        self._lingering: list[_Lingering] = []
 
     # -- buffers -----------------------------------------------------------------------------------
     def available_swap_in_buffers(self) -> int:
         """How many more partitions the prefetcher may bring in: what fits the staging budget."""
+        self._free_lingering()
         budget = self.layer.settings.param_staging_bytes
         largest = max(self.param_id_to_numel.values(), default=1) * self.swap_element_size
         return max(0, int((budget - self.layer.param_bytes_in_use) // max(largest, 1)))
 
     def _new_buffer(self, param: ZeroParam, numel: int) -> torch.Tensor:
+        self._free_lingering()
         aligned = self._io_aligned_numel(numel)
         buf = self.layer.param_pool.tensor(aligned, self.dtype)
         self.param_id_to_buffer_id[param.ds_id] = buf.data_ptr()
@@ -88,19 +116,36 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self.param_id_to_numel[param.ds_id] = numel
         return self._new_buffer(param, numel).narrow(0, 0, numel)
 
+    def _release_buffer(self, pid: int) -> None:
+        """Give parameter `pid`'s buffer back to the pool, or, while a tensor elsewhere (autograd) still views its
+        storage, once that tensor is gone. Its ds_tensor must no longer point at it."""
+        buf = self.param_id_to_swap_buffer.pop(pid)
+        del self.param_id_to_buffer_id[pid]
+        self._lingering.append(_Lingering(StorageWeakRef(buf.untyped_storage()), buf.data_ptr(),
+                                          buf.numel() * self.swap_element_size))
+        del buf  # the swapper's last reference: from here on only outside views keep the storage alive
+        self._free_lingering()
+
+    def _free_lingering(self) -> None:
+        still = []
+        for buf in self._lingering:
+            if buf.storage.expired():
+                self.layer.param_bytes_in_use -= buf.nbytes
+                self.layer.param_pool.free(buf)
+            else:
+                still.append(buf)
+        self._lingering = still
+
     def remove_partition_and_release_buffers(self, params: list[ZeroParam]) -> None:
         for param in params:
             pid = param.ds_id
-            buf = self.param_id_to_swap_buffer.pop(pid, None)
-            if buf is not None:
-                del self.param_id_to_buffer_id[pid]
-                self.layer.param_bytes_in_use -= buf.numel() * self.swap_element_size
-                self.layer.param_pool.free(buf)
+            param.ds_tensor.data = self.invalid_buffer.data
+            param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+            if pid in self.param_id_to_swap_buffer:
                 if pid in self.available_params:
                     self.available_params.remove(pid)
                     self.available_numel -= self.param_id_to_numel[pid]
-            param.ds_tensor.data = self.invalid_buffer.data
-            param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+                self._release_buffer(pid)
 
     def forget_except(self, live: set[int]) -> int:
         """Free the extents of parameters not in `live` (ds_ids) and return their bytes. A model built under
