@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from memstrata.api.checkpoint import MANIFEST, MARKER, FileDigest, Manifest, parse_step_dir, step_dir_name
+from memstrata.runtime.train.export import fsync_dir
 
 if TYPE_CHECKING:
     import torch
@@ -36,14 +37,6 @@ _DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or used; the message names the directory or file and why."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _HashingFile:
@@ -124,12 +117,12 @@ def finish(partial: Path, manifest: Manifest) -> Path:
         f.write(digest.sha256 + "\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(partial)
+    fsync_dir(partial)
     final = partial.parent / step_dir_name(manifest.step)
     if final.exists():  # a run that died after this rename and was resumed from an earlier step
         shutil.rmtree(final)
     partial.rename(final)
-    _fsync_dir(partial.parent)
+    fsync_dir(partial.parent)
     return final
 
 

@@ -119,7 +119,8 @@ def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int
     return size
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -131,7 +132,7 @@ def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
         with f.open("rb") as handle:
             os.fsync(handle.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def finished_output(path: Path, *, job: str, job_uid: str, steps: int) -> OutputStatus | None:
@@ -177,7 +178,7 @@ def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, s
         # (atomic: the output path holds a whole model or nothing) and make the rename itself durable.
         check_output_path(path)
         tmp.rename(path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
