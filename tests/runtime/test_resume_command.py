@@ -60,3 +60,25 @@ def test_a_retry_after_the_model_was_saved_finishes_without_training(tmp_path: P
     (out / "memstrata-run.json").write_text(json.dumps({"job": "other", "jobUid": "", "step": steps}))
     r = cli("run", str(TINY), "--output", str(out), "--resume", "--nvme-path", str(tmp_path / "nvme"))
     assert r.returncode == 2 and "already exists" in r.stderr
+
+
+def test_a_failing_checkpoint_volume_costs_the_checkpoint_not_the_run(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "memstrata.cli", "run", str(TINY), "--steps", "40", "--checkpoint",
+                             str(ck), "--checkpoint-every", "2", "--nvme-path", str(tmp_path / "nvme")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (ck / "step-00000002").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    # The volume goes bad under the run: every later checkpoint fails to write.
+    shutil.rmtree(ck)
+    ck.write_text("not a directory any more")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "warning: the checkpoint after step" in out and "training goes on" in out, out[-3000:]
+    assert "step 40/40" in out

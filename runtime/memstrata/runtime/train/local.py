@@ -119,6 +119,11 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
                            validation)
             last.resumed_from = resumed_from
             last.checkpoint = recipe.checkpointer.latest if recipe.checkpointer is not None else None
+            if s.checkpoint_error is not None:
+                latest = recipe.checkpointer.latest if recipe.checkpointer is not None else None
+                bar.message(f"memstrata: warning: the checkpoint after step {s.step} failed, training goes on "
+                            f"(latest checkpoint: {f'step {latest.step}' if latest else 'none'}): "
+                            f"{s.checkpoint_error}")
             if s.checkpoint is not None:
                 bar.message(f"memstrata: checkpoint at step {s.step}: {s.checkpoint.path} "
                             f"({s.checkpoint.bytes / 2**20:.1f} MiB in {s.checkpoint.seconds:.1f}s)")

@@ -66,6 +66,7 @@ class StepResult:
     learning_rate: float | None = None  # the rate this step's update was made with
     grad_norm: float | None = None  # DeepSpeed's global gradient norm before clipping (None if it gives none)
     checkpoint: CheckpointStatus | None = None  # the checkpoint written after this step, if one was
+    checkpoint_error: str | None = None  # why the checkpoint due after this step could not be written
 
 
 @dataclass
@@ -347,9 +348,14 @@ class FineTuneRecipe:
                 if record.validation_loss is not None:
                     result.validation_losses[step] = record.validation_loss
             if self.checkpointer is not None and self.checkpointer.due(step):
-                record.checkpoint = self.checkpointer.save(
-                    self.engine, step=step, micro_batches=step * t.gradient_accumulation,
-                    validation_loss=record.validation_loss)
+                try:
+                    record.checkpoint = self.checkpointer.save(
+                        self.engine, step=step, micro_batches=step * t.gradient_accumulation,
+                        validation_loss=record.validation_loss)
+                except (OSError, CheckpointError) as exc:
+                    # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
+                    # the partial write is gone, the previous checkpoint stays the latest, training goes on.
+                    record.checkpoint_error = f"{type(exc).__name__}: {exc}"
             result.steps.append(record)
             on_step(record)
         return result
