@@ -19,6 +19,8 @@ def _bad(mutate):
 
 
 INVALID = [
+    (lambda s: s.update(output={"path": "/out/m"}, checkpoint={"path": "/out/m/ckpt"}),
+     "checkpoint.path must not be output.path or inside it"),
     (lambda s: s["training"].update(steps=10, schedule={"type": "cosine", "warmupSteps": 20}),
      "schedule.warmupSteps must not exceed training.steps"),
     (lambda s: s.update(output={"path": "/out/m", "metricsPath": "/out/m/logs"}),

@@ -19,6 +19,7 @@ BASE: dict[str, Any] = {"model": {"preset": "gpt-tiny"}, "dataset": {"synthetic"
     ({"output": {"path": "/out/m", "metricsPath": "/out/m/logs"}}, "output.metricsPath must not be output.path"),
     ({"training": {"steps": 10, "sequenceLength": 64, "optimizer": {"beta1": 1.0}}}, "beta1"),
     ({"checkpoint": {"path": "/c", "keep": 0}}, "keep"),
+    ({"output": {"path": "/out/m"}, "checkpoint": {"path": "/out/m/ckpt"}}, "checkpoint.path must not be output"),
 ])
 def test_refused_naming_the_field(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -4,6 +4,7 @@ touching the host-wide kernel.io_uring_disabled that other processes on this mac
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import resource
@@ -39,6 +40,17 @@ def _program(deny: Sequence[int], err: int) -> bytes:
     return b"".join(struct.pack("HBBI", *i) for i in ins)
 
 
+def _submissions_program(err: int) -> bytes:
+    """BPF: io_uring_enter with to_submit (its 2nd argument) != 0 returns -err; all else is allowed."""
+    ins = [
+        (_LD_W_ABS, 0, 0, 4), (_JEQ_K, 0, 5, _AUDIT_ARCH[platform.machine()]),  # another arch: allow
+        (_LD_W_ABS, 0, 0, 0), (_JEQ_K, 0, 3, IO_URING_ENTER),  # another syscall: allow
+        (_LD_W_ABS, 0, 0, 24), (_JEQ_K, 1, 0, 0),  # args[1] (low word, little-endian): 0 = a pure wait, allowed
+        (_RET_K, 0, 0, _RET_ERRNO | err), (_RET_K, 0, 0, _RET_ALLOW),
+    ]
+    return b"".join(struct.pack("HBBI", *i) for i in ins)
+
+
 def _prctl(*args: object) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(*args) != 0:
@@ -51,6 +63,19 @@ def deny_syscalls(deny: Sequence[int], err: int) -> None:
     buf = ctypes.create_string_buffer(code, len(code))
     prog = _SockFprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
     _prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0)
+
+
+def refuse_io_uring_submissions(err: int) -> None:
+    """On the calling thread only (and threads it starts later): every io_uring_enter that submits
+    SQEs fails with `err` and takes none, as the kernel's own EAGAIN or ENOMEM when it cannot
+    allocate requests; pure waits still pass. The filter ends with the thread."""
+    if platform.machine() not in _AUDIT_ARCH or struct.pack("=I", 1)[0] != 1:
+        raise OSError(errno.ENOSYS, f"no io_uring submission filter for {platform.machine()}")
+    code = _submissions_program(err)
+    buf = ctypes.create_string_buffer(code, len(code))
+    prog = _SockFprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # prctl acts on the calling thread alone (no TSYNC)
     _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0)
 
 

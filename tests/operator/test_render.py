@@ -93,9 +93,17 @@ def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
         assert config.checkpoint == job.spec.checkpoint and config.attempt == attempt
         assert json.loads(cm["data"][CONFIGMAP_KEY])["checkpoint"] == {"path": "/output/ckpt", "everySteps": 50,
                                                                       "keep": 3}
-    before, _ = objects()
+    # The newest checkpoint the status reports goes along: the runtime must find at least that far.
+    body["status"] = {"checkpoint": {"path": "/output/ckpt/step-00000150", "step": 150,
+                                     "time": "2026-11-23T10:00:00Z"}}
+    before, _ = attempt_objects(job_view(body), "cxl-1", PLACED.plan, 4)
+    cm = next(o for o in before if o["kind"] == "ConfigMap")
+    assert json.loads(cm["data"][CONFIGMAP_KEY])["checkpointStep"] == 150
+    del body["spec"]["checkpoint"]
+    before, _ = attempt_objects(job_view(body), "cxl-1", PLACED.plan, 0)
     cm = next(o for o in before if o["kind"] == "ConfigMap")
     assert "checkpoint" not in json.loads(cm["data"][CONFIGMAP_KEY])
+    assert "checkpointStep" not in json.loads(cm["data"][CONFIGMAP_KEY])
 
 
 def test_the_jobs_volumes_are_mounted_first_beside_the_operators_own():

@@ -79,9 +79,23 @@ def test_pruning_keeps_the_newest_and_partials_of_dead_writers_are_removed(tmp_p
         checkpoint(tmp_path, step)
     dead = ckptstore.partial_dir(tmp_path, 10)
     (dead / "group-0.safetensors").write_bytes(b"half")
-    ckptstore.prune(tmp_path, keep=2)
+    ckptstore.prune(tmp_path, keep=2, newest=tmp_path / "step-00000008")
     ckptstore.remove_partials(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000008"]
+
+
+def test_a_damaged_newer_checkpoint_set_aside_never_costs_an_intact_one_its_place(tmp_path: Path) -> None:
+    """Resumed from step 2 because step 8 is damaged, a run writes step 4 with keep=1: step 4 must survive."""
+    checkpoint(tmp_path, 2)
+    eight = checkpoint(tmp_path, 8)
+    (eight / "COMPLETE").unlink()
+    found = ckptstore.find_latest(tmp_path)
+    assert found is not None and found.manifest.step == 2 and found.damaged == [eight]
+    aside = ckptstore.quarantine(eight)
+    four = checkpoint(tmp_path, 4)
+    ckptstore.prune(tmp_path, keep=1, newest=four)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([aside.name, "step-00000004"])
+    assert ckptstore.find_latest(tmp_path).manifest.step == 4  # type: ignore[union-attr]
 
 
 def test_another_model_precision_world_size_version_or_job_is_refused_naming_each_difference() -> None:
@@ -107,3 +121,17 @@ def test_another_model_precision_world_size_version_or_job_is_refused_naming_eac
 ])
 def test_when_a_checkpoint_is_due(spec: dict[str, object], step: int, minutes: float, due: bool) -> None:
     assert Checkpoint.model_validate({"path": "/c", **spec}).due(step, minutes) is due
+
+
+def test_a_path_that_lost_the_checkpoints_the_status_reported_fails_rather_than_starting_over(tmp_path: Path) -> None:
+    from memstrata.api.architecture import PRESETS
+    from memstrata.runtime.train.checkpoint import Checkpointer
+
+    spec = Checkpoint(path=str(tmp_path / "ck"))
+    ck = Checkpointer(spec, job="j", job_uid="u", arch=PRESETS["gpt-tiny"], precision="bf16", engine_name="memstrata",
+                      fingerprint={})
+    ck.check_path()
+    with pytest.raises(CheckpointError, match="reports a checkpoint of step 40 but none is there: the path must be "
+                                              "on a persistent volume"):
+        ck.to_resume(resume=True, steps=100, expected_step=40)
+    assert ck.to_resume(resume=True, steps=100, expected_step=None) is None  # a first attempt starts at 0

@@ -82,3 +82,17 @@ def test_a_failing_checkpoint_volume_costs_the_checkpoint_not_the_run(tmp_path: 
     assert proc.returncode == 0, out[-3000:]
     assert "warning: the checkpoint after step" in out and "training goes on" in out, out[-3000:]
     assert "step 40/40" in out
+
+
+def test_resuming_at_the_last_step_saves_and_past_it_is_refused(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    ck, nvme = tmp_path / "ck", tmp_path / "nvme"
+    r = cli("run", str(TINY), "--steps", "4", "--checkpoint", str(ck), "--checkpoint-every", "2", "--nvme-path",
+            str(nvme))
+    assert r.returncode == 0, r.stderr
+    # An attempt that died in the export, after the step-4 checkpoint: nothing left to train, the model is saved.
+    r = cli("run", str(TINY), "--steps", "4", "--checkpoint", str(ck), "--resume", "--output", str(tmp_path / "m"),
+            "--nvme-path", str(nvme))
+    assert r.returncode == 0, r.stderr
+    assert "nothing left to train" in r.stdout and (tmp_path / "m" / "memstrata-run.json").is_file()
+    r = cli("run", str(TINY), "--steps", "2", "--checkpoint", str(ck), "--resume", "--nvme-path", str(nvme))
+    assert r.returncode == 2 and "the checkpoint is of step 4, past training.steps (2)" in r.stderr

@@ -60,6 +60,9 @@ class Identity(ApiModel):
     world_size: int = Field(ge=1)
     sub_groups: list[int] = Field(description="Elements per optimizer sub-group of rank 0 (the ZeRO-3 layout).")
     job_uid: str = Field("", description="The FineTuneJob's uid; empty for a local run.")
+    job: str = Field("", description="The FineTuneJob's name.")
+    training: dict[str, Any] = Field(default_factory=dict, description="What decides which data a step sees and "
+                                                                       "how it is batched (not the step count).")
 
 
 class Manifest(ApiModel):
@@ -72,6 +75,7 @@ class Manifest(ApiModel):
     micro_batches: int = Field(ge=0, description="Training micro-batches consumed (the data position).")
     scheduler: dict[str, Any] | None = Field(None, description="The LR scheduler's state_dict.")
     counters: dict[str, int] = Field(default_factory=dict, description="DeepSpeed engine counters.")
+    loss: float | None = Field(None, description="The training loss of the step.")
     validation_loss: float | None = None
     files: dict[str, FileDigest]
 
@@ -103,4 +107,19 @@ def identity_mismatches(saved: Identity, current: Identity) -> list[str]:
     if saved.job_uid and current.job_uid and saved.job_uid != current.job_uid:
         out.append(f"job: the checkpoint belongs to another FineTuneJob (uid {saved.job_uid}, this one is "
                    f"{current.job_uid})")
+    elif saved.job and current.job and saved.job != current.job:
+        out.append(f"job: the checkpoint belongs to job {saved.job!r}, this one is {current.job!r}")
+    for key in sorted(set(saved.training) | set(current.training)):
+        if saved.training.get(key) != current.training.get(key):
+            out.append(f"{key}: the checkpoint has {saved.training.get(key)!r}, this job "
+                       f"{current.training.get(key)!r} (the data position and schedule would not carry over)")
     return out
+
+
+def run_fingerprint(training: Any, dataset: Any) -> dict[str, Any]:
+    """The settings a resumed run must share with the one that saved: batching, sequence, seed, data, schedule
+    and rate (a FineTuneJob's spec.training and spec.dataset). `steps` may change: it is how a run is extended."""
+    t = training.model_dump(mode="json", by_alias=True)
+    keep = ("sequenceLength", "microBatch", "gradientAccumulation", "seed", "learningRate", "schedule")
+    return {**{f"training.{k}": t[k] for k in keep if k in t},
+            **{f"dataset.{k}": v for k, v in dataset.model_dump(mode="json", by_alias=True).items()}}

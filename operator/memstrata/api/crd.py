@@ -62,6 +62,10 @@ def spec_rules() -> list[JsonDict]:
             "self.training.sequenceLength <= self.model.architecture.maxPositions",
             "training.sequenceLength must not exceed model.architecture.maxPositions for a gpt model",
             ".training.sequenceLength"),
+        cel("!has(self.checkpoint) || !has(self.output) || !(self.checkpoint.path == self.output.path || "
+            "self.checkpoint.path.startsWith(self.output.path + '/'))",
+            "checkpoint.path must not be output.path or inside it: the model directory is created whole at the end",
+            ".checkpoint.path"),
     ]
     for name, arch in PRESETS.items():
         if arch.family == "gpt":

@@ -348,6 +348,10 @@ class FineTuneJobSpec(ApiModel):
             if m.mount_path in paths:
                 raise ValueError(f"volumeMounts[{i}].mountPath: {m.mount_path} is given twice")
             paths.add(m.mount_path)
+        if (self.checkpoint is not None and self.output is not None
+                and _under(self.checkpoint.path.rstrip("/"), self.output.path.rstrip("/"))):
+            raise ValueError("checkpoint.path must not be output.path or inside it: the model directory is created "
+                             "whole at the end")
         if shape is not None and shape.family == "gpt" and self.training.sequence_length > shape.max_positions:
             raise ValueError(
                 f"training.sequenceLength ({self.training.sequence_length}) exceeds the model's "

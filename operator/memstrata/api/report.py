@@ -48,9 +48,10 @@ class RuntimeReport(ApiModel):
 
     @property
     def eta_seconds(self) -> float | None:
-        if self.step <= 0 or self.total_steps <= self.step:
+        done = self.step - (self.resumed_from or 0)  # the steps this attempt took in elapsed_seconds
+        if done <= 0 or self.total_steps <= self.step:
             return 0.0 if self.total_steps and self.step >= self.total_steps else None
-        return self.elapsed_seconds / self.step * (self.total_steps - self.step)
+        return self.elapsed_seconds / done * (self.total_steps - self.step)
 
     def progress(self) -> Progress:
         """The FineTuneJob status.progress this report implies."""

@@ -39,6 +39,10 @@ class RuntimeConfig(ApiModel):
     output: Output | None = Field(None, description="Where the fine-tuned model is written (spec.output).")
     checkpoint: Checkpoint | None = Field(None, description="spec.checkpoint: the runtime resumes from the latest "
                                                             "complete checkpoint there.")
+    checkpoint_step: int | None = Field(
+        None, ge=1, description="status.checkpoint.step when this attempt was created: finding no checkpoint that "
+                                "far (and none damaged) means the path lost them, and the runtime fails rather than "
+                                "start over.")
     plan: Plan = Field(description="The plan for the chosen node: what the runtime sizes its strata from.")
     node: str = ""
     attempt: int = Field(0, ge=0, description="Which pod attempt this is (0-based).")

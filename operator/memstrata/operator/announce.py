@@ -45,10 +45,13 @@ def announce(b: StatusBuilder) -> list[Event]:
     """The events the runtime's latest report calls for, with the marks that stop them recurring set in `b`."""
     events: list[Event] = []
     ckpt = _read(CheckpointStatus, b.get("checkpoint"))
-    # Any other step is news, not only a higher one: what matters is that this checkpoint was not told yet.
-    if ckpt is not None and ckpt.step != b.get(CHECKPOINT_MARK):
+    # Only a step past the last one told is news: a resumed attempt reports the (older) checkpoint it resumed
+    # from, which was written and told before; the mark follows it down so that step's rewrite is told again.
+    mark = b.get(CHECKPOINT_MARK)
+    if ckpt is not None and ckpt.step != mark:
         b.set(CHECKPOINT_MARK, ckpt.step)
-        events.append(Event("Normal", "Checkpointed", describe_checkpoint(ckpt)))
+        if not isinstance(mark, int) or ckpt.step > mark:
+            events.append(Event("Normal", "Checkpointed", describe_checkpoint(ckpt)))
     progress = _read(Progress, b.get("progress"))
     # Only a report that names its attempt: status.progress may still be the previous attempt's.
     if (progress is not None and progress.attempt is not None and progress.resumed_from is not None

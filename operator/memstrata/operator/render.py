@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
@@ -123,8 +123,14 @@ def runtime_config(job: JobView, node: str, plan: Plan, attempt: int, report_int
         # Every attempt gets the same checkpoint spec: the runtime itself resumes from the latest complete
         # checkpoint under spec.checkpoint.path, so a retry needs nothing else from the operator.
         checkpoint=spec.checkpoint,
+        checkpoint_step=_checkpoint_step(job) if spec.checkpoint is not None else None,
         report_interval_seconds=report_interval_seconds,
     )
+
+
+def _checkpoint_step(job: JobView) -> int | None:
+    step = (job.status.get("checkpoint") or {}).get("step") if isinstance(job.status, Mapping) else None
+    return step if isinstance(step, int) and step >= 1 else None
 
 
 def user_volumes(spec: FineTuneJobSpec) -> list[dict[str, Any]]:

@@ -28,12 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from memstrata.api.architecture import ModelArchitecture
-from memstrata.api.checkpoint import FileDigest, Identity, Manifest, group_file, identity_mismatches, rank_file
+from memstrata.api.checkpoint import (FORMAT, FileDigest, Identity, Manifest, group_file, identity_mismatches,
+                                      rank_file)
 from memstrata.api.finetunejob import Checkpoint, CheckpointStatus
 from memstrata.runtime.train import ckptstore
 from memstrata.runtime.train.ckptstore import CheckpointError, Found
 
-__all__ = ["CheckpointError", "Checkpointer", "Resumed", "capture_rng", "restore_rng"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Resumed", "capture_rng", "restore_rng"]
+
+
+class CheckpointWriteError(CheckpointError):
+    """The checkpoint volume refused a write (full, gone, read-only); the training state is untouched."""
 
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
@@ -141,8 +146,9 @@ class _SubGroups:
                 key, value = name.removeprefix("state."), tensors(name)
                 if key in state and hasattr(state[key], "copy_"):
                     state[key].copy_(value)
-                else:
-                    state[key] = value.to(fp32.device)
+                else:  # a copy: the loaded tensor maps the checkpoint file, which must not stay mapped
+                    state[key] = value.to(fp32.device, copy=True)
+                del value
         for key, saved in scalars.items():
             state[key] = _unscalar(saved, fp32.device)
         self.zero._reassign_or_swap_out_partitioned_parameters(i)
@@ -184,9 +190,11 @@ class Checkpointer:
     """spec.checkpoint for one run: when to save, saving, and resuming."""
 
     def __init__(self, spec: Checkpoint, *, job: str, job_uid: str, arch: ModelArchitecture, precision: str,
-                 engine_name: str) -> None:
+                 engine_name: str, fingerprint: dict[str, Any]) -> None:
+        """`fingerprint`: memstrata.api.checkpoint.run_fingerprint of the job, which a checkpoint must share."""
         self.spec, self.root = spec, Path(spec.path)
         self.job, self.job_uid, self.arch, self.precision = job, job_uid, arch, precision
+        self.fingerprint = fingerprint
         self.engine_name = engine_name
         self.last_time = time.monotonic()
         self.latest: CheckpointStatus | None = None
@@ -206,6 +214,34 @@ class Checkpointer:
         """The newest intact checkpoint here (see ckptstore.find_latest)."""
         return ckptstore.find_latest(self.root)
 
+    def to_resume(self, *, resume: bool, steps: int, expected_step: int | None) -> Found | None:
+        """The checkpoint this run starts from (None: from step 0), or CheckpointError saying why it cannot start:
+        checkpoints of an earlier run without `resume`; one of another run (everything but the sub-group layout
+        is known before the engine exists, so this fails in seconds); one past the last step; or none as far as
+        `expected_step` (what the job's status last reported) though nothing was damaged: the path lost them
+        (not a persistent volume?), and starting over would silently throw the run away."""
+        found = self.existing()
+        if found is not None and not resume:
+            raise CheckpointError(f"spec.checkpoint.path: {self.root} holds checkpoints up to step "
+                                  f"{found.manifest.step} of an earlier run; resume from it (memstrata run --resume) "
+                                  "or choose another path")
+        if found is None or not found.skipped:
+            have = found.manifest.step if found is not None else None
+            if expected_step is not None and (have is None or have < expected_step):
+                raise CheckpointError(
+                    f"spec.checkpoint.path: {self.root}: the job's status reports a checkpoint of step {expected_step} "
+                    f"but {'none is there' if have is None else f'the newest there is step {have}'}: the path must "
+                    "be on a persistent volume the next attempt mounts too")
+        if found is None:
+            return None
+        refusal = self.refusal(found)
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        if found.manifest.step > steps:
+            raise CheckpointError(f"{found.directory}: the checkpoint is of step {found.manifest.step}, past "
+                                  f"training.steps ({steps}); raise training.steps to train on from it")
+        return found
+
     def identity(self, engine: Any = None) -> Identity:
         """This run's identity; before the engine exists (`engine` None) without the sub-group layout, and with
         the world size the launcher set."""
@@ -216,11 +252,15 @@ class Checkpointer:
 
             world, groups = dist.get_world_size(), _SubGroups(engine.optimizer).numels()
         return Identity(memstrata_version=memstrata_version(), model=self.arch.model_dump(mode="json"),
-                        precision=self.precision, world_size=world, sub_groups=groups, job_uid=self.job_uid)
+                        precision=self.precision, world_size=world, sub_groups=groups, job_uid=self.job_uid,
+                        job=self.job, training=self.fingerprint)
 
     def refusal(self, found: Found, engine: Any = None) -> str | None:
         """Why `found` cannot resume this run (None: it can)."""
         differences = identity_mismatches(found.manifest.identity, self.identity(engine))
+        if found.manifest.format != FORMAT:
+            differences.insert(0, f"format: the checkpoint is format {found.manifest.format}, this runtime reads "
+                                  f"{FORMAT}")
         if not differences:
             return None
         return f"{found.directory}: cannot resume from this checkpoint: " + "; ".join(differences)
@@ -228,25 +268,31 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.spec.due(step, (time.monotonic() - self.last_time) / 60)
 
-    def save(self, engine: Any, *, step: int, micro_batches: int, validation_loss: float | None) -> CheckpointStatus:
+    def save(self, engine: Any, *, step: int, micro_batches: int, loss: float | None,
+             validation_loss: float | None) -> CheckpointStatus:
+        """Write the checkpoint of `step`. CheckpointWriteError when the volume refuses a write: then nothing of it
+        is left and training may go on; any other error (reading the state) is the run's."""
         import deepspeed.comm as dist
 
+        if dist.get_world_size() != 1:  # ranks would share one partial directory: issue 15 brings a barrier
+            raise CheckpointError("checkpoints are written by one rank only in this version")
         started = time.monotonic()
         rank = dist.get_rank()
         groups = _SubGroups(engine.optimizer)
-        partial = ckptstore.partial_dir(self.root, step)
+        partial = self._written(self.root, lambda root, s: ckptstore.partial_dir(root, s), step)
         try:
             files: dict[str, FileDigest] = {}
             scalars: list[dict[str, Any]] = []
             for i in range(len(groups)):
                 tensors, group_scalars = groups.read(i)
                 try:
-                    files[group_file(rank, i)] = ckptstore.write_tensors(partial / group_file(rank, i), tensors)
+                    files[group_file(rank, i)] = self._written(partial / group_file(rank, i),
+                                                               ckptstore.write_tensors, tensors)
                 finally:
                     groups.release(i)
                 scalars.append(group_scalars)
             scaler = getattr(engine.optimizer, "loss_scaler", None)
-            files[rank_file(rank)] = ckptstore.write_json(partial / rank_file(rank), {
+            files[rank_file(rank)] = self._written(partial / rank_file(rank), ckptstore.write_json, {
                 "rng": capture_rng(), "groups": scalars,
                 "loss_scaler": {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
                 if scaler is not None else {}})
@@ -256,16 +302,28 @@ class Checkpointer:
                 engine=self.engine_name, micro_batches=micro_batches,
                 scheduler=scheduler.state_dict() if scheduler is not None else None,
                 counters={k: int(getattr(engine, k)) for k in _COUNTERS if hasattr(engine, k)},
-                validation_loss=validation_loss, files=files)
-            final = ckptstore.finish(partial, manifest)
+                loss=loss, validation_loss=validation_loss, files=files)
+            final = self._written(partial, ckptstore.finish, manifest)
         except BaseException:
             ckptstore.shutil.rmtree(partial, ignore_errors=True)
+            self.last_time = time.monotonic()  # a failed time-based checkpoint is not retried after every step
             raise
-        ckptstore.prune(self.root, self.spec.keep)  # only now: the new one is complete
+        finally:
+            layer = getattr(engine, "memstrata", None)
+            if layer is not None:
+                layer.trim()  # give back the pool regions the sub-groups were read into, as after a step
+        ckptstore.prune(self.root, self.spec.keep, final)  # only now: the new one is complete
         self.last_time = time.monotonic()
         self.latest = CheckpointStatus(path=str(final), step=step, time=manifest.time, bytes=manifest.total_bytes,
                                        seconds=round(time.monotonic() - started, 3))
         return self.latest
+
+    @staticmethod
+    def _written(path: Path, write: Callable[[Path, Any], Any], what: Any) -> Any:
+        try:
+            return write(path, what)
+        except OSError as exc:
+            raise CheckpointWriteError(f"{path}: {exc.strerror or exc}") from exc
 
     def resume(self, engine: Any, found: Found) -> Resumed:
         """Load `found` into the engine; CheckpointError naming every difference if it belongs to another run."""
@@ -276,6 +334,8 @@ class Checkpointer:
         refusal = self.refusal(found, engine)
         if refusal is not None:
             raise CheckpointError(refusal)
+        for directory in found.damaged:  # newer than the one resumed from: set aside, out of pruning's count
+            ckptstore.quarantine(directory)
         rank = dist.get_rank()
         ranked = json.loads((found.directory / rank_file(rank)).read_text())
         groups = _SubGroups(engine.optimizer)
@@ -296,6 +356,9 @@ class Checkpointer:
         adam_steps = [g["step"]["value"] for g in ranked["groups"] if "value" in g.get("step", {})]
         _replay_cpu_adam_steps(engine.optimizer.optimizer, max(adam_steps, default=0))
         restore_rng(ranked["rng"])
+        layer = getattr(engine, "memstrata", None)
+        if layer is not None:
+            layer.trim()  # the sub-groups were filled through the pool; the first step takes what it needs
         self.last_time = time.monotonic()
         self.latest = CheckpointStatus(path=str(found.directory), step=manifest.step, time=manifest.time,
                                        bytes=manifest.total_bytes)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -149,7 +150,11 @@ def verify(directory: Path) -> Manifest:
             raise CheckpointError(f"{path}: missing") from None
         if size != want.bytes:
             raise CheckpointError(f"{path}: {size} bytes, the manifest says {want.bytes} (truncated?)")
-        if sha256_file(path) != want.sha256:
+        try:
+            digest = sha256_file(path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+        if digest != want.sha256:
             raise CheckpointError(f"{path}: sha256 differs from the manifest's (corrupt)")
     return manifest
 
@@ -167,25 +172,36 @@ class Found:
     directory: Path
     manifest: Manifest
     skipped: list[str]  # the newer checkpoints passed over, each with why
+    damaged: list[Path]  # their directories
+
+
+def quarantine(directory: Path) -> Path:
+    """Set a damaged checkpoint aside under a hidden name: kept for a post-mortem, never resumed from, never
+    counted against `keep` (so pruning cannot delete an intact checkpoint in its favour)."""
+    aside = directory.with_name(f".{directory.name}.damaged-{int(time.time())}")
+    directory.rename(aside)
+    return aside
 
 
 def find_latest(root: Path) -> Found | None:
     """The newest intact checkpoint under `root` (None when there is none at all); CheckpointError when there
     are checkpoints but none is intact, naming each and why: training is never silently restarted from 0."""
     skipped: list[str] = []
+    damaged: list[Path] = []
     for _, directory in complete_steps(root):
         try:
-            return Found(directory, verify(directory), skipped)
+            return Found(directory, verify(directory), skipped, damaged)
         except CheckpointError as exc:
             skipped.append(str(exc))
+            damaged.append(directory)
     if skipped:
         raise CheckpointError(f"{root}: no intact checkpoint: " + "; ".join(skipped))
     return None
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` checkpoints; the ones removed."""
-    gone = [p for _, p in complete_steps(root)[keep:]]
+def prune(root: Path, keep: int, newest: Path) -> list[Path]:
+    """Remove all but the newest `keep` checkpoints, never `newest` (the one just written); the ones removed."""
+    gone = [p for _, p in complete_steps(root)[keep:] if p != newest]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone

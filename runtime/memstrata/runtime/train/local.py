@@ -49,16 +49,19 @@ def _check_report_path(path: Path | None) -> None:
 
 def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None,
               on_report: Callable[[RuntimeReport], None] | None = None, sample_prompt: str | None = None,
-              verbose: bool = False, resume: bool = False, job_uid: str = "") -> int:
+              verbose: bool = False, resume: bool = False, job_uid: str = "",
+              expected_checkpoint: int | None = None) -> int:
     """Train `job` here, then save the model to spec.output.path; `on_report` (the pod's status patches) gets
     every step's RuntimeReport, one when initialization starts, and a final one (stage finished or failed).
     `sample_prompt`: show the model's answer to it before training and, from the saved output, after.
     `resume`: continue from the newest intact checkpoint in spec.checkpoint.path, if any (a pod always does);
-    `job_uid`: the FineTuneJob's uid, which that checkpoint must have been written for."""
+    `job_uid`: the FineTuneJob's uid, which that checkpoint must have been written for; `expected_checkpoint`: the
+    newest checkpoint step the job's status reported, which must still be there."""
     report_to = on_report or (lambda _r: None)
     try:
         _check_report_path(report_json)
-        recipe = FineTuneRecipe(job, plan, nvme_path, resume=resume, job_uid=job_uid)
+        recipe = FineTuneRecipe(job, plan, nvme_path, resume=resume, job_uid=job_uid,
+                                expected_checkpoint=expected_checkpoint)
         recipe.load_data()  # a bad dataset file fails here, before the swap directory exists
     except (RecipeError, DatasetError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
@@ -94,6 +97,8 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
             bar.message(f"memstrata: resumed from {recipe.resumed.directory} (step {resumed_from} of "
                         f"{training.steps})")
             last = last.model_copy(update={"step": resumed_from, "resumed_from": resumed_from,
+                                           "loss": recipe.resumed.manifest.loss,
+                                           "validation_loss": recipe.resumed.manifest.validation_loss,
                                            "checkpoint": recipe.checkpointer.latest if recipe.checkpointer else None})
             report_to(last)
             validation = recipe.resumed.manifest.validation_loss
@@ -233,7 +238,8 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         tokens=tokens,
         tokens_per_second=tokens / train_seconds if train_seconds else 0.0,
         losses=losses,
-        loss=LossSummary.of(losses),
+        loss=LossSummary.of(losses) if losses else None,
+        resumed_from=recipe.resumed.step if recipe.resumed is not None else None,
         learning_rates=[s.learning_rate for s in result.steps if s.learning_rate is not None],
         schedule=describe(spec.training.schedule),
         peak_rss_bytes=watch.peak_rss,

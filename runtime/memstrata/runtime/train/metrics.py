@@ -12,6 +12,7 @@ twice. A fresh run (no resume step) starts both anew.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -142,7 +143,9 @@ class MetricsWriter:
         self.write(MetricsRecord(step=s.step, loss=s.loss, validation_loss=s.validation_loss,
                                  learning_rate=s.learning_rate, tokens=s.tokens,
                                  tokens_per_second=s.tokens / s.seconds if s.seconds else None, seconds=s.seconds,
-                                 grad_norm=s.grad_norm, wall_time=time.time()))
+                                 # an fp16 overflow step has an infinite norm, which JSON cannot hold
+                                 grad_norm=s.grad_norm if s.grad_norm is not None and math.isfinite(s.grad_norm)
+                                 else None, wall_time=time.time()))
 
     def write_validation(self, step: int, loss: float) -> None:
         """A validation loss measured outside a step (before the first one)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -155,6 +156,10 @@ def _say_why(message: str) -> None:
         pass  # not in a pod
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def on_root_filesystem(path: Path) -> bool:
     """Whether `path` (or, while it does not exist yet, its nearest existing parent) is on the filesystem of
     `/`: in a pod, the container's own writable layer rather than a volume."""
@@ -181,8 +186,15 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
     if refusal is not None:
         _say_why(f"error: {refusal}")
         return EXIT_USAGE
+    if job.spec.checkpoint is not None and on_root_filesystem(Path(job.spec.checkpoint.path)):
+        log.warning("memstrata: spec.checkpoint.path %s is on the container's own filesystem: its checkpoints "
+                    "do not survive this pod (mount a persistent volume there)", job.spec.checkpoint.path)
+    # The kubelet stops a pod with SIGTERM, which PID 1 would ignore for the whole grace period while the next
+    # attempt starts: end now (a checkpoint being written is removed, the last complete one stays).
+    signal.signal(signal.SIGTERM, _terminated)
     # Every attempt resumes from the newest intact checkpoint of this job, if there is one.
-    rc = run_local(job, plan, nvme_path=nvme_path, on_report=reporter, resume=True, job_uid=cfg.job.uid)
+    rc = run_local(job, plan, nvme_path=nvme_path, on_report=reporter, resume=True, job_uid=cfg.job.uid,
+                   expected_checkpoint=cfg.checkpoint_step)
     if rc != 0:
         _say_why(f"{job.metadata.name}: training failed (exit {rc}); the lines above say why")
     log.info("memstrata: %d status patches sent, %d failed", reporter.sent, reporter.failed)

@@ -98,7 +98,8 @@ class RunReport(BaseModel):
     tokens: int
     tokens_per_second: float
     losses: list[float]
-    loss: LossSummary
+    loss: LossSummary | None  # None: this attempt resumed at the last step and trained none
+    resumed_from: int | None = None
     learning_rates: list[float] = Field([], description="The learning rate each step was taken with.")
     schedule: str = Field("", description="spec.training.schedule in words: 'cosine to 0.1x, 10 warmup steps'.")
     peak_rss_bytes: int
@@ -131,13 +132,17 @@ def render_report(r: RunReport, console: Console | None = None, *, verbose: bool
     """The final report, compact (at most 100 columns); `verbose` adds the swap layer's counters and every
     DeepSpeed setting that differs from its defaults, with the reason."""
     console = console or Console(width=WIDTH)
-    verdict = "falling" if r.loss.ratio <= 0.8 else "NOT falling enough"
     line = lambda label, text: console.print(f"{label:<11}{text}", highlight=False, soft_wrap=False)  # noqa: E731
     console.print(f"\n[bold]memstrata run: {r.job}[/bold]", highlight=False)
     line("model", f"{r.model} ({r.parameters:,} parameters, {r.precision})")
     line("engine", f"{r.engine}: weights -> {r.offload['param']}, optimizer state -> {r.offload['optimizer']}")
-    line("loss", f"first {len(r.loss.first)} steps {r.loss.first_mean:.4f} -> last {len(r.loss.last)} "
-                 f"{r.loss.last_mean:.4f} (x{r.loss.ratio:.2f}, {verdict})")
+    if r.loss is None:
+        line("loss", f"- (resumed at step {r.resumed_from}, the last: nothing left to train)")
+    else:
+        verdict = "falling" if r.loss.ratio <= 0.8 else "NOT falling enough"
+        since = f", this attempt, resumed at step {r.resumed_from}" if r.resumed_from else ""
+        line("loss", f"first {len(r.loss.first)} steps {r.loss.first_mean:.4f} -> last {len(r.loss.last)} "
+                     f"{r.loss.last_mean:.4f} (x{r.loss.ratio:.2f}, {verdict}{since})")
     if r.learning_rates:
         lrs, schedule = r.learning_rates, f"{r.schedule}: " if r.schedule else ""
         line("lr", f"{schedule}{lrs[0]:.2e} first, {max(lrs):.2e} peak, {lrs[-1]:.2e} last")

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from memstrata.api.finetunejob import CheckpointStatus, FineTuneJob, OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
-from memstrata.runtime.train.checkpoint import CheckpointError, Checkpointer, Found, Resumed
+from memstrata.api.checkpoint import run_fingerprint
+from memstrata.runtime.train.checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, Found, Resumed
 from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
 from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output
 from memstrata.runtime.train.metrics import MetricsError, check_metrics_dir
@@ -92,10 +93,11 @@ def gpu_available() -> bool:
 
 class FineTuneRecipe:
     def __init__(self, job: FineTuneJob, plan: Plan, nvme_path: Path, *, resume: bool = False,
-                 job_uid: str = "") -> None:
+                 job_uid: str = "", expected_checkpoint: int | None = None) -> None:
         """`resume`: continue from the newest intact checkpoint under spec.checkpoint.path when there is one
         (without it, existing checkpoints are refused rather than overwritten); `job_uid`: the FineTuneJob's
-        uid, which a checkpoint must share."""
+        uid, which a checkpoint must share; `expected_checkpoint`: the newest checkpoint step the job's status
+        reported, which must still be there."""
         spec = self.spec = job.spec
         self.job, self.plan = job, plan
         self.engine_name = spec.memory.engine
@@ -125,20 +127,14 @@ class FineTuneRecipe:
         self.resumed: Resumed | None = None
         if spec.checkpoint is not None:
             self.checkpointer = Checkpointer(spec.checkpoint, job=job.metadata.name, job_uid=job_uid, arch=self.arch,
-                                             precision=spec.training.precision, engine_name=spec.memory.engine)
+                                             precision=spec.training.precision, engine_name=spec.memory.engine,
+                                             fingerprint=run_fingerprint(spec.training, spec.dataset))
             try:
                 self.checkpointer.check_path()
-                self.found = self.checkpointer.existing()
+                self.found = self.checkpointer.to_resume(resume=resume, steps=spec.training.steps,
+                                                         expected_step=expected_checkpoint)
             except CheckpointError as exc:
                 raise RecipeError(str(exc)) from None
-            if self.found is not None and not resume:
-                raise RecipeError(f"spec.checkpoint.path: {spec.checkpoint.path} holds checkpoints up to step "
-                                  f"{self.found.manifest.step} of an earlier run; resume from it (memstrata run "
-                                  f"--resume) or choose another path")
-            # Everything but the sub-group layout is known now: another model fails in seconds, not after setup.
-            refusal = self.checkpointer.refusal(self.found) if self.found is not None else None
-            if refusal is not None:
-                raise RecipeError(refusal)
         self.hf_config: Any = None
         if self.model_dir is not None:
             from transformers import AutoConfig
@@ -351,8 +347,8 @@ class FineTuneRecipe:
                 try:
                     record.checkpoint = self.checkpointer.save(
                         self.engine, step=step, micro_batches=step * t.gradient_accumulation,
-                        validation_loss=record.validation_loss)
-                except (OSError, CheckpointError) as exc:
+                        loss=value, validation_loss=record.validation_loss)
+                except CheckpointWriteError as exc:
                     # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
                     # the partial write is gone, the previous checkpoint stays the latest, training goes on.
                     record.checkpoint_error = f"{type(exc).__name__}: {exc}"
