@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -77,6 +78,8 @@ static void *worker_main(void *arg)
         p->ndone++;
         pthread_cond_broadcast(&p->done);
     }
+    p->nexited++;
+    pthread_cond_broadcast(&p->done); /* iopool_stop waits for every worker to get here */
     pthread_mutex_unlock(&p->mu);
     return NULL;
 }
@@ -144,15 +147,27 @@ void iopool_push(iopool_t *p, top_t *op)
     pthread_mutex_unlock(&p->mu);
 }
 
-size_t iopool_wait(iopool_t *p, size_t target, long ns)
+/* An absolute CLOCK_MONOTONIC time `ns` from now (the clock of the condition
+ * variables). clock_gettime cannot fail: a valid clock and pointer. */
+static struct timespec deadline_in(long long ns)
 {
     struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until); /* cannot fail: a valid clock and pointer */
-    until.tv_nsec += ns;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    if (ns < 0)
+        ns = 0;
+    until.tv_sec += (time_t)(ns / 1000000000LL);
+    until.tv_nsec += (long)(ns % 1000000000LL);
     until.tv_sec += until.tv_nsec / 1000000000L;
     until.tv_nsec %= 1000000000L;
+    return until;
+}
+
+size_t iopool_wait(iopool_t *p, size_t target, long ns)
+{
+    struct timespec until = deadline_in(ns);
     pthread_mutex_lock(&p->mu);
     int rc = 0;
+    /* timedwait returns 0 or ETIMEDOUT here: the mutex is ours and `until` is normalised. */
     while (p->ndone < target && rc != ETIMEDOUT)
         rc = pthread_cond_timedwait(&p->done, &p->mu, &until);
     size_t have = p->ndone;
@@ -171,33 +186,65 @@ top_t *iopool_take_done(iopool_t *p, size_t *count)
     return list;
 }
 
-top_t *iopool_stop(iopool_t *p)
+top_t *iopool_stop(iopool_t *p, long long timeout_ns, int *abandoned)
 {
     top_t *dropped = NULL;
+    *abandoned = 0;
     if (p->sync_ok) {
         pthread_mutex_lock(&p->mu);
         dropped = p->pend_head; /* queued, never started: dropped, as Ring.close does */
         p->pend_head = p->pend_tail = NULL;
         p->stopping = 1;
         pthread_cond_broadcast(&p->work);
+        if (p->nexited < p->nworkers) {
+            Py_BEGIN_ALLOW_THREADS
+            /* Every exit moves the deadline: only a worker that makes no progress for the
+             * whole timeout (stuck in its pread/pwrite) ends the wait. */
+            struct timespec until = deadline_in(timeout_ns);
+            unsigned seen = p->nexited;
+            while (p->nexited < p->nworkers) {
+                int rc = pthread_cond_timedwait(&p->done, &p->mu, &until);
+                if (p->nexited > seen) {
+                    seen = p->nexited;
+                    until = deadline_in(timeout_ns);
+                } else if (rc == ETIMEDOUT) {
+                    break;
+                }
+            }
+            Py_END_ALLOW_THREADS
+        }
+        *abandoned = p->nexited < p->nworkers;
         pthread_mutex_unlock(&p->mu);
     }
     if (p->nworkers > 0) {
+        int err = 0;
         Py_BEGIN_ALLOW_THREADS
-        for (unsigned i = 0; i < p->nworkers; i++)
-            pthread_join(p->workers[i], NULL); /* fails only for a bad thread id, and these are ours */
+        for (unsigned i = 0; i < p->nworkers; i++) {
+            /* Both fail only for a thread id that is not a joinable thread of ours. */
+            int rc = *abandoned ? pthread_detach(p->workers[i]) : pthread_join(p->workers[i], NULL);
+            if (rc != 0 && err == 0)
+                err = rc;
+        }
         Py_END_ALLOW_THREADS
+        if (err != 0) /* cannot happen; were it to, the threads are lost either way: say so, go on */
+            PySys_WriteStderr("memstrata: I/O thread pool: %s: %s\n", *abandoned ? "pthread_detach" : "pthread_join",
+                              strerror(err));
         p->nworkers = 0;
     }
     PyMem_Free(p->workers);
     p->workers = NULL;
-    /* Ops that finished and were never taken go too. */
+    /* Ops that finished and were never taken go too. An abandoned pool's stuck
+     * workers add theirs to its done list later: leaked with the pool. */
+    if (p->sync_ok)
+        pthread_mutex_lock(&p->mu);
     if (p->done_tail != NULL) {
         p->done_tail->next = dropped;
         dropped = p->done_head;
     }
     p->done_head = p->done_tail = NULL;
     p->ndone = 0;
+    if (p->sync_ok)
+        pthread_mutex_unlock(&p->mu);
     return dropped;
 }
 

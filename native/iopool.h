@@ -6,6 +6,11 @@
  * until the op is handed back by iopool_take_done or dropped by iopool_stop,
  * which joins every worker first. The mutex is a default one, initialised once:
  * locking and unlocking it cannot fail, so those calls go unchecked.
+ *
+ * A worker stuck in its syscall (a device that never answers) cannot be joined
+ * in bounded time: iopool_stop then detaches the workers and reports the pool
+ * abandoned, and its owner leaks it (and the ops still running) instead of
+ * freeing memory a worker still uses. That is why the pool lives on the heap.
  */
 #ifndef MEMSTRATA_IOPOOL_H
 #define MEMSTRATA_IOPOOL_H
@@ -37,6 +42,7 @@ typedef struct {
     int sync_ok;         /* mu, work and done are initialised */
     int stopping;
     unsigned nworkers;
+    unsigned nexited; /* workers that have left worker_main (under mu) */
     pthread_t *workers;
     size_t ndone; /* on the done list */
     top_t *pend_head, *pend_tail;
@@ -53,9 +59,12 @@ void iopool_push(iopool_t *p, top_t *op);
 size_t iopool_wait(iopool_t *p, size_t target, long ns);
 /* Detach the done list; *count gets its length. */
 top_t *iopool_take_done(iopool_t *p, size_t *count);
-/* Stop and join the workers (releases the GIL while joining) and return the
- * ops that never started; ops already running finish first. */
-top_t *iopool_stop(iopool_t *p);
+/* Stop the workers and return the ops that never started and the ones done;
+ * ops already running finish first, for up to `timeout_ns` without a worker
+ * exiting (releases the GIL meanwhile). *abandoned is set when some worker did
+ * not exit in time: the workers are then detached, and the caller must leak
+ * the pool (never iopool_destroy or free it). */
+top_t *iopool_stop(iopool_t *p, long long timeout_ns, int *abandoned);
 void iopool_destroy(iopool_t *p);
 /* Release each op's buffer and free it (GIL held). */
 void iopool_free_ops(top_t *op);

@@ -7,44 +7,97 @@
  * (tag, bytes_or_-errno) completions) over min(depth, 16) worker threads that
  * each run one pread/pwrite at a time on the already-opened O_DIRECT
  * descriptors (iopool.c), so the façade swaps one for the other and nothing
- * above it changes.
+ * above it changes. Waits are bounded as Ring's are: no completion for
+ * timeout_s seconds fails wait (and close) with TimeoutError.
  */
 #include "iopool.h"
 
 #include <stdint.h>
+#include <stdio.h>
+#include <time.h>
 
 /* wait() wakes this often to let Python run its signal handlers (Ctrl-C). */
 #define WAIT_SLICE_NS 200000000L
+#define NS_PER_S 1000000000LL
+#define DEFAULT_TIMEOUT_S 60.0
 
 typedef struct {
     PyObject_HEAD
-    iopool_t pool;
-    int ok;   /* open: workers running */
-    int busy; /* set while the GIL is released inside wait() */
+    iopool_t *pool; /* on the heap: leaked, not freed, when a stuck worker is abandoned */
+    int ok;         /* open: workers running */
+    int busy;       /* set while the GIL is released inside wait() */
     int *fds;
     int nfiles;
     size_t queued; /* submitted and not yet returned by wait */
+    long long timeout_ns;
 } ThreadsObject;
 
-/* Join the workers, then free every op and the descriptor table. Safe on a
- * half-built object. The descriptors stay open: the façade owns them. */
-static void shutdown_threads(ThreadsObject *self)
+/* clock_gettime cannot fail: a valid clock and pointer. */
+static long long now_ns(void)
 {
-    iopool_free_ops(iopool_stop(&self->pool));
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * NS_PER_S + ts.tv_nsec;
+}
+
+/* Stop the workers (up to timeout_ns without one finishing), then free every
+ * op and the descriptor table. Safe on a half-built object. The descriptors
+ * stay open: the façade owns them. Returns 1 when a worker was still stuck in
+ * its syscall: the pool and its running ops are then leaked, never freed. */
+static int shutdown_threads(ThreadsObject *self, long long timeout_ns)
+{
+    int abandoned = 0;
+    if (self->pool != NULL) {
+        iopool_free_ops(iopool_stop(self->pool, timeout_ns, &abandoned));
+        if (abandoned)
+            self->pool = NULL; /* a detached worker still uses it */
+    }
     PyMem_Free(self->fds);
     self->fds = NULL;
     self->queued = 0;
     self->ok = 0;
+    return abandoned;
+}
+
+static int parse_timeout(PyObject *obj, long long *out)
+{
+    double s = PyFloat_AsDouble(obj);
+    if (s == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!(s >= 0.0) || s > 365.0 * 86400.0) {
+        PyErr_Format(PyExc_ValueError, "timeout_s must be between 0 and a year, got %R", obj);
+        return -1;
+    }
+    *out = (long long)(s * (double)NS_PER_S);
+    return 0;
+}
+
+/* Raise OSError(err, message): TimeoutError for ETIMEDOUT. Returns NULL. */
+static PyObject *raise_errno_msg(int err, PyObject *msg)
+{
+    if (msg == NULL)
+        return NULL;
+    PyObject *args = Py_BuildValue("(iN)", err, msg);
+    if (args != NULL) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+static void seconds(char *buf, size_t n, long long ns)
+{
+    PyOS_snprintf(buf, n, "%.1f", (double)ns / (double)NS_PER_S);
 }
 
 static int Threads_init(ThreadsObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"depth", "fds", NULL};
+    static char *kwlist[] = {"depth", "fds", "timeout_s", NULL};
     unsigned depth;
-    PyObject *fds_obj;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "IO", kwlist, &depth, &fds_obj))
+    PyObject *fds_obj, *timeout_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "IO|O", kwlist, &depth, &fds_obj, &timeout_obj))
         return -1;
-    if (self->ok || self->pool.sync_ok) {
+    if (self->ok || self->pool != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Threads already initialised");
         return -1;
     }
@@ -52,13 +105,25 @@ static int Threads_init(ThreadsObject *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "queue depth must be 1..4096, got %u", depth);
         return -1;
     }
+    self->timeout_ns = (long long)(DEFAULT_TIMEOUT_S * (double)NS_PER_S);
+    if (timeout_obj != NULL && timeout_obj != Py_None && parse_timeout(timeout_obj, &self->timeout_ns) < 0)
+        return -1;
     Py_ssize_t n;
     self->fds = ms_parse_fds(fds_obj, &n);
     if (self->fds == NULL)
         return -1;
     self->nfiles = (int)n;
-    if (iopool_start(&self->pool, depth < IOPOOL_MAX_WORKERS ? depth : IOPOOL_MAX_WORKERS) < 0) {
-        shutdown_threads(self); /* calls nothing that could replace the error being raised */
+    self->pool = PyMem_RawCalloc(1, sizeof(iopool_t));
+    if (self->pool == NULL) {
+        PyMem_Free(self->fds);
+        self->fds = NULL;
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (iopool_start(self->pool, depth < IOPOOL_MAX_WORKERS ? depth : IOPOOL_MAX_WORKERS) < 0) {
+        /* Workers that started idle on an empty queue: they exit at once. Calls nothing
+         * that could replace the error being raised. */
+        shutdown_threads(self, self->timeout_ns);
         return -1;
     }
     self->ok = 1;
@@ -115,12 +180,14 @@ static PyObject *Threads_submit(ThreadsObject *self, PyObject *args)
     op->len = (size_t)op->view.len;
     op->offset = offset;
     self->queued++;
-    iopool_push(&self->pool, op); /* workers hold the mutex only to move links: brief with the GIL held */
+    iopool_push(self->pool, op); /* workers hold the mutex only to move links: brief with the GIL held */
     Py_RETURN_FALSE;
 }
 
 /* wait(min_complete=1) -> list of (tag, result); -1 waits for all. As Ring.wait:
- * result is bytes moved or -errno, and completions already finished come too. */
+ * result is bytes moved or -errno, completions already finished come too,
+ * TimeoutError after timeout_s without a completion, ValueError when asked for
+ * more ops than are queued. */
 static PyObject *Threads_wait(ThreadsObject *self, PyObject *args)
 {
     Py_ssize_t want = 1;
@@ -130,21 +197,36 @@ static PyObject *Threads_wait(ThreadsObject *self, PyObject *args)
         return NULL;
     size_t target = want < 0 ? self->queued : (size_t)want;
     if (target > self->queued)
-        target = self->queued;
+        return PyErr_Format(PyExc_ValueError, "wait(%zd) with only %zu ops queued would never return", want,
+                            self->queued);
+    long long deadline = now_ns() + self->timeout_ns;
+    size_t seen = 0;
     for (;;) {
         size_t have;
+        long long left = deadline - now_ns();
+        long slice = left < WAIT_SLICE_NS ? (long)(left > 0 ? left : 0) : WAIT_SLICE_NS;
         self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
-        have = iopool_wait(&self->pool, target, WAIT_SLICE_NS);
+        have = iopool_wait(self->pool, target, slice);
         Py_END_ALLOW_THREADS
         self->busy = 0;
         if (have >= target)
             break;
+        if (have > seen) { /* a completion: the timeout counts from here */
+            seen = have;
+            deadline = now_ns() + self->timeout_ns;
+        } else if (now_ns() >= deadline) {
+            char secs[32];
+            seconds(secs, sizeof secs, self->timeout_ns);
+            return raise_errno_msg(ETIMEDOUT, PyUnicode_FromFormat(
+                "I/O threads wait: no completion in %s s with %zu ops in flight (%u worker threads)", secs,
+                self->queued - have, self->pool->nworkers));
+        }
         if (PyErr_CheckSignals() < 0)
             return NULL; /* completions stay queued for the next wait */
     }
     size_t taken;
-    top_t *list = iopool_take_done(&self->pool, &taken);
+    top_t *list = iopool_take_done(self->pool, &taken);
     self->queued -= taken;
     PyObject *out = PyList_New(0);
     for (top_t *op = list; op != NULL && out != NULL; op = op->next) {
@@ -158,14 +240,29 @@ static PyObject *Threads_wait(ThreadsObject *self, PyObject *args)
     return out;
 }
 
-static PyObject *Threads_close(ThreadsObject *self, PyObject *Py_UNUSED(ignored))
+/* close(timeout_s=None): drop queued ops, let running ones finish (up to timeout_s,
+ * default the queue's, without one finishing), stop the workers. Workers still stuck
+ * then are detached and their ops leaked, and TimeoutError says so. */
+static PyObject *Threads_close(ThreadsObject *self, PyObject *args, PyObject *kwds)
 {
+    static char *kwlist[] = {"timeout_s", NULL};
+    PyObject *timeout_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj))
+        return NULL;
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "Threads is in use by another thread");
         return NULL;
     }
-    if (self->ok)
-        shutdown_threads(self);
+    long long timeout_ns = self->timeout_ns;
+    if (timeout_obj != NULL && timeout_obj != Py_None && parse_timeout(timeout_obj, &timeout_ns) < 0)
+        return NULL;
+    if (self->ok && shutdown_threads(self, timeout_ns)) {
+        char secs[32];
+        seconds(secs, sizeof secs, timeout_ns);
+        return raise_errno_msg(ETIMEDOUT, PyUnicode_FromFormat(
+            "I/O threads close: a worker thread made no progress in %s s; the stuck threads are detached and "
+            "their ops' buffers leaked, never freed under them", secs));
+    }
     Py_RETURN_NONE;
 }
 
@@ -178,13 +275,25 @@ static PyObject *Threads_get_queued(ThreadsObject *self, void *closure)
 static PyObject *Threads_get_depth(ThreadsObject *self, void *closure)
 {
     (void)closure;
-    return PyLong_FromUnsignedLong(self->ok ? self->pool.nworkers : 0);
+    return PyLong_FromUnsignedLong(self->ok ? self->pool->nworkers : 0);
+}
+
+static PyObject *Threads_get_timeout(ThreadsObject *self, void *closure)
+{
+    (void)closure;
+    return PyFloat_FromDouble((double)self->timeout_ns / (double)NS_PER_S);
 }
 
 static void Threads_dealloc(ThreadsObject *self)
 {
-    shutdown_threads(self);
-    iopool_destroy(&self->pool);
+    if (shutdown_threads(self, self->timeout_ns)) /* nothing can be raised from here: say it on stderr */
+        PySys_WriteStderr("memstrata: I/O threads freed with a worker stuck in its syscall for %lld s; it is "
+                          "detached and its buffers leaked\n", self->timeout_ns / NS_PER_S);
+    if (self->pool != NULL) {
+        iopool_destroy(self->pool);
+        PyMem_RawFree(self->pool);
+        self->pool = NULL;
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -195,13 +304,16 @@ static PyMethodDef Threads_methods[] = {
      "submit(write, file_index, buffer, offset, tag) -> False"},
     {"wait", (PyCFunction)Threads_wait, METH_VARARGS,
      "wait(min_complete=1) -> [(tag, bytes_or_-errno)]; -1 waits for all."},
-    {"close", (PyCFunction)Threads_close, METH_NOARGS, "Drop queued ops, finish running ones, join the workers."},
+    {"close", (PyCFunction)(void (*)(void))Threads_close, METH_VARARGS | METH_KEYWORDS,
+     "close(timeout_s=None): drop queued ops, finish running ones (bounded), join the workers."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Threads_getset[] = {
     {"queued", (getter)Threads_get_queued, NULL, "ops submitted and not yet returned by wait", NULL},
     {"depth", (getter)Threads_get_depth, NULL, "worker threads: ops in the kernel at once", NULL},
+    {"timeout_s", (getter)Threads_get_timeout, NULL,
+     "seconds a wait or close goes without a completion before it fails", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -210,7 +322,7 @@ PyTypeObject Threads_Type = {
     .tp_basicsize = sizeof(ThreadsObject),
     .tp_dealloc = (destructor)Threads_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Threads(depth, fds): Ring's interface over min(depth, 16) pread/pwrite worker threads.",
+    .tp_doc = "Threads(depth, fds, timeout_s=60.0): Ring's interface over min(depth, 16) pread/pwrite worker threads.",
     .tp_methods = Threads_methods,
     .tp_getset = Threads_getset,
     .tp_init = (initproc)Threads_init,

@@ -48,7 +48,7 @@ _CAUSES = {
 
 @dataclass(frozen=True)
 class OpenedQueue:
-    queue: Any  # _native.Ring or _native.Threads: submit / wait / register_buffers / close
+    queue: Any  # _native.Ring or _native.Threads: submit / wait / register_buffers / close, bounded waits
     backend: str  # "io_uring" | "threads"
     fallback: str | None  # why io_uring is not used (None when it is, or when threads were asked for)
 
@@ -79,12 +79,15 @@ def _warn_once(message: str) -> None:
         log.warning("memstrata: %s", message)
 
 
-def open_queue(depth: int, fds: Sequence[int], *, device: str, backend: str | None = None) -> OpenedQueue:
-    """The engine's I/O queue over `fds`; never fails only because io_uring is refused, unless asked to."""
+def open_queue(depth: int, fds: Sequence[int], *, device: str, backend: str | None = None,
+               timeout_s: float = 60.0) -> OpenedQueue:
+    """The engine's I/O queue over `fds`; never fails only because io_uring is refused, unless asked to.
+
+    `timeout_s`: a wait (or close) that sees no completion for this long fails with TimeoutError."""
     choice = choose_backend(backend)
     if choice != "threads":
         try:
-            return OpenedQueue(_native.Ring(depth, list(fds)), "io_uring", None)
+            return OpenedQueue(_native.Ring(depth, list(fds), timeout_s=timeout_s), "io_uring", None)
         except OSError as exc:
             if choice == "io_uring":
                 raise NvmeError(f"cannot set up io_uring ({ENV_IO_BACKEND}=io_uring allows no fallback): "
@@ -93,7 +96,7 @@ def open_queue(depth: int, fds: Sequence[int], *, device: str, backend: str | No
     else:
         fallback = None
     try:
-        queue = _native.Threads(depth, list(fds))
+        queue = _native.Threads(depth, list(fds), timeout_s=timeout_s)
     except OSError as exc:
         raise NvmeError(f"cannot start the I/O threads: {exc.strerror}", device=device, errno=exc.errno) from None
     if fallback is not None:

@@ -16,6 +16,12 @@ header tells the node agent to scrub the namespace before offering it again.
 Tensors larger than one stripe are striped round-robin over the engine's
 devices (multi-path).
 
+Every wait is bounded: when the kernel completes nothing for `io_timeout_s`
+(default 60 s), wait/wait_all fail with an NvmeError (errno ETIMEDOUT) naming
+the device, the operation and what is in flight, instead of hanging the
+process; close then gives up on those ops without freeing their buffers and
+leaves the headers OPEN, so the node agent scrubs the devices.
+
 Single-threaded by design: one engine per rank, driven by its swap layer.
 """
 from __future__ import annotations
@@ -94,6 +100,7 @@ class Handle:
         self.pending = 0
         self.done = False
         self.error: NvmeError | None = None
+        self._error_at = -1  # logical offset in the extent of the op whose failure `error` reports
         self._copy_back: tuple[memoryview, memoryview, int] | None = None
         self._keep: list[Any] = []  # bounce regions and views alive until completion
 
@@ -112,7 +119,8 @@ class NvmeEngine:
         self.max_io_bytes = max_io_bytes
         self.recovered = recovered  # stale headers of killed runs that open() reset
         self._tags = itertools.count(1)
-        self._inflight: dict[int, tuple[Handle, int, int, int]] = {}
+        # tag -> (handle, slot, device offset, length, logical offset in the extent)
+        self._inflight: dict[int, tuple[Handle, int, int, int, int]] = {}
         self._busy: dict[Extent, int] = {}
         self._live: set[Extent] = set()
         self._closed = False
@@ -120,13 +128,16 @@ class NvmeEngine:
     @classmethod
     def open(cls, paths: Sequence[str], *, job: str, queue_depth: int = 32, stripe_bytes: int = 1 << 20,
              max_io_bytes: int = 1 << 20, force: bool = False, busy_timeout_s: float = 5.0,
-             io_backend: str | None = None) -> NvmeEngine:
+             io_backend: str | None = None, io_timeout_s: float = 60.0) -> NvmeEngine:
         """Open `paths` for job `job`; `force` overrides only the signature check.
 
-        `io_backend`: auto | io_uring | threads (default: $MEMSTRATA_IO_BACKEND, else auto)."""
+        `io_backend`: auto | io_uring | threads (default: $MEMSTRATA_IO_BACKEND, else auto).
+        `io_timeout_s`: how long a wait may go without any completion before it fails."""
         if not paths:
             raise ValueError("NvmeEngine.open needs at least one device path")
         choose_backend(io_backend)  # a misspelt backend fails before any device is claimed
+        if not 0 < io_timeout_s <= 86400:
+            raise ValueError(f"io_timeout_s={io_timeout_s} must be in (0, 86400] seconds")
         if len(set(map(os.path.realpath, paths))) != len(paths):
             raise ValueError(f"device list names the same device twice: {list(paths)}")
         set_id = uuid.uuid4()
@@ -149,7 +160,7 @@ class NvmeEngine:
                 if value <= 0 or value % align:
                     raise ValueError(f"{name}={value} must be a positive multiple of the block size {align}")
             opened: OpenedQueue = open_queue(queue_depth, [d.fd for d in devices], device=paths[0],
-                                             backend=io_backend)
+                                             backend=io_backend, timeout_s=io_timeout_s)
         except BaseException:
             for d in devices:
                 os.close(d.fd)
@@ -219,20 +230,49 @@ class NvmeEngine:
         return self._start("read", extent, as_byte_view(out, writable=True, what="read destination"))
 
     def wait(self, handle: Handle) -> None:
-        """Block until `handle` completes; raise its NvmeError if it failed."""
+        """Block until `handle` completes; raise its NvmeError if it failed (or nothing completes for
+        io_timeout_s: then errno ETIMEDOUT, and the handle stays in flight)."""
         while not handle.done:
-            self._dispatch(self._ring.wait(1))
+            self._wait_queue(1, handle)
         if handle.error is not None:
             raise handle.error
 
     def wait_all(self) -> None:
-        """Complete everything in flight (errors stay on their handles)."""
+        """Complete everything in flight (errors stay on their handles); NvmeError when the queue fails
+        or nothing completes for io_timeout_s."""
         while self._inflight:
-            self._dispatch(self._ring.wait(-1))
+            self._wait_queue(-1, None)
 
     def poll(self) -> None:
         """Account completions that are ready, without blocking."""
-        self._dispatch(self._ring.wait(0))
+        self._wait_queue(0, None)
+
+    def _wait_queue(self, n: int, handle: Handle | None) -> None:
+        if n != 0 and self._ring.queued == 0:
+            # The ops this engine waits for are not in the queue: waiting would never end.
+            raise self._wait_error(handle, f"{len(self._inflight)} ops in flight here, none in the I/O queue",
+                                   E.EPROTO)
+        try:
+            results = self._ring.wait(n)
+        except OSError as exc:
+            raise self._wait_error(handle, exc.strerror or str(exc), exc.errno) from exc
+        self._dispatch(results)
+
+    def _wait_error(self, handle: Handle | None, why: str, errno: int | None) -> NvmeError:
+        """What a failed wait reports: the operation, the device, and what is in flight where."""
+        counts: dict[str, int] = {}
+        for _, slot, _, _, _ in self._inflight.values():
+            path = self._devices[slot].path
+            counts[path] = counts.get(path, 0) + 1
+        where = ", ".join(f"{n} on {path}" for path, n in counts.items()) or "none"
+        if handle is not None:
+            ext = handle.extent
+            return NvmeError(f"{handle.kind} of {ext.nbytes} bytes did not complete: {why} "
+                             f"[{self.io_backend}; ops in flight: {where}]", device=self._devices[ext.slots[0]].path,
+                             offset=ext.bases[0], length=ext.padded, errno=errno)
+        device = next(iter(counts), self._devices[0].path)
+        return NvmeError(f"waiting for in-flight I/O failed: {why} [{self.io_backend}; ops in flight: {where}]",
+                         device=device, errno=errno)
 
     def _start(self, kind: str, extent: Extent, mv: memoryview) -> Handle:
         self._check_open()
@@ -278,7 +318,7 @@ class NvmeEngine:
         for start in range(lo, hi, self.max_io_bytes):
             n = min(self.max_io_bytes, hi - start)
             tag = next(self._tags)
-            self._inflight[tag] = (handle, slot, dev_base + start, n)
+            self._inflight[tag] = (handle, slot, dev_base + start, n, start)
             view = src[start - src_origin : start - src_origin + n]
             try:
                 fixed = self._ring.submit(handle.kind == "write", slot, view, dev_base + start, tag)
@@ -290,7 +330,7 @@ class NvmeEngine:
 
     def _dispatch(self, results: list[tuple[int, int]]) -> None:
         for tag, res in results:
-            handle, slot, offset, n = self._inflight.pop(tag)
+            handle, slot, offset, n, logical = self._inflight.pop(tag)
             dev = self._devices[slot]
             if res == n:
                 if handle.kind == "write":
@@ -301,11 +341,14 @@ class NvmeEngine:
                     dev.reads += 1
             else:
                 dev.errors += 1
-                if handle.error is None:
+                # Ops of one handle complete in any order (the thread path's above all): the one
+                # reported is the failing op that starts first in the extent, whatever the order.
+                if handle.error is None or logical < handle._error_at:
                     reason = (f"{handle.kind} failed" if res < 0
                               else f"short {handle.kind}: {res} of {n} bytes (past the end of the device?)")
                     handle.error = NvmeError(reason, device=dev.path, offset=offset, length=n,
                                              errno=-res if res < 0 else E.EIO)
+                    handle._error_at = logical
             handle.pending -= 1
             if handle.pending == 0:
                 self._finish(handle)
@@ -351,7 +394,14 @@ class NvmeEngine:
             self.wait_all()
         except BaseException as exc:  # the ring must still be torn down
             first = exc
-        self._ring.close()
+        try:
+            # After a wait that timed out, waiting the whole timeout again for the same ops is
+            # pointless: the queue gives them a second, then leaks (never frees) their buffers.
+            timed_out = isinstance(first, NvmeError) and first.errno == E.ETIMEDOUT
+            self._ring.close(timeout_s=min(1.0, self._ring.timeout_s) if timed_out else None)
+        except OSError as exc:
+            first = first or NvmeError(f"closing the I/O queue: {exc.strerror or exc}", device=self._devices[0].path,
+                                       errno=exc.errno)
         drained = first is None
         for d in self._devices:
             try:
