@@ -3,6 +3,8 @@
  * and must refuse the same bad input with the same errors. */
 #include "native.h"
 
+#include <time.h>
+
 int *ms_parse_fds(PyObject *fds_obj, Py_ssize_t *n_out)
 {
     PyObject *seq = PySequence_Fast(fds_obj, "fds must be a sequence of file descriptors");
@@ -50,5 +52,26 @@ int ms_get_io_view(PyObject *buffer, int write, int file_index, int nfiles, Py_b
         PyErr_SetString(PyExc_ValueError, "zero-length I/O");
         return -1;
     }
+    return 0;
+}
+
+/* clock_gettime fails only for an unknown clock or a bad pointer, neither possible here. */
+long long ms_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * MS_NS_PER_S + ts.tv_nsec;
+}
+
+int ms_parse_timeout(PyObject *obj, long long *out_ns)
+{
+    double s = PyFloat_AsDouble(obj);
+    if (s == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!(s >= 0.0) || s > 365.0 * 86400.0) {
+        PyErr_Format(PyExc_ValueError, "timeout_s must be between 0 and a year, got %R", obj);
+        return -1;
+    }
+    *out_ns = (long long)(s * (double)MS_NS_PER_S);
     return 0;
 }

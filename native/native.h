@@ -25,6 +25,14 @@ int *ms_parse_fds(PyObject *fds_obj, Py_ssize_t *n_out);
  * read), never empty; -1 with an exception set (and nothing held) otherwise. */
 int ms_get_io_view(PyObject *buffer, int write, int file_index, int nfiles, Py_buffer *view);
 
+/* Time limits of the two queues' waits and closes (ring.c, threads.c; ioargs.c). */
+#define MS_NS_PER_S 1000000000LL
+#define MS_DEFAULT_TIMEOUT_NS (60LL * MS_NS_PER_S) /* without a completion, a wait fails */
+/* CLOCK_MONOTONIC in ns. */
+long long ms_now_ns(void);
+/* A `timeout_s` argument, 0 to a year of seconds, into *out_ns; -1 with ValueError set otherwise. */
+int ms_parse_timeout(PyObject *obj, long long *out_ns);
+
 PyObject *ms_scan_nonfinite(PyObject *self, PyObject *args);
 PyObject *ms_buffer_address(PyObject *self, PyObject *arg);
 

@@ -35,10 +35,8 @@
  * (the kernel caps a single read/write below 2 GiB anyway). */
 #define MAX_SQE_BYTES (1u << 30)
 #define MAX_RETRIES 16
-#define NS_PER_S 1000000000LL
 /* While the kernel refuses SQEs (EAGAIN, ENOMEM) they are offered again this often. */
 #define RESUBMIT_NS (5 * 1000000LL)
-#define DEFAULT_TIMEOUT_S 60.0
 
 enum { WAIT_EXT_ARG, WAIT_POLL };
 
@@ -105,15 +103,6 @@ static op_t *pop_front(op_t **head, op_t **tail)
         op->next = NULL;
     }
     return op;
-}
-
-/* CLOCK_MONOTONIC in ns. clock_gettime fails only for an unknown clock or a bad
- * pointer, neither possible here. */
-static long long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * NS_PER_S + ts.tv_nsec;
 }
 
 /* SQEs prepared but not yet taken by the kernel. */
@@ -231,7 +220,7 @@ static int wait_cqe(RingObject *self, long long ns)
     if (self->wait_mode == WAIT_EXT_ARG) {
         /* wait_cqes with a timeout and IORING_FEAT_EXT_ARG: one io_uring_enter with
          * IORING_ENTER_EXT_ARG, submitting nothing (SQEs are offered by flush_sq only). */
-        struct __kernel_timespec ts = {.tv_sec = ns / NS_PER_S, .tv_nsec = ns % NS_PER_S};
+        struct __kernel_timespec ts = {.tv_sec = ns / MS_NS_PER_S, .tv_nsec = ns % MS_NS_PER_S};
         struct io_uring_cqe *cqe;
         return io_uring_wait_cqes(&self->ring, &cqe, 1, &ts, NULL);
     }
@@ -264,21 +253,21 @@ static int drive(RingObject *self, size_t want, long long *deadline)
         if (err < 0)
             return err;
         if (reap(self) > 0) {
-            *deadline = now_ns() + self->timeout_ns;
+            *deadline = ms_now_ns() + self->timeout_ns;
             continue; /* completions may have freed slots for pending ops */
         }
         if (self->ndone >= want)
             return 0;
         if (self->inflight == 0)
             return DRIVE_NOTHING_IN_FLIGHT; /* nothing pending either: pump would have moved it */
-        long long left = *deadline - now_ns();
+        long long left = *deadline - ms_now_ns();
         if (left <= 0)
             return -ETIMEDOUT;
         unsigned waiting = unsubmitted(self);
         if (waiting == self->inflight) {
             /* The kernel holds none of them: no CQE can come. Back off, then offer them again. */
             long long ns = left < RESUBMIT_NS ? left : RESUBMIT_NS;
-            struct timespec ts = {.tv_sec = ns / NS_PER_S, .tv_nsec = ns % NS_PER_S};
+            struct timespec ts = {.tv_sec = ns / MS_NS_PER_S, .tv_nsec = ns % MS_NS_PER_S};
             if (nanosleep(&ts, NULL) < 0)
                 return -errno; /* EINTR: a signal; EINVAL cannot happen with ns in range */
             continue;
@@ -306,24 +295,6 @@ static PyObject *raise_errno_fmt(int err, const char *fmt, ...)
     return NULL;
 }
 
-static long long timeout_from_seconds(double s)
-{
-    return (long long)(s * (double)NS_PER_S);
-}
-
-static int parse_timeout(PyObject *obj, long long *out)
-{
-    double s = PyFloat_AsDouble(obj);
-    if (s == -1.0 && PyErr_Occurred())
-        return -1;
-    if (!(s >= 0.0) || s > 365.0 * 86400.0) {
-        PyErr_Format(PyExc_ValueError, "timeout_s must be between 0 and a year, got %R", obj);
-        return -1;
-    }
-    *out = timeout_from_seconds(s);
-    return 0;
-}
-
 static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"depth", "fds", "timeout_s", "wait_mode", NULL};
@@ -340,8 +311,8 @@ static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "queue depth must be 1..4096, got %u", depth);
         return -1;
     }
-    long long timeout_ns = timeout_from_seconds(DEFAULT_TIMEOUT_S);
-    if (timeout_obj != NULL && timeout_obj != Py_None && parse_timeout(timeout_obj, &timeout_ns) < 0)
+    long long timeout_ns = MS_DEFAULT_TIMEOUT_NS;
+    if (timeout_obj != NULL && timeout_obj != Py_None && ms_parse_timeout(timeout_obj, &timeout_ns) < 0)
         return -1;
     if (strcmp(mode, "auto") != 0 && strcmp(mode, "ext_arg") != 0 && strcmp(mode, "poll") != 0) {
         PyErr_Format(PyExc_ValueError, "wait_mode must be auto, ext_arg or poll, got '%s'", mode);
@@ -430,7 +401,7 @@ static unsigned shutdown_ring(RingObject *self, long long timeout_ns)
         return 0;
     free_list(&self->pend_head, &self->pend_tail);
     drop_unsubmitted(self);
-    long long deadline = now_ns() + timeout_ns;
+    long long deadline = ms_now_ns() + timeout_ns;
     while (self->inflight > 0) {
         struct io_uring_cqe *cqe;
         unsigned head, seen = 0;
@@ -446,10 +417,10 @@ static unsigned shutdown_ring(RingObject *self, long long timeout_ns)
         }
         io_uring_cq_advance(&self->ring, seen);
         if (seen > 0) {
-            deadline = now_ns() + timeout_ns;
+            deadline = ms_now_ns() + timeout_ns;
             continue;
         }
-        long long left = deadline - now_ns();
+        long long left = deadline - ms_now_ns();
         if (left <= 0)
             break;
         int ret;
@@ -599,7 +570,7 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args)
 static PyObject *raise_timeout(RingObject *self)
 {
     char secs[32], refused[160] = "";
-    PyOS_snprintf(secs, sizeof secs, "%.1f", (double)self->timeout_ns / (double)NS_PER_S);
+    PyOS_snprintf(secs, sizeof secs, "%.1f", (double)self->timeout_ns / (double)MS_NS_PER_S);
     unsigned waiting = unsubmitted(self);
     if (waiting > 0)
         PyOS_snprintf(refused, sizeof refused, "; %u of them not taken by the kernel, which refused them (%s)",
@@ -622,7 +593,7 @@ static PyObject *Ring_wait(RingObject *self, PyObject *args)
     if (target > self->queued)
         return PyErr_Format(PyExc_ValueError, "wait(%zd) with only %zu ops queued would never return", want,
                             self->queued);
-    long long deadline = now_ns() + self->timeout_ns;
+    long long deadline = ms_now_ns() + self->timeout_ns;
     int err;
     for (;;) {
         self->busy = 1;
@@ -679,12 +650,12 @@ static PyObject *Ring_close(RingObject *self, PyObject *args, PyObject *kwds)
         return NULL;
     }
     long long timeout_ns = self->timeout_ns;
-    if (timeout_obj != NULL && timeout_obj != Py_None && parse_timeout(timeout_obj, &timeout_ns) < 0)
+    if (timeout_obj != NULL && timeout_obj != Py_None && ms_parse_timeout(timeout_obj, &timeout_ns) < 0)
         return NULL;
     unsigned leaked = shutdown_ring(self, timeout_ns);
     if (leaked > 0) {
         char secs[32];
-        PyOS_snprintf(secs, sizeof secs, "%.1f", (double)timeout_ns / (double)NS_PER_S);
+        PyOS_snprintf(secs, sizeof secs, "%.1f", (double)timeout_ns / (double)MS_NS_PER_S);
         return raise_errno_fmt(ETIMEDOUT,
                                "io_uring close: no completion in %s s with %u ops still in the kernel; their buffers "
                                "are leaked, never freed under the kernel",
@@ -708,7 +679,7 @@ static PyObject *Ring_get_depth(RingObject *self, void *closure)
 static PyObject *Ring_get_timeout(RingObject *self, void *closure)
 {
     (void)closure;
-    return PyFloat_FromDouble((double)self->timeout_ns / (double)NS_PER_S);
+    return PyFloat_FromDouble((double)self->timeout_ns / (double)MS_NS_PER_S);
 }
 
 static PyObject *Ring_get_wait_mode(RingObject *self, void *closure)
@@ -728,7 +699,7 @@ static void Ring_dealloc(RingObject *self)
     unsigned leaked = shutdown_ring(self, self->timeout_ns);
     if (leaked > 0) /* nothing can be raised from here: say it on stderr */
         PySys_WriteStderr("memstrata: an io_uring Ring was freed with %u ops still in the kernel after %lld s; "
-                          "their buffers are leaked\n", leaked, self->timeout_ns / NS_PER_S);
+                          "their buffers are leaked\n", leaked, self->timeout_ns / MS_NS_PER_S);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

@@ -18,8 +18,6 @@
 
 /* wait() wakes this often to let Python run its signal handlers (Ctrl-C). */
 #define WAIT_SLICE_NS 200000000L
-#define NS_PER_S 1000000000LL
-#define DEFAULT_TIMEOUT_S 60.0
 
 typedef struct {
     PyObject_HEAD
@@ -31,14 +29,6 @@ typedef struct {
     size_t queued; /* submitted and not yet returned by wait */
     long long timeout_ns;
 } ThreadsObject;
-
-/* clock_gettime cannot fail: a valid clock and pointer. */
-static long long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * NS_PER_S + ts.tv_nsec;
-}
 
 /* Stop the workers (up to timeout_ns without one finishing), then free every
  * op and the descriptor table. Safe on a half-built object. The descriptors
@@ -59,19 +49,6 @@ static int shutdown_threads(ThreadsObject *self, long long timeout_ns)
     return abandoned;
 }
 
-static int parse_timeout(PyObject *obj, long long *out)
-{
-    double s = PyFloat_AsDouble(obj);
-    if (s == -1.0 && PyErr_Occurred())
-        return -1;
-    if (!(s >= 0.0) || s > 365.0 * 86400.0) {
-        PyErr_Format(PyExc_ValueError, "timeout_s must be between 0 and a year, got %R", obj);
-        return -1;
-    }
-    *out = (long long)(s * (double)NS_PER_S);
-    return 0;
-}
-
 /* Raise OSError(err, message): TimeoutError for ETIMEDOUT. Returns NULL. */
 static PyObject *raise_errno_msg(int err, PyObject *msg)
 {
@@ -87,7 +64,7 @@ static PyObject *raise_errno_msg(int err, PyObject *msg)
 
 static void seconds(char *buf, size_t n, long long ns)
 {
-    PyOS_snprintf(buf, n, "%.1f", (double)ns / (double)NS_PER_S);
+    PyOS_snprintf(buf, n, "%.1f", (double)ns / (double)MS_NS_PER_S);
 }
 
 static int Threads_init(ThreadsObject *self, PyObject *args, PyObject *kwds)
@@ -105,8 +82,8 @@ static int Threads_init(ThreadsObject *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "queue depth must be 1..4096, got %u", depth);
         return -1;
     }
-    self->timeout_ns = (long long)(DEFAULT_TIMEOUT_S * (double)NS_PER_S);
-    if (timeout_obj != NULL && timeout_obj != Py_None && parse_timeout(timeout_obj, &self->timeout_ns) < 0)
+    self->timeout_ns = MS_DEFAULT_TIMEOUT_NS;
+    if (timeout_obj != NULL && timeout_obj != Py_None && ms_parse_timeout(timeout_obj, &self->timeout_ns) < 0)
         return -1;
     Py_ssize_t n;
     self->fds = ms_parse_fds(fds_obj, &n);
@@ -199,11 +176,11 @@ static PyObject *Threads_wait(ThreadsObject *self, PyObject *args)
     if (target > self->queued)
         return PyErr_Format(PyExc_ValueError, "wait(%zd) with only %zu ops queued would never return", want,
                             self->queued);
-    long long deadline = now_ns() + self->timeout_ns;
+    long long deadline = ms_now_ns() + self->timeout_ns;
     size_t seen = 0;
     for (;;) {
         size_t have;
-        long long left = deadline - now_ns();
+        long long left = deadline - ms_now_ns();
         long slice = left < WAIT_SLICE_NS ? (long)(left > 0 ? left : 0) : WAIT_SLICE_NS;
         self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
@@ -214,8 +191,8 @@ static PyObject *Threads_wait(ThreadsObject *self, PyObject *args)
             break;
         if (have > seen) { /* a completion: the timeout counts from here */
             seen = have;
-            deadline = now_ns() + self->timeout_ns;
-        } else if (now_ns() >= deadline) {
+            deadline = ms_now_ns() + self->timeout_ns;
+        } else if (ms_now_ns() >= deadline) {
             char secs[32];
             seconds(secs, sizeof secs, self->timeout_ns);
             return raise_errno_msg(ETIMEDOUT, PyUnicode_FromFormat(
@@ -254,7 +231,7 @@ static PyObject *Threads_close(ThreadsObject *self, PyObject *args, PyObject *kw
         return NULL;
     }
     long long timeout_ns = self->timeout_ns;
-    if (timeout_obj != NULL && timeout_obj != Py_None && parse_timeout(timeout_obj, &timeout_ns) < 0)
+    if (timeout_obj != NULL && timeout_obj != Py_None && ms_parse_timeout(timeout_obj, &timeout_ns) < 0)
         return NULL;
     if (self->ok && shutdown_threads(self, timeout_ns)) {
         char secs[32];
@@ -281,14 +258,14 @@ static PyObject *Threads_get_depth(ThreadsObject *self, void *closure)
 static PyObject *Threads_get_timeout(ThreadsObject *self, void *closure)
 {
     (void)closure;
-    return PyFloat_FromDouble((double)self->timeout_ns / (double)NS_PER_S);
+    return PyFloat_FromDouble((double)self->timeout_ns / (double)MS_NS_PER_S);
 }
 
 static void Threads_dealloc(ThreadsObject *self)
 {
     if (shutdown_threads(self, self->timeout_ns)) /* nothing can be raised from here: say it on stderr */
         PySys_WriteStderr("memstrata: I/O threads freed with a worker stuck in its syscall for %lld s; it is "
-                          "detached and its buffers leaked\n", self->timeout_ns / NS_PER_S);
+                          "detached and its buffers leaked\n", self->timeout_ns / MS_NS_PER_S);
     if (self->pool != NULL) {
         iopool_destroy(self->pool);
         PyMem_RawFree(self->pool);
