@@ -281,7 +281,34 @@ class Training(ApiModel):
 
 
 class Resources(ApiModel):
+    """Where the job's ranks run: `nodes` pods (one per node), each with `ranks()` training processes; ZeRO-3
+    partitions the model and its optimizer state across all nodes x ranks of them."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!has(self.ranksPerNode) || !has(self.gpus) || self.gpus == 0 || self.ranksPerNode == self.gpus",
+            "ranksPerNode must equal gpus on GPU nodes (one rank per GPU)")]})
+
     gpus: int = Field(1, ge=0, le=64, description="GPUs per node; 0 trains on the CPU.")
+    nodes: int = Field(1, ge=1, le=64, description="Nodes the job runs on, one pod each, placed all together or "
+                                                   "not at all.")
+    ranks_per_node: int | None = Field(
+        None, ge=1, le=64, description="Training processes per node: one per GPU (the default, and the only choice "
+                                       "with GPUs); on the CPU (gpus: 0) that many gloo ranks (default 1).")
+
+    @model_validator(mode="after")
+    def _one_rank_per_gpu(self) -> "Resources":
+        if self.gpus and self.ranks_per_node is not None and self.ranks_per_node != self.gpus:
+            raise ValueError(f"resources.ranksPerNode: {self.ranks_per_node} ranks cannot share {self.gpus} GPUs: "
+                             "a node runs one rank per GPU (leave ranksPerNode out, or set it to gpus)")
+        return self
+
+    def ranks(self) -> int:
+        """Training processes per node."""
+        return self.gpus or self.ranks_per_node or 1
+
+    def world_size(self) -> int:
+        """Training processes of the whole job."""
+        return self.nodes * self.ranks()
 
 
 class MemoryPolicy(ApiModel):
@@ -432,6 +459,9 @@ class FineTuneJobStatus(ApiModel):
     output: "OutputStatus | None" = None
     checkpoint: "CheckpointStatus | None" = Field(None, description="The latest complete checkpoint.")
     result: "ResultStatus | None" = Field(None, description="The final losses, once training has finished.")
+    workers: "dict[str, WorkerStatus] | None" = Field(
+        None, description="Per node of the job, keyed by its node rank (\"0\", \"1\", ...): each pod reports its "
+                          "own entry, so one pod's report never overwrites another's.")
     model_config = ConfigDict(extra="allow")
 
 
@@ -453,6 +483,20 @@ class CheckpointStatus(ApiModel):
     time: datetime
     bytes: int = Field(0, ge=0)
     seconds: float = Field(0, ge=0, description="How long writing it took.")
+
+
+class WorkerStatus(ApiModel):
+    """What one pod (one node of the job) reports about itself: its ranks fold into one entry."""
+
+    pod: str = ""
+    node: str | None = Field(None, description="The Kubernetes node the pod runs on.")
+    ranks: int = Field(1, ge=1, description="Training processes in this pod.")
+    step: int = Field(0, ge=0)
+    attempt: int | None = Field(None, ge=0)
+    stage: str | None = Field(None, description="initializing, training, finished or failed.")
+    tokens_per_second: float | None = Field(None, description="This node's ranks together.")
+    peak_memory: dict[str, int] | None = Field(None, description="Peak bytes per stratum on this node (all its "
+                                                                 "ranks).")
 
 
 class ResultStatus(ApiModel):

@@ -19,7 +19,7 @@ RuntimeStage = Literal["initializing", "training", "finished", "failed"]
 
 # The only status fields a job's runtime writes (status_patch); every other one is the operator's.
 # charts/memstrata/templates/runtime-status-policy.yaml enforces it at the API server.
-RUNTIME_STATUS_FIELDS = ("progress", "peakMemory", "output", "checkpoint", "result")
+RUNTIME_STATUS_FIELDS = ("progress", "peakMemory", "output", "checkpoint", "result", "workers")
 
 
 class StratumCounters(ApiModel):

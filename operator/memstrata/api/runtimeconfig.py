@@ -17,6 +17,14 @@ from memstrata.api.strataplan import Plan
 RUNTIME_CONFIG_VERSION: Final = "memstrata.dev/runtime-config/v1"
 CONFIGMAP_KEY = "runtime-config.json"
 ENV_RUNTIME_CONFIG = "MEMSTRATA_RUNTIME_CONFIG"
+# The pod's place in a multi-node job, set by the operator on each pod (the names Kubeflow's PyTorchJob and
+# torchrun use): rank 0's stable DNS name through the job's headless Service and the rendezvous port, this
+# pod's node rank and the job's node count. One ConfigMap serves every pod; only these differ between them.
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+ENV_NODE_RANK = "PET_NODE_RANK"
+ENV_NNODES = "PET_NNODES"
+RENDEZVOUS_PORT = 29400
 
 
 class JobRef(ApiModel):
