@@ -57,7 +57,12 @@ def _job_objects() -> list[dict[str, Any]]:
     inv = NodeInventory.model_validate({"hostname": "n1", "numaNodes": [{"id": 0, "memoryBytes": "512Gi"}],
                                         "gpus": [{"index": 0, "hbmBytes": "80Gi"}]})
     companions, pod = render.attempt_objects(view, "n1", plan_job(view.spec, inv), attempt=0)
-    return [*companions, pod]
+    # A job on two nodes adds its headless Service and a second pod.
+    body["spec"]["resources"]["nodes"] = 2
+    gang = job_view(body)
+    assert gang.spec is not None, gang.spec_error
+    more, pods = render.gang_objects(gang, ("n1", "n2"), plan_job(gang.spec, inv), attempt=0)
+    return [*companions, pod, *more, *pods]
 
 
 def _can_make_a_job(rules: list[dict[str, Any]]) -> list[str]:
@@ -67,9 +72,11 @@ def _can_make_a_job(rules: list[dict[str, Any]]) -> list[str]:
     for obj in _job_objects():
         group = obj["apiVersion"].split("/")[0] if "/" in obj["apiVersion"] else ""
         plural = {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-                  "ConfigMap": "configmaps", "Pod": "pods"}[obj["kind"]]
-        if not _grants(rules, group, plural, "create"):
-            missing.append(f"create {plural}")
+                  "ConfigMap": "configmaps", "Pod": "pods", "Service": "services"}[obj["kind"]]
+        # create, and what the operator does to it after: converge it on a re-run, delete it with the job.
+        for verb in ("create", "delete") + (("get", "patch") if plural != "pods" else ()):
+            if not _grants(rules, group, plural, verb):
+                missing.append(f"{verb} {plural}")
         for rule in obj.get("rules", []):  # the escalation check
             for g in rule["apiGroups"]:
                 for res in rule["resources"]:

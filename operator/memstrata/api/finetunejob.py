@@ -447,6 +447,8 @@ class FineTuneJobStatus(ApiModel):
     phase: Phase | None = None
     conditions: list[Condition] = []
     node: str | None = None
+    nodes: list[str] | None = Field(None, description="A multi-node job's nodes by node rank, for the current "
+                                                      "or last attempt (node is node rank 0's).")
     plan: dict[str, Any] | None = Field(None, description="The plan for the chosen node (memstrata.plan.Plan).")
     progress: Progress | None = None
     peak_memory: dict[str, int] | None = Field(None, description="Peak bytes per stratum, reported by the runtime.")

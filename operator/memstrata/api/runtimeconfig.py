@@ -25,6 +25,10 @@ ENV_MASTER_PORT = "MASTER_PORT"
 ENV_NODE_RANK = "PET_NODE_RANK"
 ENV_NNODES = "PET_NNODES"
 RENDEZVOUS_PORT = 29400
+# Where the pod itself landed (the downward API), for its status.workers entry: the runtime config names node
+# rank 0's node only.
+ENV_POD_NAME = "POD_NAME"
+ENV_NODE_NAME = "MEMSTRATA_NODE_NAME"
 
 
 class JobRef(ApiModel):

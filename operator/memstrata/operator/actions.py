@@ -11,12 +11,18 @@ from memstrata.api.strataplan import Plan
 
 @dataclass(frozen=True)
 class CreateAttempt:
-    """Create the attempt's ServiceAccount/Role/RoleBinding/ConfigMap, then its pod."""
+    """Create the attempt's ServiceAccount/Role/RoleBinding/ConfigMap (and, on several nodes, its headless
+    Service), then its pods: one per node of `placed`, by node rank."""
 
     attempt: int
-    node: str
-    plan: Plan
+    node: str  # node rank 0's
+    plan: Plan  # every node's: the placement chose nodes alike
     architecture: ModelArchitecture | None = None  # the shape read from the model directory, for the runtime
+    nodes: tuple[str, ...] = ()  # a multi-node job's nodes by node rank (empty: just `node`)
+
+    @property
+    def placed(self) -> tuple[str, ...]:
+        return self.nodes or (self.node,)
 
 
 @dataclass(frozen=True)

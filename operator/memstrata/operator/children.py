@@ -16,7 +16,7 @@ from memstrata.operator.kube import Conflict, Kube, KubeError, api_path, gather_
 from memstrata.operator.observe import JobView
 
 KINDS = (("v1", "pods"), ("v1", "configmaps"), ("rbac.authorization.k8s.io/v1", "rolebindings"),
-         ("rbac.authorization.k8s.io/v1", "roles"), ("v1", "serviceaccounts"))
+         ("rbac.authorization.k8s.io/v1", "roles"), ("v1", "serviceaccounts"), ("v1", "services"))
 
 
 class NameClash(Exception):
@@ -52,9 +52,9 @@ async def create_pod(kube: Kube, job: JobView, pod: dict[str, Any]) -> None:
 
 async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report_interval_seconds: float,
                          security: render.PodSecurity = render.PodSecurity()) -> None:
-    before, pod = render.attempt_objects(job, action.node, action.plan, action.attempt, report_interval_seconds,
-                                         security, action.architecture)
-    account, role, binding, config = before
+    before, pods = render.gang_objects(job, action.placed, action.plan, action.attempt, report_interval_seconds,
+                                       security, action.architecture)
+    account, role, binding, config, *service = before
 
     # Only the ServiceAccount must exist before the pod (admission checks it); the ConfigMap,
     # Role and RoleBinding are created alongside: the kubelet waits for a missing volume, and
@@ -66,8 +66,10 @@ async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report
 
     others = asyncio.create_task(gather_ok(rbac(), ensure(kube, job, config)))
     try:
-        await ensure(kube, job, account)
-        await create_pod(kube, job, pod)
+        # A multi-node job's Service (created, or re-pointed at this attempt: its selector names it) comes before
+        # the pods too: a reconcile that finds the attempt's pods would never create it.
+        await gather_ok(ensure(kube, job, account), *(ensure(kube, job, s) for s in service))
+        await gather_ok(*(create_pod(kube, job, p) for p in pods))
     finally:
         await others
 

@@ -16,8 +16,8 @@ from memstrata.operator.observe import format_time
 
 # Transitions a user should notice in `kubectl get events` as warnings.
 WARNING_REASONS = frozenset({"Unschedulable", "BackoffAfterFailure", "BackoffLimitExceeded", "DeadlineExceeded",
-                             "InsufficientMemory", "InvalidSpec", "PodFailed", "ModelInspectionFailed",
-                             "PodRejected", "NameClash"})
+                             "InsufficientMemory", "InsufficientNodes", "InvalidSpec", "PodFailed",
+                             "ModelInspectionFailed", "PodRejected", "NameClash"})
 
 
 class StatusBuilder:

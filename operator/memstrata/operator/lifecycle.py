@@ -21,6 +21,10 @@ it (memstrata.operator.render); the runtime resumes from the latest complete che
 itself, so the operator passes nothing else. Only failures count against backoffLimit (`restarts`)
 and only a failure delays the next attempt: suspending deletes the pod but is no failure, and a job
 unsuspended after an old failure starts at once.
+
+A job on several nodes (spec.resources.nodes: M) runs each attempt as a gang of M pods (memstrata.operator.gang):
+one pod failing or lost fails the whole attempt, its other pods are deleted (no further failure: failures count
+once per attempt), and the next attempt is M new pods after the backoff.
 """
 from __future__ import annotations
 
@@ -34,14 +38,14 @@ from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.manifest import describe_validation_error
 from memstrata.api.report import format_duration
-from memstrata.operator import inspection
+from memstrata.operator import gang, inspection
 from memstrata.operator.announce import announce
 from memstrata.operator.actions import (
     Action, AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, Decision, DeleteJob, DeletePods, Event,
     PatchStatus,
 )
 from memstrata.operator.conditions import StatusBuilder
-from memstrata.operator.names import FINALIZER, inspect_pod_name, pod_name
+from memstrata.operator.names import FINALIZER, attempt_of, inspect_pod_name, pod_name
 from memstrata.operator.observe import JobView, PodView, format_time, parse_time
 from memstrata.operator.scheduling import Placement
 
@@ -154,9 +158,9 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
     if phase == "Suspended":
         run.b.condition("Suspended", "False", "Resumed", "spec.runPolicy.suspend was set to false")
 
-    succeeded = [p for p in run.pods if p.phase == "Succeeded"]
+    succeeded = gang.completed(run.pods, job.spec.resources.nodes)
     if succeeded:  # a finished run counts even if the deadline passed while we were not looking
-        return run.finish("Succeeded", "PodSucceeded", f"pod {succeeded[0].name} completed")
+        return run.finish("Succeeded", "PodSucceeded", f"{gang.describe(succeeded)} completed")
 
     start = parse_time(job.status.get("startTime"))
     if policy_.active_deadline_seconds and start is not None:
@@ -175,6 +179,8 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
                           f"{last}; spec.runPolicy.backoffLimit is {limit}, "
                           f"so {limit + 1} attempt(s) were allowed and all failed")
 
+    if job.spec.resources.nodes > 1:
+        return _gang(run, failures, place, policy)
     current = sorted(run.active, key=lambda p: p.attempt)
     if current:
         if len(current) > 1:  # only possible if someone copied a pod; keep the newest
@@ -244,21 +250,34 @@ def _suspend(run: _Run) -> Decision:
 def _failures(run: _Run) -> list[str]:
     """Names of all failed attempts, recording newly observed ones (with their reason) in status."""
     known = list(run.b.get("failedPods") or [])
-    active_pod = run.b.get("activePod")
+    expected = _expected(run)
+    multi = len(expected) > 1 or bool(run.job.spec and run.job.spec.resources.nodes > 1)
+    # One failure per attempt of a multi-node job: its other pods, ending with it or deleted for it, are no
+    # further failures.
+    done = {attempt_of(run.job.name, n) for n in known} if multi else set()
     by_name = {p.name: p for p in run.pods}
     new: list[str] = []
     message = ""
-    for pod in sorted(run.pods, key=lambda p: p.attempt):
-        if pod.name in known:
+    for pod in sorted(run.pods, key=lambda p: (p.attempt, p.node_rank)):
+        if pod.name in known or pod.attempt in done:
             continue
         # A pod we deleted ourselves (suspend) is not the current attempt and is no failure.
-        ours_deleted = pod.deleting and pod.name != active_pod
+        ours_deleted = pod.deleting and pod.name not in expected
         if (pod.phase == "Failed" and not ours_deleted) or (pod.deleting and not pod.terminal and not ours_deleted):
             new.append(pod.name)
-            message = pod.describe_failure()
-    if active_pod and active_pod not in by_name and active_pod not in known and active_pod not in new:
-        new.append(active_pod)
-        message = f"pod {active_pod} disappeared before it finished"
+            message = pod.describe_gang_failure() if multi else pod.describe_failure()
+            if multi:
+                done.add(pod.attempt)
+    nodes = run.b.get("nodes") or []
+    for rank, name in enumerate(expected):
+        if name in by_name or name in known or name in new or attempt_of(run.job.name, name) in done:
+            continue
+        new.append(name)
+        where = f" (node rank {rank} on node {nodes[rank]})" if multi and rank < len(nodes) else ""
+        message = f"pod {name}{where} disappeared before it finished"
+        if multi:
+            message += "; the attempt's other pods are stopped"
+            done.add(attempt_of(run.job.name, name))
     if new:
         run.b.set("failedPods", known + new)
         run.b.set("lastFailure", {"pod": new[-1], "message": message, "time": run.b.now_str})
@@ -266,6 +285,52 @@ def _failures(run: _Run) -> list[str]:
         run.b.set("activePod", None)
         run.b.condition_if_true("Running", "False", "PodFailed", message)
     return known + new
+
+
+def _expected(run: _Run) -> list[str]:
+    return gang.expected(run.job.name, run.b.get("activePod"), run.b.get("nodes") or [])
+
+
+def _gang(run: _Run, failures: list[str], place: Placer, policy: LifecyclePolicy) -> Decision:
+    """A multi-node job once no attempt is over (see the module's docstring): stop what is left of a failed
+    attempt, track the current one, or start the next."""
+    failed = {attempt_of(run.job.name, n) for n in failures}
+    leftovers = [p for p in run.active if p.attempt in failed]
+    if leftovers:
+        run.actions.append(DeletePods(tuple(p.name for p in leftovers),
+                                      f"another pod of attempt {leftovers[0].attempt + 1} ended it"))
+    current = [p for p in run.active if p.attempt not in failed]
+    if current:
+        newest = max(p.attempt for p in current)
+        older = [p.name for p in current if p.attempt != newest]
+        if older:  # only possible if someone copied a pod; keep the newest
+            run.actions.append(DeletePods(tuple(older), "duplicate attempt"))
+        return _track_gang(run, [p for p in run.pods if p.attempt == newest and not p.deleting], failures)
+    shape = _shape(run)
+    if isinstance(shape, Decision):
+        return shape
+    return _start_attempt(run, failures, place, policy, *shape)
+
+
+def _track_gang(run: _Run, pods: list[PodView], failures: list[str]) -> Decision:
+    job, b = run.job, run.b
+    assert job.spec is not None
+    nodes = job.spec.resources.nodes
+    pods = sorted(pods, key=lambda p: p.node_rank)
+    attempt = pods[0].attempt
+    first = pod_name(job.name, attempt, 0, nodes)
+    if b.get("activePod") != first:
+        if {p.node_rank for p in pods} != set(range(nodes)):
+            # Created by a reconcile that stopped before it recorded the attempt: not a failure (no pod of
+            # it ended), but not a gang either. Its pods are deleted; the next attempt is created whole.
+            run.actions.append(DeletePods(tuple(p.name for p in pods), f"attempt {attempt + 1} was not created "
+                                                                        f"whole ({len(pods)} of {nodes} pods)"))
+            run.requeue.append(1.0)
+            return run.done()
+        b.set("activePod", first)  # adopted after a restart between create and status patch
+        b.set("nodes", [p.node or "" for p in pods])
+    run.waiting = gang.track(b, pods, _retrying(run, failures))
+    return run.done()
 
 
 def _retrying(run: _Run, failures: list[str]) -> bool:
@@ -338,10 +403,17 @@ def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: Lifecy
 
     assert placement.node is not None and placement.plan is not None
     attempt = _next_attempt(b.get("attempts"), run.pods)
-    name = pod_name(job.name, attempt)
-    run.actions.append(CreateAttempt(attempt, placement.node, placement.plan, architecture))
-    message = f"created pod {name} for node {placement.node}: {placement.message}"
+    placed = placement.nodes if spec.resources.nodes > 1 else ()
+    assert len(placed) == spec.resources.nodes or not placed, "the placement chose one node per node rank"
+    name = pod_name(job.name, attempt, 0, len(placed))
+    run.actions.append(CreateAttempt(attempt, placement.node, placement.plan, architecture, placed))
+    if placed:
+        made = ", ".join(f"{pod_name(job.name, attempt, r, len(placed))} for node {n}" for r, n in enumerate(placed))
+        message = f"created pods {made}: {placement.message}"
+    else:
+        message = f"created pod {name} for node {placement.node}: {placement.message}"
     b.set("node", placement.node)
+    b.set("nodes", list(placed) if placed else None)
     b.set("plan", placement.plan.model_dump(mode="json"))
     b.set("attempts", attempt + 1)
     b.set("activePod", name)

@@ -21,6 +21,8 @@ COMPONENT = "memstrata-operator"
 LABEL_JOB_UID = f"{GROUP}/job-uid"
 LABEL_JOB_NAME = f"{GROUP}/job-name"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
+# Which node of a multi-node job (spec.resources.nodes > 1) a pod is: 0 .. nodes-1 (PET_NODE_RANK).
+LABEL_NODE_RANK = f"{GROUP}/node-rank"
 # Which child a pod is: the training attempt (no label) or the model inspection pod (ROLE_INSPECT).
 LABEL_ROLE = f"{GROUP}/role"
 ROLE_INSPECT = "inspect-model"
@@ -29,7 +31,8 @@ MANAGED_BY = "memstrata-operator"
 
 # Labels on a job that must never be copied to its pods: they would let a user
 # make a pod look like another job's child.
-RESERVED_PREFIXES = (f"{GROUP}/job-", f"{GROUP}/attempt", f"{GROUP}/role", "app.kubernetes.io/managed-by")
+RESERVED_PREFIXES = (f"{GROUP}/job-", f"{GROUP}/attempt", f"{GROUP}/node-rank", f"{GROUP}/role",
+                     "app.kubernetes.io/managed-by")
 
 CONTAINER = "runtime"
 INSPECT_CONTAINER = "inspect-model"
@@ -45,9 +48,43 @@ def _base(job: str) -> str:
     return job[:_MAX_BASE].rstrip("-.")
 
 
-def pod_name(job: str, attempt: int) -> str:
-    """Deterministic per attempt, so a re-run reconcile gets 409 instead of a duplicate pod."""
-    return f"{_base(job)}-{attempt}"
+def pod_name(job: str, attempt: int, node_rank: int = 0, nodes: int = 1) -> str:
+    """Deterministic per attempt (and node rank, for a job on several nodes), so a re-run reconcile gets
+    409 instead of a duplicate pod. A single-node job's pod is `<job>-<attempt>`."""
+    return f"{_base(job)}-{attempt}" if nodes <= 1 else f"{_base(job)}-{attempt}-{node_rank}"
+
+
+def attempt_of(job: str, pod: str) -> int | None:
+    """The attempt a pod_name() of this job names (None for another name): a failure recorded by name
+    is still known to belong to its attempt after the pod is gone."""
+    prefix = f"{_base(job)}-"
+    head = pod[len(prefix):].split("-")[0] if pod.startswith(prefix) else ""
+    return int(head) if head.isdigit() else None
+
+
+# A Service name is a DNS-1035 label and a pod's hostname a DNS-1123 label: 63 characters each.
+_LABEL = 63
+
+
+def _dns_label(job: str, room: int) -> str:
+    """The job's name cut to `room` characters of a DNS label ('.' is not allowed in one)."""
+    return job.replace(".", "-")[:room].rstrip("-")
+
+
+def service_name(job: str, uid: str) -> str:
+    """The headless Service that gives a multi-node job's pods their DNS names (<hostname>.<service>).
+    The UID suffix keeps a re-created job of the same name from ever being served by its predecessor's;
+    the leading letter is a DNS-1035 rule (a job's name may start with a digit)."""
+    suffix = f"-{_uid(uid)}"
+    base = _dns_label(job, _LABEL - len(suffix) - 2)
+    return f"{base if base[:1].isalpha() else 'j-' + base}{suffix}"[:_LABEL]
+
+
+def pod_hostname(job: str, node_rank: int) -> str:
+    """The pod's spec.hostname: the same for node rank r in every attempt, so MASTER_ADDR never changes.
+    Unique within the job's Service (the subdomain), which is what DNS needs."""
+    suffix = f"-{node_rank}"
+    return (_dns_label(job, _LABEL - len(suffix)) or "node") + suffix
 
 
 def _uid(uid: str) -> str:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.manifest import describe_validation_error
-from memstrata.operator.names import LABEL_ATTEMPT, LABEL_ROLE, ROLE_INSPECT
+from memstrata.operator.names import LABEL_ATTEMPT, LABEL_NODE_RANK, LABEL_ROLE, ROLE_INSPECT
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -79,7 +79,7 @@ class PodView:
     labels: Mapping[str, str] = field(default_factory=dict)
     message: str = ""  # the terminated container's termination message, as written
     inspection: bool = False  # the model inspection pod, not a training attempt
-
+    node_rank: int = 0  # which node of a multi-node job (0 for a single-node job's pod)
 
     @property
     def terminal(self) -> bool:
@@ -102,6 +102,12 @@ class PodView:
             bits.append(f"({self.reason})")
         return " ".join(bits)
 
+    def describe_gang_failure(self) -> str:
+        """describe_failure for a pod of a multi-node job: which node rank and node, since one pod's end
+        ends its whole attempt."""
+        where = f" on node {self.node}" if self.node else ""
+        return f"{self.describe_failure()} (node rank {self.node_rank}{where}); the attempt's other pods are stopped"
+
 
 def pod_view(pod: Mapping[str, Any]) -> PodView:
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
@@ -110,6 +116,10 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         attempt = int(labels.get(LABEL_ATTEMPT, "0"))
     except ValueError:
         attempt = 0
+    try:
+        node_rank = int(labels.get(LABEL_NODE_RANK, "0"))
+    except ValueError:
+        node_rank = 0
     exit_code, reason, finished, message = None, status.get("reason") or "", None, ""
     for cs in status.get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
@@ -141,4 +151,5 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         labels=labels,
         message=message,
         inspection=labels.get(LABEL_ROLE) == ROLE_INSPECT,
+        node_rank=node_rank,
     )

@@ -81,6 +81,7 @@ class Reconciler:
         self._errors: dict[JobKey, int] = {}
         self._bodies: dict[JobKey, dict[str, Any]] = {}
         self._assumed: dict[str, tuple[PodUse, float]] = {}
+        self._assumed_by_job: dict[JobKey, set[str]] = {}  # which job's reconcile claimed each assumed pod
         self._waiting: set[JobKey] = set()
         self._wake: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -108,6 +109,7 @@ class Reconciler:
 
     def forget(self, key: JobKey) -> None:
         self._bodies.pop(key, None)
+        self._assumed_by_job.pop(key, None)
         self._waiting.discard(key)
         self._errors.pop(key, None)
         timer = self._timers.pop(key, None)
@@ -217,18 +219,19 @@ class Reconciler:
             job, decision = await self._decide(key, body)
         if not job.uid:
             return
-        # Claim the chosen node before the first await, so a concurrent placement sees it.
+        # Claim the chosen nodes before the first await, so a concurrent placement sees them.
         for create in decision.of(CreateAttempt):
-            pod_key = f"{namespace}/{names.pod_name(job.name, create.attempt)}"
-            use = PodUse(pod_key, create.node, dict(create.plan.requests), True)
-            self._assumed[pod_key] = (use, time.monotonic())
+            for pod_key, node in _pod_keys(namespace, job.name, create):
+                self._assumed[pod_key] = (PodUse(pod_key, node, dict(create.plan.requests), True), time.monotonic())
+                self._assumed_by_job.setdefault(key, set()).add(pod_key)
         try:
             await self.apply(job, decision)
         except (children.NameClash, children.PodRejected) as exc:
             # Retrying cannot help: the same object is there, the same pod is invalid. Fail the job, saying why.
             log.warning("reconcile %s/%s: %s", *key, exc)
             for create in decision.of(CreateAttempt):  # no pod holds the node's room it claimed
-                self._assumed.pop(f"{namespace}/{names.pod_name(job.name, create.attempt)}", None)
+                for pod_key, _ in _pod_keys(namespace, job.name, create):
+                    self._assumed.pop(pod_key, None)
             await self.apply(job, fail(job, datetime.now(timezone.utc), type(exc).__name__, str(exc)))
             return
         if decision.waiting_for_room:
@@ -257,9 +260,16 @@ class Reconciler:
         pods = await self.kube.list(api_path("v1", "pods", key[0]), names.selector(job.uid))
         # A label anyone may set; the owner reference says whose pod it really is.
         views = [pod_view(p) for p in pods if children.owned_by(p, job.uid)]
+        listed = {f"{key[0]}/{p.name}" for p in views}
         for p in views:
             if p.terminal or p.deleting:
                 self._assumed.pop(f"{key[0]}/{p.name}", None)
+        # A pod claimed by an earlier reconcile and no longer listed is gone (lost with its node, deleted, or never
+        # created): it holds nothing, and counting it until the claim expires would keep its node looking full.
+        claimed = self._assumed_by_job.get(key, set())
+        for pod_key in claimed - listed:
+            self._assumed.pop(pod_key, None)
+        claimed &= listed
         return job, decide(job, views, datetime.now(timezone.utc), self._place, self.policy)
 
     def _place(self, spec: FineTuneJobSpec) -> Placement:
@@ -358,6 +368,13 @@ class Reconciler:
             await self.kube.create(body)
         except KubeError as exc:  # an event lost is a log line, never a failed reconcile
             log.warning("event %s for %s/%s not posted: %s", event.reason, job.namespace, job.name, exc)
+
+def _pod_keys(namespace: str, job: str, create: CreateAttempt) -> list[tuple[str, str]]:
+    """(namespace/name, node) of each pod the attempt creates."""
+    placed = create.placed
+    return [(f"{namespace}/{names.pod_name(job, create.attempt, r, len(placed))}", node)
+            for r, node in enumerate(placed)]
+
 
 def holds_resources(pod: Mapping[str, Any]) -> bool:
     """Whether a pod's end frees anything the placement counts."""

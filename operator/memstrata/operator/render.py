@@ -20,12 +20,15 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
 from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU, RESOURCE_MEMORY
-from memstrata.api.runtimeconfig import CONFIGMAP_KEY, ENV_RUNTIME_CONFIG, JobRef, RuntimeConfig
+from memstrata.api.runtimeconfig import (
+    CONFIGMAP_KEY, ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_NAME, ENV_NODE_RANK, ENV_POD_NAME,
+    ENV_RUNTIME_CONFIG, RENDEZVOUS_PORT, JobRef, RuntimeConfig,
+)
 from memstrata.api.units import GiB
 from memstrata.operator import names
 from memstrata.operator.observe import JobView
@@ -83,7 +86,8 @@ def memory_bytes(plan: Plan, ranks: int) -> int:
       buffers, gradients, checkpoints, and the working set when training on the CPU —
     + every byte it puts on CXL: a CXL expander is a CPU-less NUMA node of ordinary memory,
       and the memory cgroup charges its pages like any other
-    + RUNTIME_PROCESS_BYTES for each of the pod's rank processes (one per GPU, one on a CPU)."""
+    + RUNTIME_PROCESS_BYTES for each of the pod's rank processes (spec.resources.ranks(): one per GPU, or
+      ranksPerNode gloo processes on a CPU)."""
     total = plan.bytes_on("dram") + plan.bytes_on("cxl") + RUNTIME_PROCESS_BYTES * max(ranks, 1)
     return -(-total // MiB) * MiB
 
@@ -91,7 +95,8 @@ def memory_bytes(plan: Plan, ranks: int) -> int:
 def container_requests(spec: FineTuneJobSpec, plan: Plan) -> dict[str, int]:
     """What the training container requests (and is limited to): the plan's extended resources and
     `memory_bytes`. The operator's placement fits exactly this to a node's allocatable."""
-    return {**{r: n for r, n in plan.requests.items() if n}, RESOURCE_MEMORY: memory_bytes(plan, spec.resources.gpus)}
+    return {**{r: n for r, n in plan.requests.items() if n},
+            RESOURCE_MEMORY: memory_bytes(plan, spec.resources.ranks())}
 
 
 def owner_reference(job: JobView) -> dict[str, Any]:
@@ -203,13 +208,49 @@ def role_binding(job: JobView) -> dict[str, Any]:
     }
 
 
+def service(job: JobView, attempt: int) -> dict[str, Any]:
+    """The headless Service of a multi-node job: it makes `<hostname>.<service>` resolve to each pod of the
+    current attempt (its selector names the attempt, so a pod of an old attempt still terminating under the
+    same hostname is never the one MASTER_ADDR finds). Not-ready pods are published: the rendezvous runs
+    before any pod could be Ready."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": child_meta(job, names.service_name(job.name, job.uid)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {names.LABEL_JOB_UID: job.uid, names.LABEL_ATTEMPT: str(attempt)},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT,
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def master_addr(job: JobView) -> str:
+    """Node rank 0's stable DNS name (in the job's namespace): the c10d rendezvous endpoint's host."""
+    return f"{names.pod_hostname(job.name, 0)}.{names.service_name(job.name, job.uid)}"
+
+
+def _gang_env(job: JobView, node_rank: int, nodes: int) -> list[dict[str, Any]]:
+    return [{"name": ENV_MASTER_ADDR, "value": master_addr(job)},
+            {"name": ENV_MASTER_PORT, "value": str(RENDEZVOUS_PORT)},
+            {"name": ENV_NODE_RANK, "value": str(node_rank)},
+            {"name": ENV_NNODES, "value": str(nodes)},
+            {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+
+
 def pod(job: JobView, node: str, plan: Plan, attempt: int,
-        security: PodSecurity = PodSecurity()) -> dict[str, Any]:
+        security: PodSecurity = PodSecurity(), node_rank: int = 0) -> dict[str, Any]:
+    """The pod of node rank `node_rank` (of spec.resources.nodes) for this attempt, pinned to `node`."""
     spec = job.spec
     assert spec is not None
+    nodes = spec.resources.nodes
     amounts = {r: f"{n // MiB}Mi" if r == RESOURCE_MEMORY else str(n)
                for r, n in sorted(container_requests(spec, plan).items())}
     labels = {**names.user_labels(dict(job.labels)), names.LABEL_ATTEMPT: str(attempt)}
+    if nodes > 1:
+        labels[names.LABEL_NODE_RANK] = str(node_rank)
     node_terms = [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]},
         {"key": LABEL_MANAGED, "operator": "In", "values": ["true"]},
@@ -221,7 +262,8 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
         "image": spec.image,
         # Only what the runtime reads (the job, attempt and node are in the runtime config);
         # the device plugin adds the namespaces and CXL nodes it grants.
-        "env": [{"name": ENV_RUNTIME_CONFIG, "value": f"{names.CONFIG_MOUNT}/{CONFIGMAP_KEY}"}],
+        "env": [{"name": ENV_RUNTIME_CONFIG, "value": f"{names.CONFIG_MOUNT}/{CONFIGMAP_KEY}"},
+                *(_gang_env(job, node_rank, nodes) if nodes > 1 else [])],
         # Extended resources cannot be overcommitted: requests must equal limits. Memory too, by choice:
         # the scheduler reserves the request, so a limit above it would let this job take DRAM the planner
         # counted as another job's or the node's, and the node, not this pod, would pay (eviction of a
@@ -234,14 +276,18 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
     }
     if spec.command:
         container["command"] = list(spec.command)
+    # A stable DNS name through the job's headless Service, the same in every attempt (MASTER_ADDR).
+    dns = ({"hostname": names.pod_hostname(job.name, node_rank), "subdomain": names.service_name(job.name, job.uid)}
+           if nodes > 1 else {})
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
-            **child_meta(job, names.pod_name(job.name, attempt), labels),
+            **child_meta(job, names.pod_name(job.name, attempt, node_rank, nodes), labels),
             "annotations": {f"{names.LABEL_JOB_NAME}": job.name, "memstrata.dev/planned-node": node},
         },
         "spec": {
             "restartPolicy": "Never",  # a retry is a new pod, counted against backoffLimit
+            **dns,
             "serviceAccountName": names.runtime_account_name(job.name, job.uid),
             "enableServiceLinks": False,
             "securityContext": pod_security_context(security),
@@ -258,8 +304,21 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
 def attempt_objects(job: JobView, node: str, plan: Plan, attempt: int, report_interval_seconds: float = 10.0,
                     security: PodSecurity = PodSecurity(), architecture: ModelArchitecture | None = None,
                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(the pod's companions, ServiceAccount first; the pod). Admission rejects a pod whose
-    ServiceAccount does not exist yet; the others may come alongside it."""
-    config = runtime_config(job, node, plan, attempt, report_interval_seconds, architecture)
-    return ([service_account(job), role(job), role_binding(job), configmap(job, config)],
-            pod(job, node, plan, attempt, security))
+    """(the pod's companions, ServiceAccount first; the pod) of a single-node job: gang_objects for one node."""
+    companions, pods = gang_objects(job, (node,), plan, attempt, report_interval_seconds, security, architecture)
+    return companions, pods[0]
+
+
+def gang_objects(job: JobView, nodes: Sequence[str], plan: Plan, attempt: int, report_interval_seconds: float = 10.0,
+                 security: PodSecurity = PodSecurity(), architecture: ModelArchitecture | None = None,
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the pods' companions, ServiceAccount first; one pod per node, by node rank). Admission rejects a pod
+    whose ServiceAccount does not exist yet; the others may come alongside it. A multi-node job's companions
+    include its headless Service. One ConfigMap serves every pod (its `node` is node rank 0's); only the
+    pods' env tells them apart. Every node runs the same plan (scheduling.place chooses nodes alike)."""
+    config = runtime_config(job, nodes[0], plan, attempt, report_interval_seconds, architecture)
+    companions = [service_account(job), role(job), role_binding(job), configmap(job, config)]
+    assert job.spec is not None and len(nodes) == job.spec.resources.nodes, "one node per node rank"
+    if len(nodes) > 1:
+        companions.append(service(job, attempt))
+    return companions, [pod(job, node, plan, attempt, security, rank) for rank, node in enumerate(nodes)]

@@ -8,6 +8,11 @@ Three answers, because a user acts differently on each:
 Among nodes with room the order is: fewest bytes on NVMe, then on CXL (Plan.slow_bytes:
 slower strata cost step time), then fewest memstrata pods (spread), then the name (so the
 same inputs give the same answer).
+
+A job on several nodes (spec.resources.nodes: M) is a gang: M distinct nodes, all with room now, or none.
+They are chosen among nodes whose plan for the job is the same (nodes of one hardware type), because one
+runtime config serves every pod; the M best of the best such group, node rank 0 first. "Impossible" when
+fewer than M nodes alike could ever hold the job.
 """
 from __future__ import annotations
 
@@ -41,8 +46,9 @@ class StratumShortfall:
 class Placement:
     outcome: Outcome
     message: str
-    node: str | None = None
+    node: str | None = None  # node rank 0's
     plan: Plan | None = None
+    nodes: tuple[str, ...] = ()  # every chosen node by node rank (node first)
     shortfalls: tuple[StratumShortfall, ...] = field(default_factory=tuple)  # for "impossible", per stratum
     reason: str = "InsufficientMemory"  # for "impossible": the Failed condition's reason
 
@@ -74,6 +80,8 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
         ever = fits
 
     ready: list[tuple[tuple[int, int, int, str], NodeView, Plan]] = []
+    if spec.resources.nodes > 1 and _largest_group(ever) < spec.resources.nodes:
+        return _too_few(spec, ever)
     waiting: list[str] = []
     for node, plan in ever:
         if not node.schedulable:
@@ -88,13 +96,57 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
         nvme, cxl = plan.slow_bytes()
         spread = usage[node.name].memstrata_pods if node.name in usage else 0
         ready.append(((nvme, cxl, spread, node.name), node, plan))
+    shown = "; ".join(waiting[:5]) + (f"; and {len(waiting) - 5} more" if len(waiting) > 5 else "")
+    if spec.resources.nodes > 1:
+        return _gang(spec, ever, ready, shown)
     if not ready:
-        shown = "; ".join(waiting[:5]) + (f"; and {len(waiting) - 5} more" if len(waiting) > 5 else "")
         return Placement("no-room", f"{len(ever)} node(s) can hold this job but none has room now: {shown}")
     _, node, plan = min(ready, key=lambda r: r[0])
     nvme, cxl = plan.slow_bytes()
     return Placement("chosen", f"placed on {node.name} ({format_bytes(nvme)} on NVMe, {format_bytes(cxl)} on CXL)",
-                     node=node.name, plan=plan)
+                     node=node.name, plan=plan, nodes=(node.name,))
+
+
+def _plan_key(plan: Plan) -> str:
+    """What the runtime and the pod take from a plan: where every byte goes and what the pod requests. Not the
+    node's capacities or estimates: nodes of one type that report a few MiB apart still run the same plan."""
+    return plan.model_dump_json(exclude={"strata", "update_io_seconds", "notes", "shortfalls"})
+
+
+def _largest_group(ever: Sequence[tuple[NodeView, Plan]]) -> int:
+    sizes: dict[str, int] = {}
+    for _, plan in ever:
+        sizes[_plan_key(plan)] = sizes.get(_plan_key(plan), 0) + 1
+    return max(sizes.values(), default=0)
+
+
+def _too_few(spec: FineTuneJobSpec, ever: Sequence[tuple[NodeView, Plan]]) -> Placement:
+    need, alike = spec.resources.nodes, _largest_group(ever)
+    fit = ", ".join(n.name for n, _ in ever[:5]) + (f" and {len(ever) - 5} more" if len(ever) > 5 else "")
+    same = "" if alike == len(ever) else f" ({alike} of them alike: one runtime config serves every pod)"
+    return Placement("impossible", f"spec.resources.nodes is {need}, but only {len(ever)} node(s) can ever hold "
+                                   f"this job{same}: {fit}; {need} needed", reason="InsufficientNodes")
+
+
+def _gang(spec: FineTuneJobSpec, ever: Sequence[tuple[NodeView, Plan]],
+          ready: list[tuple[tuple[int, int, int, str], NodeView, Plan]], waiting: str) -> Placement:
+    """M distinct nodes with room now and the same plan, or no room (nothing is created until all M fit)."""
+    need = spec.resources.nodes
+    groups: dict[str, list[tuple[tuple[int, int, int, str], NodeView, Plan]]] = {}
+    for item in sorted(ready, key=lambda r: r[0]):
+        groups.setdefault(_plan_key(item[2]), []).append(item)
+    full = [g[:need] for g in groups.values() if len(g) >= need]
+    if not full:
+        most = max((len(g) for g in groups.values()), default=0)
+        return Placement("no-room", f"spec.resources.nodes is {need}: {len(ever)} node(s) can hold this job but only "
+                                    f"{most} alike have room now (all {need} are placed together or none)"
+                                    + (f": {waiting}" if waiting else ""))
+    chosen = min(full, key=lambda g: [r[0] for r in g])
+    plan = chosen[0][2]
+    nodes = tuple(n.name for _, n, _ in chosen)
+    nvme, cxl = plan.slow_bytes()
+    return Placement("chosen", f"placed on {', '.join(nodes)} ({format_bytes(nvme)} on NVMe, {format_bytes(cxl)} "
+                               "on CXL, each)", node=nodes[0], plan=plan, nodes=nodes)
 
 
 def _show(resource: str, n: int) -> str:
