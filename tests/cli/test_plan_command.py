@@ -54,3 +54,37 @@ def test_plan_whose_reader_left_exits_quietly(repo) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0
     assert "Traceback" not in err and err == ""
+
+
+TWO_NODES = """apiVersion: memstrata.dev/v1alpha1
+kind: FineTuneJob
+metadata: {name: two-nodes}
+spec:
+  model: {preset: llama3-8b}
+  dataset: {synthetic: copy}
+  training: {sequenceLength: 4096, microBatch: 2, gradientAccumulation: 4, steps: 10}
+  resources: {gpus: 1, nodes: 2}
+"""
+
+
+def test_plan_of_a_two_node_job_shows_the_world_and_each_rank(cli, tmp_path) -> None:
+    """Adam moments of Llama-3-8B are 8 x 8,030,261,248 = 64,242,089,984 B (59.8 GiB) for the whole job;
+    each of the 2 ranks, one per node, holds half: 29.9 GiB."""
+    manifest = tmp_path / "two-nodes.yaml"
+    manifest.write_text(TWO_NODES)
+    out = cli("plan", str(manifest), "--node", "examples/node-cxl.yaml")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "world: 2 nodes x 1 rank = 2 ranks, global batch 16" in lines   # 2 x 4 x 2
+    header = next(line for line in lines if line.startswith("category"))
+    assert header.split()[1:5] == ["per", "rank", "per", "node"]
+    moments = next(line for line in lines if line.startswith("Adam moments"))
+    assert moments.split()[4:8] == ["29.9", "GiB", "29.9", "GiB"]          # per rank, per node
+    assert next(line for line in lines if line.startswith("per rank "))
+
+    wire = json.loads(cli("plan", str(manifest), "--node", "examples/node-cxl.yaml", "--json").stdout)
+    assert (wire["nodes"], wire["ranks_per_node"], wire["world_size"], wire["global_batch"]) == (2, 1, 2, 16)
+    optimizer = next(c for c in wire["categories"] if c["category"] == "optimizer")
+    assert optimizer["bytes"] == optimizer["rank_bytes"] == 32_121_044_992
+    assert wire["rank_bytes"]["dram"] == sum(c["rank_bytes"] for c in wire["categories"]
+                                             for a in c["placement"] if a["stratum"] == "dram")

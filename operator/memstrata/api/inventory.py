@@ -30,6 +30,9 @@ RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_MEMORY = "memory"
 # Env the device plugin sets in a container (see the node agent).
 ENV_NVME_DEVICES = "MEMSTRATA_NVME_DEVICES"
+# A local run's scratch directory, presented as a namespace of this controller (memstrata.node.local): each
+# rank makes its own files there, so one such "namespace" serves every rank of the node.
+SCRATCH_CONTROLLER = "scratch-directory"
 ENV_CXL_NODES = "MEMSTRATA_CXL_NODES"
 
 

@@ -22,8 +22,10 @@ class Allocation(BaseModel):
 class CategoryPlan(BaseModel):
     category: str
     description: str
-    bytes: int = Field(ge=0)
+    bytes: int = Field(ge=0, description="On the node: all of its ranks together.")
     placement: list[Allocation] = []
+    rank_bytes: int = Field(0, ge=0, description="Of one rank (bytes / ranks_per_node); 0 in plans written "
+                                                 "before it was recorded.")
 
     def on(self, stratum: str) -> int:
         return sum(a.bytes for a in self.placement if a.stratum == stratum)
@@ -57,6 +59,17 @@ class Plan(BaseModel):
     cxl_nodes: list[int] = []
     requests: dict[str, int] = Field(default_factory=dict, description="Extended resources the pod must request.")
     update_io_seconds: float = Field(0.0, description="Estimated NVMe time per optimizer step.")
+    # The job's shape across nodes: the plan is for ONE node of `nodes`, running `ranks_per_node` ranks;
+    # ZeRO-3 partitions the model state over all `world_size` of them.
+    nodes: int = Field(1, ge=1, description="Nodes of the job; this plan is for one of them.")
+    ranks_per_node: int = Field(1, ge=1, description="Training processes on each node.")
+    world_size: int = Field(1, ge=1, description="Training processes of the whole job (nodes x ranks_per_node).")
+    global_batch: int = Field(0, ge=0, description="Sequences per optimizer step over the whole job (microBatch x "
+                                                   "gradientAccumulation x world_size); 0 in plans written before "
+                                                   "it was recorded.")
+    rank_bytes: dict[str, int] = Field(default_factory=dict, description="Bytes of one rank per stratum (each rank "
+                                                                         "of the node holds the same).")
+    notes: list[str] = Field(default_factory=list, description="Why the plan asks for what it asks, for people.")
 
     def category(self, name: str) -> CategoryPlan:
         return next(c for c in self.categories if c.category == name)

@@ -11,7 +11,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from memstrata.api.inventory import CxlNode, Gpu, NodeInventory, NumaNode, NvmeNamespace
+from memstrata.api.inventory import SCRATCH_CONTROLLER, CxlNode, Gpu, NodeInventory, NumaNode, NvmeNamespace
 from memstrata.node.discovery import numa_and_cxl
 from memstrata.node.safety import parse_mounts
 from memstrata.node.sysfs import SysfsError, SysfsTree
@@ -124,7 +124,7 @@ def local_inventory(nvme_path: Path | None, gpus: GpuLister = nvidia_smi_gpus) -
     namespaces = []
     if nvme_path is not None:
         free = check_scratch(nvme_path)
-        namespaces.append(NvmeNamespace(name=str(nvme_path), controller="scratch-directory", size_bytes=free,
+        namespaces.append(NvmeNamespace(name=str(nvme_path), controller=SCRATCH_CONTROLLER, size_bytes=free,
                                         logical_block_size=4096, free=True))
     numa, cxl = numa_and_cxl_nodes()
     return NodeInventory(hostname=os.uname().nodename, numa_nodes=numa, cxl_nodes=cxl, nvme_namespaces=namespaces,

@@ -16,13 +16,18 @@ def job_shape(spec: FineTuneJobSpec) -> JobShape:
         micro_batch=spec.training.micro_batch,
         precision=spec.training.precision,
         gpus=spec.resources.gpus,
+        nodes=spec.resources.nodes,
+        ranks_per_node=spec.resources.ranks(),
+        gradient_accumulation=spec.training.gradient_accumulation,
         engine=spec.memory.engine,
         activation_checkpointing=spec.training.activation_checkpointing,
     )
 
 
 def plan_job(spec: FineTuneJobSpec, node: NodeInventory) -> Plan:
-    """The plan for running `spec` on `node`."""
+    """The plan for `node` as ONE of the job's spec.resources.nodes nodes, running resources.ranks() ranks:
+    the model state ZeRO-3 partitions over the whole world counts ranks / world_size of it; what each
+    rank needs for itself (working set, pinned buffers, build, checkpoints) counts ranks times."""
     return plan_for_node(job_shape(spec), node, spec.memory)
 
 

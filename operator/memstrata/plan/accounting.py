@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Engine, Precision
@@ -46,14 +46,36 @@ class JobShape(BaseModel):
     micro_batch: int = Field(gt=0)
     precision: Precision = "bf16"
     gpus: int = Field(1, ge=0)
+    # spec.resources: ZeRO-3 partitions the model state over all nodes x ranks; None: one rank per GPU, or
+    # one on the CPU (what memstrata.api.finetunejob.Resources.ranks() says, passed in by job_shape).
+    nodes: int = Field(1, ge=1)
+    ranks_per_node: int | None = Field(None, ge=1)
+    gradient_accumulation: int = Field(1, gt=0)
     engine: Engine = "deepspeed"
     # spec.training.activationCheckpointing: the runtime turns on Hugging Face gradient checkpointing
     # exactly when this is true, so the working set below must follow it or a "fits" is false.
     activation_checkpointing: bool = True
 
+    @model_validator(mode="after")
+    def _one_rank_per_gpu(self) -> "JobShape":
+        if self.gpus and self.ranks_per_node is not None and self.ranks_per_node != self.gpus:
+            raise ValueError(f"ranks_per_node {self.ranks_per_node} != gpus {self.gpus}: one rank per GPU")
+        return self
+
     @property
     def ranks(self) -> int:
-        return max(self.gpus, 1)
+        """Training processes on one node: everything per rank is counted this many times in a node's plan."""
+        return self.ranks_per_node or max(self.gpus, 1)
+
+    @property
+    def world_size(self) -> int:
+        """Training processes of the whole job: ZeRO-3 partitions the model state over all of them."""
+        return self.nodes * self.ranks
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over the whole job: microBatch and gradientAccumulation are per rank."""
+        return self.micro_batch * self.gradient_accumulation * self.world_size
 
     @property
     def weight_bytes(self) -> int:
@@ -139,22 +161,32 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool)
     return per_rank * job.ranks
 
 
-def category_bytes(job: JobShape) -> dict[str, int]:
-    """Node-wide bytes of the state that ZeRO-3 partitions across ranks (so it does not scale with GPUs).
+PARTITIONED = ("weights", "gradients", "master", "optimizer")
 
-    With P parameters in 16-bit training: weights 2P, gradients 2P, fp32 master 4P,
+
+def partition(total: int, job: JobShape) -> int:
+    """One node's share of state that ZeRO-3 partitions over the whole job: each of the world_size ranks
+    holds ceil(total / world_size) bytes (rounded up per rank, as ZeRO-3 pads its flat partitions), and a
+    node holds ranks of them. So 2 nodes x 1 rank need half of it per node; 1 node x 2 ranks all of it."""
+    return -(-total // job.world_size) * job.ranks
+
+
+def category_bytes(job: JobShape) -> dict[str, int]:
+    """Bytes on one node of the model state: what ZeRO-3 partitions over all ranks of the job, and the
+    activation checkpoints each rank of the node keeps for itself.
+
+    With P parameters in 16-bit training, for the whole job: weights 2P, gradients 2P, fp32 master 4P,
     Adam moments 8P. In fp32 training weights and gradients are 4P each, and the master is
     still 4P: ZeRO-3 keeps its own flat fp32 partitions (stage3 `_create_fp32_partitions`)
-    beside the parameters in every precision. Activation checkpoints keep one hidden-state
-    tensor per layer per rank: layers·s·b·h in the training precision; 0 without activation
-    checkpointing, whose activations all count in `working_set` instead.
+    beside the parameters in every precision. A node holds `partition` of each: x ranks / world_size.
+    Activation checkpoints keep one hidden-state tensor per layer per rank: layers·s·b·h in the training
+    precision, x ranks on the node; 0 without activation checkpointing, whose activations all count in
+    `working_set` instead.
     """
     p, m, w = job.model.parameters(), job.model, job.weight_bytes
     kept = m.layers if job.activation_checkpointing else 0
+    whole = {"weights": p * w, "gradients": p * w, "master": 4 * p, "optimizer": 8 * p}
     return {
-        "weights": p * w,
-        "gradients": p * w,
-        "master": 4 * p,
-        "optimizer": 8 * p,
+        **{name: partition(total, job) for name, total in whole.items()},
         "checkpoints": kept * job.sequence_length * job.micro_batch * m.hidden * w * job.ranks,
     }

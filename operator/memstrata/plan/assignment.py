@@ -10,8 +10,10 @@ stratum of its preference list that has room, splitting across strata if needed.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memstrata.api.finetunejob import MemoryPolicy
-from memstrata.api.inventory import NodeInventory
+from memstrata.api.inventory import SCRATCH_CONTROLLER, NodeInventory
 from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.api.units import GiB, format_bytes
@@ -27,6 +29,11 @@ PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
     ("optimizer", ("dram", "nvme")),
     ("weights", ("cxl", "dram", "nvme")),
 ]
+
+
+NVME_NOTE = "NVMe namespaces"
+
+ShortFn = Callable[[str, str, int, str], None]
 
 
 # Categories stock DeepSpeed places together: offload_optimizer moves master and
@@ -76,21 +83,10 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         free["cxl"] = node.cxl_bytes
         detail["cxl"] = f"interleaved over NUMA nodes {','.join(map(str, cxl_nodes))}"
 
+    notes: list[str] = []
     namespaces: list[str] = []
     if policy.nvme_namespaces:
-        candidates = {ns.name: ns for ns in node.free_namespaces}
-        if len(candidates) < policy.nvme_namespaces:
-            short("nvme", "optimizer", 0,
-                  f"NVMe: memory.nvmeNamespaces wants {policy.nvme_namespaces} free namespaces, "
-                  f"node has {len(candidates)}")
-        # The device plugin's GetPreferredAllocation follows the same rule, so the pod gets these.
-        picked = choose_namespaces((NamespaceCandidate(id=ns.name, name=ns.name, size_bytes=ns.size_bytes)
-                                    for ns in candidates.values()), policy.nvme_namespaces)
-        chosen = [candidates[name] for name in picked]
-        namespaces = [ns.name for ns in chosen]
-        # Striping spreads bytes evenly, so the smallest namespace bounds each share.
-        free["nvme"] = len(chosen) * min((ns.size_bytes for ns in chosen), default=0)
-        detail["nvme"] = f"striped over {', '.join(namespaces)}" if namespaces else ""
+        namespaces, free["nvme"], detail["nvme"] = _namespaces(job, node, policy.nvme_namespaces, short, notes)
     capacity = dict(free)
 
     # --- the working set sits next to the compute -------------------------------------------------
@@ -102,7 +98,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
               f"HBM: each GPU needs {format_bytes(work)} for its working set and has {format_bytes(hbm_per_gpu)} "
               f"(short by {format_bytes(work - hbm_per_gpu)}); lower training.sequenceLength or microBatch")
     total_work = work * ranks
-    categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)])
+    categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)], ranks)
     free[compute] -= total_work
     if compute == "hbm":
         free["hbm"] = max(free["hbm"], 0)  # already reported per GPU above
@@ -115,7 +111,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         short("dram", "build", build - left,
               f"DRAM: building the model needs {format_bytes(build)} for a moment and {format_bytes(left)} is "
               f"left beside the working set (short by {format_bytes(build - left)})")
-    categories["build"] = _cat("build", build, [Allocation(stratum="dram", bytes=build)])
+    categories["build"] = _cat("build", build, [Allocation(stratum="dram", bytes=build)], ranks)
     free["dram"] -= build
     if policy.dram_budget is not None and free["dram"] > policy.dram_budget:
         # The budget bounds the offloaded state, not the compute itself.
@@ -128,7 +124,8 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         short("dram", "pinned", pinned - policy.pinned_memory_cap,
               f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "
               f"{format_bytes(policy.pinned_memory_cap)}")
-    categories["pinned"] = _cat("pinned", pinned, [Allocation(stratum="dram", bytes=pinned)] if pinned else [])
+    categories["pinned"] = _cat("pinned", pinned, [Allocation(stratum="dram", bytes=pinned)] if pinned else [],
+                                ranks)
     offload_dram = free["dram"]
     free["dram"] -= pinned
     if free["dram"] < 0:
@@ -156,7 +153,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
             short(allowed[-1], name, need,
                   f"{where}: short by {format_bytes(need)} for {DESCRIPTIONS[name]} "
                   f"(needs {format_bytes(sizes[name])})")
-        categories[name] = _cat(name, sizes[name], placed)
+        categories[name] = _cat(name, sizes[name], placed, ranks)
 
 
     strata = [
@@ -164,6 +161,8 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         for s in STRATA
     ]
     nvme_bytes = sum(c.on("nvme") for c in categories.values())
+    if not nvme_bytes:
+        notes = [n for n in notes if not n.startswith(NVME_NOTE)]
     requests = {"nvidia.com/gpu": job.gpus, "memstrata.dev/nvme-ns": len(namespaces) if nvme_bytes else 0,
                 "memstrata.dev/cxl-gib": -(-sum(c.on("cxl") for c in categories.values()) // GiB)}
     return Plan(
@@ -178,11 +177,60 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         cxl_nodes=cxl_nodes if requests["memstrata.dev/cxl-gib"] else [],
         requests={k: v for k, v in requests.items() if v},
         update_io_seconds=_update_io_seconds(categories, node, max(len(namespaces), 1)),
+        nodes=job.nodes,
+        ranks_per_node=ranks,
+        world_size=job.world_size,
+        global_batch=job.global_batch,
+        rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in STRATA},
+        notes=notes,
     )
 
 
-def _cat(name: str, size: int, placement: list[Allocation]) -> CategoryPlan:
-    return CategoryPlan(category=name, description=DESCRIPTIONS[name], bytes=size, placement=placement)
+def _cat(name: str, size: int, placement: list[Allocation], ranks: int) -> CategoryPlan:
+    # Every category of a node is `ranks` equal per-rank shares (accounting counts them so).
+    return CategoryPlan(category=name, description=DESCRIPTIONS[name], bytes=size, placement=placement,
+                        rank_bytes=size // ranks)
+
+
+def namespaces_wanted(requested: int, ranks: int) -> int:
+    """Namespaces a node must give the job: each rank of the node stripes over its own (the runtime gives
+    local rank r the namespaces i with i % ranks == r), so at least one per rank and a multiple of ranks:
+    memory.nvmeNamespaces rounded up to a multiple of the ranks on the node."""
+    return -(-max(requested, 1) // ranks) * ranks
+
+
+def _namespaces(job: JobShape, node: NodeInventory, requested: int, short: ShortFn,
+                notes: list[str]) -> tuple[list[str], int, str]:
+    """The namespaces the job gets on `node`, the NVMe stratum's capacity and its detail line."""
+    ranks = job.ranks
+    free = node.free_namespaces
+    scratch = [ns for ns in free if ns.controller == SCRATCH_CONTROLLER]
+    if scratch:
+        # A local run's scratch directory: each rank creates its own file namespaces in it, so one
+        # directory serves any number of ranks, bounded by its free bytes.
+        if ranks > 1:
+            notes.append(f"{NVME_NOTE}: each of the {ranks} ranks stripes over its own files in {scratch[0].name}")
+        return [scratch[0].name], scratch[0].size_bytes, f"files in {scratch[0].name}"
+    want = namespaces_wanted(requested, ranks)
+    if want != requested:
+        notes.append(f"{NVME_NOTE}: memory.nvmeNamespaces {requested} rounded up to {want}, a multiple of the "
+                     f"{ranks} ranks on a node, so each rank stripes over {want // ranks} of its own")
+    elif ranks > 1:
+        notes.append(f"{NVME_NOTE}: each of the {ranks} ranks stripes over {want // ranks} of the {want}")
+    candidates = {ns.name: ns for ns in free}
+    if len(candidates) < want:
+        why = f" (memory.nvmeNamespaces {requested} rounded up to a multiple of {ranks} ranks)" \
+            if want != requested else ""
+        short("nvme", "optimizer", 0,
+              f"NVMe: memory.nvmeNamespaces wants {want} free namespaces{why}, node has {len(candidates)}")
+    # The device plugin's GetPreferredAllocation follows the same rule, so the pod gets these.
+    picked = choose_namespaces((NamespaceCandidate(id=ns.name, name=ns.name, size_bytes=ns.size_bytes)
+                                for ns in candidates.values()), want)
+    chosen = [candidates[name] for name in picked]
+    names = [ns.name for ns in chosen]
+    # Striping spreads bytes evenly, so the smallest namespace bounds each share.
+    capacity = len(chosen) * min((ns.size_bytes for ns in chosen), default=0)
+    return names, capacity, f"striped over {', '.join(names)}" if names else ""
 
 
 def _stock_stratum(name: str, allowed: tuple[str, ...], sizes: dict[str, int],

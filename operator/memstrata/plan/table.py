@@ -6,30 +6,56 @@ from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Plan
 
 
 def render_plan(plan: Plan, title: str) -> str:
-    rows = [("category", "bytes", *[STRATUM_NAMES[s] for s in STRATA])]
+    # A distributed job gets a "per rank" column and row beside the node's bytes: one training process's share.
+    spread = plan.world_size > 1
+    rows = [("category", *(("per rank", "per node") if spread else ("bytes",)), *[STRATUM_NAMES[s] for s in STRATA])]
     for c in plan.categories:
-        rows.append((c.description, format_bytes(c.bytes), *[_cell(c.on(s)) for s in STRATA]))
-    rows.append(("total", format_bytes(sum(c.bytes for c in plan.categories)),
+        rows.append((c.description, *_sizes(spread, c.rank_bytes, c.bytes), *[_cell(c.on(s)) for s in STRATA]))
+    rows.append(("total", *_sizes(spread, sum(c.rank_bytes for c in plan.categories),
+                                  sum(c.bytes for c in plan.categories)),
                  *[_cell(plan.bytes_on(s)) for s in STRATA]))
-    rows.append(("capacity", "", *[_cell(u.capacity) for u in plan.strata]))
+    blank = ("", "") if spread else ("",)
+    if spread:
+        rows.append(("per rank", *blank, *[_cell(plan.rank_bytes.get(s, 0)) for s in STRATA]))
+    rows.append(("capacity", *blank, *[_cell(u.capacity) for u in plan.strata]))
+    footer = 3 if spread else 2
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = "  ".join("-" * w for w in widths)
 
     def fmt(r: tuple[str, ...]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
-    out = [title, f"parameters: {plan.parameters:,}   engine: {plan.engine}", "", fmt(rows[0]), line]
-    out += [fmt(r) for r in rows[1:-2]] + [line] + [fmt(r) for r in rows[-2:]] + [""]
+    out = [title, f"parameters: {plan.parameters:,}   engine: {plan.engine}", world_line(plan)]
+    if spread:
+        out.append(f"per rank: one training process; per node: its {_ranks(plan.ranks_per_node)} on this node")
+    out += ["", fmt(rows[0]), line]
+    out += [fmt(r) for r in rows[1:-footer]] + [line] + [fmt(r) for r in rows[-footer:]] + [""]
     for u in plan.strata:
         if u.detail:
             out.append(f"{STRATUM_NAMES[u.stratum]}: {u.detail}")
     if plan.requests:
         out.append("requests: " + ", ".join(f"{k}={v}" for k, v in sorted(plan.requests.items())))
+    out += [f"note: {n}" for n in plan.notes]
     if plan.update_io_seconds:
         out.append(f"estimated NVMe time per optimizer step: {plan.update_io_seconds:.2f} s")
     out.append(f"verdict: {'fits' if plan.feasible else 'does not fit'}")
     out += [f"  - {s.message}" for s in plan.shortfalls]
     return "\n".join(out)
+
+
+def world_line(plan: Plan) -> str:
+    """"world: 2 nodes x 1 rank = 2 ranks, global batch 16": how the job spreads, and what one step takes in."""
+    batch = f", global batch {plan.global_batch}" if plan.global_batch else ""
+    return (f"world: {plan.nodes} node{'s' if plan.nodes != 1 else ''} x {_ranks(plan.ranks_per_node)} = "
+            f"{_ranks(plan.world_size)}{batch}")
+
+
+def _sizes(spread: bool, rank: int, node: int) -> tuple[str, ...]:
+    return (_cell(rank), format_bytes(node)) if spread else (format_bytes(node),)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def _cell(n: int) -> str:
