@@ -3,7 +3,9 @@
 The runtime patches it into the FineTuneJob's `status.progress`,
 `status.peakMemory` and, once it has saved the model, `status.output`, through a
 ServiceAccount that may patch only its own job's status; locally the same payload
-feeds the progress bar and the final report.
+feeds the progress bar and the final report. Global rank 0 sends those; each pod
+(its local rank 0) also sends its own `status.workers["<node rank>"]`, and a pod
+without global rank 0 sends that entry alone (`status_patch(job=False)`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import CheckpointStatus, OutputStatus, Progress, ResultStatus
+from memstrata.api.finetunejob import CheckpointStatus, OutputStatus, Progress, ResultStatus, WorkerStatus
 
 RuntimeStage = Literal["initializing", "training", "finished", "failed"]
 
@@ -45,6 +47,10 @@ class RuntimeReport(ApiModel):
     output: OutputStatus | None = Field(None, description="The fine-tuned model, once saved.")
     checkpoint: CheckpointStatus | None = Field(None, description="The latest complete checkpoint.")
     result: ResultStatus | None = Field(None, description="The final losses, once training has finished.")
+    node_rank: int | None = Field(None, ge=0, description="The reporting pod's node rank (PET_NODE_RANK): the key "
+                                                          "of its status.workers entry.")
+    worker: WorkerStatus | None = Field(None, description="The reporting pod's own status.workers entry (all of "
+                                                          "its ranks together).")
 
     @property
     def eta_seconds(self) -> float | None:
@@ -72,13 +78,19 @@ class RuntimeReport(ApiModel):
             summary=f"{self.step}/{self.total_steps} ({min(percent, 100)}%)",
         )
 
-    def status_patch(self) -> dict[str, object]:
+    def status_patch(self, *, job: bool = True) -> dict[str, object]:
         """The merge patch of the job's status subresource. status.progress is replaced whole: its unset fields
         go as null, which a merge patch deletes, so nothing a previous attempt reported (resumedFrom, a loss)
-        stays behind as if this attempt had said it."""
+        stays behind as if this attempt had said it; so is this pod's status.workers entry, the only key of
+        status.workers it touches (the other pods' entries are theirs). `job=False`: that entry alone (a pod
+        without global rank 0)."""
+        patch: dict[str, object] = {}  # RUNTIME_STATUS_FIELDS
+        if self.worker is not None and self.node_rank is not None:
+            patch["workers"] = {str(self.node_rank): self.worker.model_dump(mode="json", by_alias=True)}
+        if not job:
+            return {"status": patch}
         peak = {name: c.peak_bytes for name, c in self.strata.items() if c.peak_bytes}
-        progress = self.progress().model_dump(mode="json", by_alias=True)
-        patch: dict[str, object] = {"progress": progress}  # RUNTIME_STATUS_FIELDS
+        patch["progress"] = self.progress().model_dump(mode="json", by_alias=True)
         if peak:
             patch["peakMemory"] = peak
         if self.output is not None:

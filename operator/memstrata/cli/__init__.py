@@ -70,15 +70,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     created = not args.nvme_path.exists()
     rc = EXIT_USAGE
     try:
-        from memstrata.runtime.train.local import run_local, torch_gpus
+        from memstrata.runtime.train.local import run_job, several_nodes_refusal, torch_gpus
 
+        refusal = several_nodes_refusal(job)
+        if refusal is not None:
+            raise UserError(f"{args.file}: {refusal}")
         node = local_inventory(args.nvme_path, gpus=torch_gpus)
         plan = plan_job(spec, node)
         if not plan.feasible:
             raise UserError(f"{args.file}: does not fit on this machine: {plan.verdict()}")
 
-        rc = run_local(job, plan, nvme_path=args.nvme_path, report_json=args.report_json,
-                       sample_prompt=args.sample, verbose=args.verbose, resume=args.resume)
+        rc = run_job(job, plan, nvme_path=args.nvme_path, report_json=args.report_json,
+                     sample_prompt=args.sample, verbose=args.verbose, resume=args.resume)
         return rc
     finally:
         if created and rc == EXIT_USAGE:

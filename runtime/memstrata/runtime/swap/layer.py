@@ -36,10 +36,18 @@ class SwapSettings(BaseModel):
         description="NVMe-stratum namespaces (raw block devices, or regular files where none is spare) shared by "
                     "the node's ranks: rank r of a node uses every path i with i % local_world_size == r. Empty: one "
                     "file per rank next to DeepSpeed's nvme_path, sized from the model.")
+    nvme_shared: bool = Field(
+        True, description="Whether `nvme` is shared by the node's ranks (the device plugin's namespaces: each rank "
+                          "takes its share) or is this rank's own (a local run's per-rank files: it takes them all).")
     job: str = Field("memstrata", description="Owner written into each namespace's header.")
     queue_depth: int = Field(32, ge=1, le=4096, description="io_uring entries per rank.")
     stripe_bytes: int = Field(1 << 20, ge=4096, description="Stripe unit over namespaces (multi-path).")
     io_token_limit: int = Field(1, ge=1, description="Ranks of one node doing I/O on the stratum at once.")
+    io_token_scope: str = Field(
+        "", pattern=r"^[A-Za-z0-9._-]{0,40}$",
+        description="Who shares the I/O tokens: empty, every process of the node; else only the processes given the "
+                    "same scope (one run's ranks on one node), so no rank ever waits for a token held by a rank it "
+                    "is not in step with (another job's, or another node's of the same machine).")
     cache_subgroups: int = Field(
         1, ge=0, description="Optimizer sub-groups (per rank) whose state stays in DRAM across steps. A run from a "
                              "plan sets it from the plan's DRAM bytes for optimizer state "
@@ -134,7 +142,8 @@ class SwapLayer:
         self.created_files = created_files
         self.pool, self.param_pool = locked_pools(settings)
         self.counters = SwapCounters()
-        self.tokens = IoTokens("nvme", settings.io_token_limit, rank=local_rank)
+        self.tokens = IoTokens(f"nvme.{settings.io_token_scope}" if settings.io_token_scope else "nvme",
+                               settings.io_token_limit, rank=local_rank)
         self.checksums: dict[str, str] | None = {} if settings.checksums else None
         self.handles: list[ExtentSwapHandle] = []
         self.param_bytes_in_use = 0
@@ -149,7 +158,8 @@ class SwapLayer:
     @classmethod
     def open(cls, settings: SwapSettings, *, rank: int, local_rank: int, local_world: int, fallback_dir: Path,
              needed_bytes: int) -> SwapLayer:
-        paths = [p for i, p in enumerate(settings.nvme) if i % local_world == local_rank]
+        paths = ([p for i, p in enumerate(settings.nvme) if i % local_world == local_rank] if settings.nvme_shared
+                 else list(settings.nvme))
         created: list[str] = []
         if settings.nvme and not paths:
             raise ValueError(f"memstrata nvme: {len(settings.nvme)} namespaces cannot serve {local_world} ranks "
@@ -199,6 +209,7 @@ class SwapLayer:
                 extents_live=self.counters.extents_live,
                 by_kind={k: MovedBytes(written=w, read=r) for k, (w, r) in self.counters.by_kind.items()},
                 io_token_wait_seconds=round(self.tokens.wait_seconds, 3),
+                io_token_bypasses=self.tokens.bypasses,
             ),
             dram=DramStatus(
                 locked_bytes=self.pool.locked_bytes + self.param_pool.locked_bytes,

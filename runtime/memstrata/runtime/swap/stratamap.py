@@ -3,8 +3,11 @@
 Where: on a node the device plugin hands the container its namespaces in
 MEMSTRATA_NVME_DEVICES (raw block devices) and its CXL NUMA nodes in
 MEMSTRATA_CXL_NODES; those are the truth there, because the kubelet chose
-them. A local run has no device plugin: the stratum becomes one sparse
-file-backed namespace per plan namespace inside the run's own directory.
+them, and the node's ranks share them out (rank r takes namespace i when
+i % ranks == r). A local run has no device plugin: the stratum becomes one
+sparse file-backed namespace per plan namespace inside the run's own
+directory, which is the rank's own (each rank has its own run directory, so
+two ranks never share a file).
 
 How much, both from the plan, so `memory.dramBudget` reaches the swap layer:
 
@@ -23,6 +26,7 @@ How much, both from the plan, so `memory.dramBudget` reaches the swap layer:
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -122,18 +126,34 @@ def _env_list(env: Mapping[str, str], key: str) -> list[str]:
     return [p.strip() for p in env.get(key, "").split(",") if p.strip()]
 
 
+def io_token_scope(env: Mapping[str, str]) -> str:
+    """The I/O-token scope of a rank torch elastic started: its run and node (the agent's group rank); empty for
+    a process alone."""
+    run = env.get("TORCHELASTIC_RUN_ID")
+    if not run:
+        return ""
+    return hashlib.sha256(f"{run}/{env.get('GROUP_RANK', '0')}".encode()).hexdigest()[:16]
+
+
 def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Path, env: Mapping[str, str],
                   ranks: int = 1) -> SwapStrata:
-    """The swap layer's settings for this run. Raises ValueError naming the env/plan field when unusable."""
+    """The swap layer's settings for one rank of a node of `ranks` ranks, `run_dir` being that rank's own
+    directory. Raises ValueError naming the env/plan field when unusable."""
     cxl_env = _env_list(env, ENV_CXL_NODES)
     try:
         cxl = [int(n) for n in cxl_env] if cxl_env else list(plan.cxl_nodes)
     except ValueError:
         raise ValueError(f"{ENV_CXL_NODES}={env[ENV_CXL_NODES]!r}: expected comma-separated NUMA node numbers") \
             from None
-    base = SwapSettings(job=job, cxl_nodes=cxl, cache_subgroups=cache_subgroups(plan, arch, ranks))
+    # One I/O token for the node's ranks of this run (the update's I/O, one rank at a time, as MLP-Offload
+    # found best); memstrata.runtime.swap.handle keeps it from ever deadlocking ranks that meet in collectives.
+    base = SwapSettings(job=job, cxl_nodes=cxl, cache_subgroups=cache_subgroups(plan, arch, ranks),
+                        io_token_scope=io_token_scope(env))
     devices = _env_list(env, ENV_NVME_DEVICES)
     if devices:
+        if len(devices) < ranks:
+            raise ValueError(f"{ENV_NVME_DEVICES}: {len(devices)} namespaces cannot serve the node's {ranks} ranks "
+                             "(each rank needs at least one of its own): raise memory.nvmeNamespaces")
         return SwapStrata(settings=base.model_copy(update={"nvme": devices}), source="device-plugin")
     if not plan.nvme_namespaces:
         on_nvme = plan.bytes_on("nvme")
@@ -144,8 +164,9 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
                          "memstrata needs an NVMe stratum (give `memstrata run` an --nvme-path)")
     files = [str(run_dir / f"nvme{i}.img") for i in range(len(plan.nvme_namespaces))]
     size = namespace_bytes(plan, arch, len(files), base.stripe_bytes)
-    return SwapStrata(settings=base.model_copy(update={"nvme": files}), file_namespaces=files, file_bytes=size,
-                      source="plan")
+    # Sized for the whole state, not this rank's 1/world share: the files are sparse, so the slack costs nothing.
+    return SwapStrata(settings=base.model_copy(update={"nvme": files, "nvme_shared": False}), file_namespaces=files,
+                      file_bytes=size, source="plan")
 
 
 def create_file_namespaces(strata: SwapStrata) -> None:

@@ -14,6 +14,12 @@ stream: the first k * micro_batch sequences are read and tokenized but never mad
 costs about as much as tokenizing k * micro_batch * sequence_length tokens - a second or so per
 million on one core - cheap for the small sets fine-tuning uses. (A checkpoint of (epoch, file offset,
 shuffle buffer, packing remainder) would make it O(1); issue 14.)
+
+Ranks: the data is one sequence of global micro-batches k = 0, 1, 2, ...; rank r of a world of W takes
+k = start + j * W + r for its j-th micro-batch (`rank_stride`), so at optimizer step s and accumulation
+index a (j = s * GA + a) the W ranks together see what one rank with GA x W accumulation steps would,
+and `start` (a checkpoint's micro-batch count) counts global micro-batches. A synthetic set builds only
+its own blocks; a file is read whole by every rank and only its own micro-batches are made into tensors.
 """
 from __future__ import annotations
 
@@ -36,10 +42,17 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DatasetError", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "TrainData",
-           "SyntheticData", "FileData", "build_data"]
+           "SyntheticData", "FileData", "build_data", "rank_stride"]
 
 Batch = tuple["torch.Tensor", "torch.Tensor"]
 SYNTHETIC_VALIDATION_BLOCKS = 16  # held-out blocks when a synthetic set has a validationSplit
+
+
+def rank_stride(start: int, rank: int, world: int) -> Iterator[int]:
+    """The global micro-batch numbers rank `rank` of `world` trains on, from global micro-batch `start` on."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    return itertools.count(start + rank, world)
 
 
 class TrainData(ABC):
@@ -49,8 +62,9 @@ class TrainData(ABC):
     summary: str  # one line for the log: what is trained on
 
     @abstractmethod
-    def batches(self, micro_batch: int, start: int = 0) -> Iterator[Batch]:
-        """Training micro-batches forever, from the `start`-th on (see the module doc on resuming)."""
+    def batches(self, micro_batch: int, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        """Training micro-batches forever, from the `start`-th global one on, this `rank`'s share of a `world`
+        (see the module doc on resuming and ranks)."""
 
     @abstractmethod
     def validation(self, micro_batch: int) -> list[Batch]:
@@ -67,8 +81,9 @@ class SyntheticData(TrainData):
     def block(self, index: int) -> list[int]:
         return synthetic_block(self.kind, self.seed, index, self.sequence_length)
 
-    def batches(self, micro_batch: int, start: int = 0) -> Iterator[Batch]:
-        rows = ((ids, list(ids)) for ids in map(self.block, itertools.count(start * micro_batch)))
+    def batches(self, micro_batch: int, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        blocks = (k * micro_batch + i for k in rank_stride(start, rank, world) for i in range(micro_batch))
+        rows = ((ids, list(ids)) for ids in map(self.block, blocks))
         return micro_batches(rows, micro_batch)
 
     def validation(self, micro_batch: int) -> list[Batch]:
@@ -151,8 +166,11 @@ class FileData(TrainData):
     def _train_rows(self) -> Iterator[tuple[list[int], list[int]]]:
         return sequences(self._train_examples(), self.length, self.tokenizer.pad_id, self.packing)
 
-    def batches(self, micro_batch: int, start: int = 0) -> Iterator[Batch]:
-        rows = itertools.islice(self._train_rows(), start * micro_batch, None)
+    def batches(self, micro_batch: int, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        rank_stride(start, rank, world)  # checks the rank
+        rows: Iterator[tuple[list[int], list[int]]] = itertools.islice(self._train_rows(), start * micro_batch, None)
+        if world > 1:  # the other ranks' micro-batches are read past, never made into tensors
+            rows = (row for n, row in enumerate(rows) if (n // micro_batch) % world == rank)
         return micro_batches(rows, micro_batch)
 
     def _validation_examples(self) -> Iterator[Example]:

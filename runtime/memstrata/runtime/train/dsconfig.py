@@ -95,8 +95,9 @@ def _adamw_params(training: Training, note: Callable[[str, Any, Any, str], Any])
 
 
 def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swap_dir: Path,
-                    on_gpu: bool) -> DsConfig:
-    """The ds_config for one process (world size 1) running `training` with `plan`'s offload devices."""
+                    on_gpu: bool, world: int = 1) -> DsConfig:
+    """The ds_config for one rank of `world` running `training` with `plan`'s offload devices (microBatch and
+    gradientAccumulation are per rank, so the global batch is their product times `world`)."""
     settings: list[Setting] = []
 
     def note(key: str, value: Any, default: Any, why: str) -> Any:
@@ -185,7 +186,7 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": training.micro_batch,
         "gradient_accumulation_steps": training.gradient_accumulation,
-        "train_batch_size": training.micro_batch * training.gradient_accumulation,
+        "train_batch_size": training.micro_batch * training.gradient_accumulation * world,
         "steps_per_print": note("steps_per_print", 1 << 30, 10,
                                 "memstrata's progress bar reports every step; DeepSpeed's own lines would break it"),
         "wall_clock_breakdown": False,

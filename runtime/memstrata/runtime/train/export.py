@@ -119,6 +119,18 @@ def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int
     return size
 
 
+def join_save(model: "PreTrainedModel") -> None:
+    """A rank other than 0 while rank 0 runs save_model: the same gathers (collectives under ZeRO-3), nothing
+    written."""
+    import deepspeed
+    import torch
+
+    for _, own in _state(model):
+        with deepspeed.zero.GatheredParameters([t for _, t in own if hasattr(t, "ds_id")], modifier_rank=None), \
+                torch.no_grad():
+            pass
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file in `path` durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -6,22 +6,31 @@ recipe runs it, with memstrata's swap layer or on stock ZeRO-Infinity, while
 `MemWatch` measures the process tree from the side, and the final report is
 printed (and written as JSON when asked). Errors the user can fix print one
 line and return 2 with nothing left behind.
+
+A job of several ranks (`run_job`) runs `run_local` in every rank, started by
+memstrata.runtime.train.launch; global rank 0 alone shows the progress, the
+messages and the report, and writes the metrics and the report JSON. Each
+node's local rank 0 measures the node (the launcher's process tree: all its
+ranks) for its `status.workers` entry.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
+from typing import Any
 
-from memstrata.api.finetunejob import FineTuneJob, ResultStatus
+from memstrata.api.finetunejob import FineTuneJob, ResultStatus, WorkerStatus
 from memstrata.api.inventory import Gpu
 from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.data import DatasetError
 from memstrata.runtime.train.hfmodel import ModelDirError
+from memstrata.runtime.train.launch import LaunchError, Ranks, launch, local_rendezvous, node_sums, worker_setup
 from memstrata.runtime.train.memwatch import MemWatch
 from memstrata.runtime.train.metrics import MetricsError, MetricsWriter
 from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, Sample, render_report
@@ -47,27 +56,75 @@ def _check_report_path(path: Path | None) -> None:
         raise RecipeError(f"--report-json: {path.parent}: no such directory")
 
 
+def several_nodes_refusal(job: FineTuneJob) -> str | None:
+    """Why `memstrata run` cannot run `job` on this machine (a job of several nodes), or None."""
+    nodes = job.spec.resources.nodes
+    if nodes == 1:
+        return None
+    return (f"spec.resources.nodes: {nodes} nodes cannot run on this one machine: `memstrata run` runs one node "
+            "(set nodes: 1, with ranksPerNode for several ranks here, or run the job on a cluster)")
+
+
+def run_job(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None,
+            sample_prompt: str | None = None, verbose: bool = False, resume: bool = False) -> int:
+    """`memstrata run`: the job's ranks on this machine (spec.resources.nodes must be 1): one runs here, several
+    are started by torch elastic, each running `run_local`."""
+    resources = job.spec.resources
+    refusal = several_nodes_refusal(job)
+    if refusal is not None:
+        print(f"memstrata: error: {refusal}", file=sys.stderr)
+        return EXIT_USAGE
+    kwargs: dict[str, Any] = {"nvme_path": nvme_path, "report_json": report_json, "sample_prompt": sample_prompt,
+                              "verbose": verbose, "resume": resume}
+    if resources.world_size() == 1:
+        return run_local(job, plan, **kwargs)
+    try:
+        _check_report_path(report_json)  # once, before any rank starts
+        return launch(_local_rank, (job, plan, kwargs), ranks=resources.ranks(),
+                      rendezvous=local_rendezvous(job.metadata.name))
+    except (RecipeError, LaunchError) as exc:
+        print(f"memstrata: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _local_rank(job: FineTuneJob, plan: Plan, kwargs: dict[str, Any]) -> None:
+    """One rank of `run_job` (a spawned worker): what only rank 0 does is left to rank 0."""
+    ranks = Ranks.from_env()
+    worker_setup(ranks.local_world, on_gpu=job.spec.resources.gpus > 0)
+    if not ranks.leader:
+        kwargs = {**kwargs, "report_json": None, "sample_prompt": None, "verbose": False}
+    rc = run_local(job, plan, **kwargs)
+    if rc != 0:
+        raise SystemExit(rc)
+
+
 def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path | None = None,
               on_report: Callable[[RuntimeReport], None] | None = None, sample_prompt: str | None = None,
               verbose: bool = False, resume: bool = False, job_uid: str = "",
-              expected_checkpoint: int | None = None) -> int:
+              expected_checkpoint: int | None = None, worker: WorkerStatus | None = None,
+              node_rank: int | None = None) -> int:
     """Train `job` here, then save the model to spec.output.path; `on_report` (the pod's status patches) gets
     every step's RuntimeReport, one when initialization starts, and a final one (stage finished or failed).
     `sample_prompt`: show the model's answer to it before training and, from the saved output, after.
     `resume`: continue from the newest intact checkpoint in spec.checkpoint.path, if any (a pod always does);
     `job_uid`: the FineTuneJob's uid, which that checkpoint must have been written for; `expected_checkpoint`: the
-    newest checkpoint step the job's status reported, which must still be there."""
+    newest checkpoint step the job's status reported, which must still be there. `worker` (this node's
+    status.workers entry: its pod, node and ranks) and `node_rank`: a node's local rank 0 fills in the rest (step,
+    stage, the node's tokens/s and peak memory) in every report it gives `on_report`.
+    One of several ranks (launched): only global rank 0 speaks; errors are said by the rank that has them."""
     report_to = on_report or (lambda _r: None)
+    ranks = Ranks.from_env()
+    who = f"rank {ranks.rank}: " if ranks.world > 1 else ""
     try:
         _check_report_path(report_json)
         recipe = FineTuneRecipe(job, plan, nvme_path, resume=resume, job_uid=job_uid,
                                 expected_checkpoint=expected_checkpoint)
         recipe.load_data()  # a bad dataset file fails here, before the swap directory exists
     except (RecipeError, DatasetError) as exc:
-        print(f"memstrata: error: {exc}", file=sys.stderr)
+        print(f"memstrata: {who}error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if recipe.finished is not None:
-        print(f"memstrata: {job.metadata.name}: {recipe.finished.path} already holds this job's model after step "
+        print(f"memstrata: {who}{job.metadata.name}: {recipe.finished.path} already holds this job's model after step "
               f"{recipe.finished.step}: nothing left to do", file=sys.stderr)
         report_to(RuntimeReport(stage="finished", step=job.spec.training.steps, total_steps=job.spec.training.steps,
                                 output=recipe.finished))
@@ -78,9 +135,13 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         sample = Sample(prompt=sample_prompt, before=before) if before is not None else None
 
     training = job.spec.training
-    watch = MemWatch(recipe.ds_swap_dir).start()  # DeepSpeed's swap folder (with memstrata: must stay empty)
-    bar = ProgressBar(training.steps)
-    last = RuntimeReport(stage="initializing", total_steps=training.steps)
+    # DeepSpeed's swap folder (with memstrata: must stay empty); a node's local rank 0 watches the launcher's
+    # process tree, which holds all of the node's ranks.
+    launched = ranks.world > 1 and "TORCHELASTIC_RUN_ID" in os.environ
+    watch = MemWatch(recipe.ds_swap_dir, root_pid=os.getppid() if launched and ranks.local_rank == 0 else None).start()
+    bar = ProgressBar(training.steps, quiet=not ranks.leader)
+    node = _NodeReport(recipe, watch, worker, node_rank)
+    last = node.fill(RuntimeReport(stage="initializing", total_steps=training.steps))
     report_to(last)
     metrics: MetricsWriter | None = None
     validation: float | None = None  # the latest validation loss measured
@@ -102,7 +163,7 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
                                            "checkpoint": recipe.checkpointer.latest if recipe.checkpointer else None})
             report_to(last)
             validation = recipe.resumed.manifest.validation_loss
-        if job.spec.output is not None:  # cut back to the resumed step: the steps after it are replayed
+        if job.spec.output is not None and ranks.leader:  # cut back to the resumed step: those after it are replayed
             metrics = MetricsWriter(Path(job.spec.output.metrics_dir()), resume_step=resumed_from).open()
         watch.sample()
         after_init = watch.peak_swap.files
@@ -120,8 +181,8 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
             validation = s.validation_loss if s.validation_loss is not None else validation
             if metrics is not None:
                 metrics.write_step(s)  # flushed: a killed run keeps every step it finished
-            last = _status(watch, recipe.memstrata_status(), s, training.steps, time.perf_counter() - started,
-                           validation)
+            last = node.fill(_status(watch, recipe.memstrata_status(), s, training.steps,
+                                     time.perf_counter() - started, validation), s)
             last.resumed_from = resumed_from
             last.checkpoint = recipe.checkpointer.latest if recipe.checkpointer is not None else None
             if s.checkpoint_error is not None:
@@ -150,12 +211,13 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
             last = last.model_copy(update={"output": recipe.output})
             report_to(last)
     except (RecipeError, DatasetError, ModelDirError, MetricsError) as exc:
-        print(f"memstrata: error: {exc}", file=sys.stderr)
-        report_to(last.model_copy(update={"stage": "failed", "message": str(exc)}))
+        print(f"memstrata: {who}error: {exc}", file=sys.stderr)
+        report_to(node.stage(last.model_copy(update={"stage": "failed", "message": str(exc)})))
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 — a failed run still reports what it measured, then fails
-        print(f"memstrata: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        report_to(last.model_copy(update={"stage": "failed", "message": f"{type(exc).__name__}: {exc}"}))
+        print(f"memstrata: {who}run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report_to(node.stage(last.model_copy(update={"stage": "failed",
+                                                     "message": f"{type(exc).__name__}: {exc}"})))
         return EXIT_FAILED
     finally:
         recipe.cleanup()
@@ -168,12 +230,52 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     report = build_report(job, plan, recipe, result, watch, after_init)
     report.load_peak_rss_bytes, report.sample = load_peak, sample
     final = ResultStatus(steps=last.step, train_loss=last.loss, validation_loss=validation)
-    report_to(last.model_copy(update={"stage": "finished", "strata": report.strata, "output": recipe.output,
-                                      "result": final}))
+    report_to(node.stage(last.model_copy(update={"stage": "finished", "strata": report.strata,
+                                                 "output": recipe.output, "result": final})))
+    if not ranks.leader:
+        return 0
     render_report(report, verbose=verbose)
     if report_json is not None:
         report_json.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
     return 0
+
+
+class _NodeReport:
+    """This node's status.workers entry, put into every report of the rank that was given `worker` (a node's local
+    rank 0); the other ranks only take part in the per-node sums."""
+
+    def __init__(self, recipe: FineTuneRecipe, watch: MemWatch, worker: WorkerStatus | None,
+                 node_rank: int | None) -> None:
+        self.recipe, self.watch, self.node_rank = recipe, watch, node_rank
+        self.entry = worker
+
+    def fill(self, report: RuntimeReport, step: StepResult | None = None) -> RuntimeReport:
+        """`report` with this node's entry; with a training `step`, a collective every rank must call: the node's
+        NVMe (and HBM) peaks are its ranks' summed, its DRAM peak the launcher's process tree's."""
+        if step is not None:
+            nvme = report.strata["nvme"].peak_bytes if "nvme" in report.strata else 0
+            hbm = 0
+            if self.recipe.on_gpu:
+                import torch
+
+                hbm = torch.cuda.max_memory_allocated()
+            assert self.recipe.engine is not None
+            nvme_node, hbm_node = node_sums(self.recipe.ranks, self.recipe.engine.device, nvme, hbm)
+            if self.entry is not None:
+                ranks = self.recipe.ranks
+                peak = {"dram": self.watch.peak_rss, "nvme": int(nvme_node), **({"hbm": int(hbm_node)} if hbm else {})}
+                self.entry = self.entry.model_copy(update={
+                    "tokens_per_second": step.tokens / step.seconds * ranks.local_world / ranks.world
+                    if step.seconds else None,
+                    "peak_memory": {k: v for k, v in peak.items() if v}})
+        return self.stage(report)
+
+    def stage(self, report: RuntimeReport) -> RuntimeReport:
+        """`report` with this node's entry at the report's step and stage (no collective)."""
+        if self.entry is None:
+            return report
+        self.entry = self.entry.model_copy(update={"step": report.step, "stage": report.stage})
+        return report.model_copy(update={"worker": self.entry, "node_rank": self.node_rank})
 
 
 def _answer(model_dir: Path, prompt: str) -> str | None:

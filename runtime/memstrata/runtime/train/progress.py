@@ -22,10 +22,12 @@ from memstrata.runtime.swap.status import SwapStatus
 
 
 class ProgressBar:
-    def __init__(self, total_steps: int, console: Console | None = None) -> None:
+    def __init__(self, total_steps: int, console: Console | None = None, *, quiet: bool = False) -> None:
+        """`quiet`: show nothing (every rank but global rank 0, which speaks for all of them)."""
         self.console = console or Console(file=sys.stderr)
         self.total = total_steps
-        self.live = self.console.is_terminal
+        self.quiet = quiet
+        self.live = self.console.is_terminal and not quiet
         self._progress: Progress | None = None
         self._task: TaskID | None = None
 
@@ -46,6 +48,8 @@ class ProgressBar:
         rate = f"{report.tokens_per_second:,.0f}" if report.tokens_per_second else "-"
         lr = f"{report.learning_rate:.2e}" if report.learning_rate is not None else "-"
         eta = report.progress().eta or "-"
+        if self.quiet:
+            return
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=report.step, loss=loss, lr=lr, rate=rate, eta=eta)
         else:
@@ -54,7 +58,8 @@ class ProgressBar:
                                f"ETA {eta}", highlight=False)
 
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        if not self.quiet:
+            self.console.print(text, highlight=False)
 
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:

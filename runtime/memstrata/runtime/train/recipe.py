@@ -7,8 +7,15 @@ dataset and the output path are all checked there; `setup` builds the swap
 directory, the model (straight into its ZeRO-3 partitions, weights streamed in)
 and the DeepSpeed engine, in dependency order; `train` is one linear loop with
 validation; `save` writes the fine-tuned model; `cleanup` tears down the
-process group and removes the swap directory. One process, world size 1: gloo
-on the CPU, NCCL on a GPU.
+process group and removes the swap directory. Gloo on the CPU, NCCL on a GPU.
+
+One process is one rank. Alone (world size 1) it sets up its own process group;
+started by a launcher (memstrata.runtime.train.launch: torch elastic, which
+sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT) it is one of `Ranks.world`: it trains on its own share of the
+micro-batches (memstrata.runtime.train.data, the module doc), on cuda:LOCAL_RANK
+on a GPU node, with a swap directory and DRAM cache slice of its own, and every
+number it reports (loss, tokens, validation loss) is the whole world's.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, l
 from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output
 from memstrata.runtime.train.metrics import MetricsError, check_metrics_dir
 from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
+from memstrata.runtime.train.launch import LaunchError, Ranks, world_sum
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.schedule import build_scheduler
 from memstrata.runtime.swap.protocols import TrainingEngine
@@ -103,8 +111,14 @@ class FineTuneRecipe:
         self.engine_name = spec.memory.engine
         if self.engine_name not in ("deepspeed", "memstrata"):
             raise RecipeError(f"spec.memory.engine: {self.engine_name!r} is not 'deepspeed' or 'memstrata'")
-        if spec.resources.gpus > 1:
-            raise RecipeError(f"spec.resources.gpus: a local run is one process on one device, got {spec.resources.gpus}")
+        try:
+            self.ranks = Ranks.from_env()
+        except LaunchError as exc:
+            raise RecipeError(str(exc)) from None
+        if self.ranks.world != spec.resources.world_size() and "WORLD_SIZE" in os.environ:
+            raise RecipeError(f"spec.resources: nodes {spec.resources.nodes} x {spec.resources.ranks()} ranks per node "
+                              f"is a world of {spec.resources.world_size()}, but this process was started as rank "
+                              f"{self.ranks.rank} of {self.ranks.world} (WORLD_SIZE)")
         # Every input is checked here, before a byte is written: a bad model directory, tokenizer, dataset or
         # output path fails in seconds, not after the model was built.
         self.model_dir: ModelDir | None = None
@@ -149,9 +163,11 @@ class FineTuneRecipe:
         if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
             raise RecipeError(f"spec.model: vocabulary of {self.arch.vocab} tokens is smaller than the byte "
                               f"tokenizer's {ByteTokenizer.VOCAB}")
-        self.on_gpu = spec.resources.gpus == 1 and gpu_available()
-        # One directory per run under the scratch path, so parallel runs never share swap files.
-        self.swap_dir = nvme_path / f"memstrata-run-{job.metadata.name}-{os.getpid()}-{int(time.time())}"
+        self.on_gpu = spec.resources.gpus >= 1 and gpu_available()
+        # One directory per run and rank under the scratch path (the pid is the rank's own), so parallel runs and
+        # the ranks of one run never share swap files.
+        self.swap_dir = nvme_path / (f"memstrata-run-{job.metadata.name}-{os.getpid()}-{int(time.time())}"
+                                     + (f"-rank{self.ranks.rank}" if self.ranks.world > 1 else ""))
         # With memstrata, DeepSpeed's own swap folder must stay empty (no silent fallback to the stock
         # path), so it is a subfolder of its own, apart from memstrata's file-backed namespaces.
         self.ds_swap_dir = self.swap_dir / "deepspeed" if self.engine_name == "memstrata" else self.swap_dir
@@ -180,12 +196,13 @@ class FineTuneRecipe:
     def setup(self) -> None:
         t0 = time.perf_counter()
         self.load_data()
-        self.ds = build_ds_config(self.plan, self.arch, self.spec.training, self.ds_swap_dir, self.on_gpu)
+        self.ds = build_ds_config(self.plan, self.arch, self.spec.training, self.ds_swap_dir, self.on_gpu,
+                                  world=self.ranks.world)
         if self.engine_name == "memstrata":
             try:
-                # The plan's bytes size the DRAM cache and the namespaces; one process is one rank.
+                # The plan's bytes size the DRAM cache and the namespaces of the node; its ranks share them.
                 self.strata = swap_settings(self.plan, self.arch, job=self.job.metadata.name, run_dir=self.swap_dir,
-                                            env=os.environ, ranks=1)
+                                            env=os.environ, ranks=self.ranks.local_world)
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
         self.swap_dir.mkdir(parents=True, exist_ok=False)
@@ -205,12 +222,16 @@ class FineTuneRecipe:
         return build_data(self.spec.dataset, self.spec.training, self.tokenizer)
 
     def _setup_distributed(self) -> None:
-        """Single-process torch.distributed, the way a launcher would have set it up."""
+        """torch.distributed as the launcher set it up, or, alone, a world of one set up the way it would."""
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(key, value)
         # DeepSpeed picks its accelerator at import time; on a CPU node it must be told.
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.on_gpu else "cpu")
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.set_device(self.ranks.local_rank)  # one GPU per rank: cuda:LOCAL_RANK
         import deepspeed
 
         for name in ("DeepSpeed", "deepspeed"):
@@ -282,7 +303,11 @@ class FineTuneRecipe:
         return self.engine(input_ids=inputs.to(device), labels=labels.to(device)).loss
 
     def evaluate(self) -> float | None:
-        """Mean loss over the validation batches (None when the dataset has none)."""
+        """Mean loss over the validation batches (None when the dataset has none), the same on every rank.
+
+        Rank r evaluates batches r, r + W, ...; ZeRO-3 gathers every parameter in each forward, a collective, so a
+        rank with one batch fewer than the others runs one more forward whose loss it does not count. The mean is
+        over all batches, as one rank would have taken it."""
         import torch
 
         if self.engine is None or self.data is None:
@@ -290,13 +315,19 @@ class FineTuneRecipe:
         batches = self.data.validation(self.spec.training.micro_batch)
         if not batches:
             return None
+        r, world = self.ranks.rank, self.ranks.world
+        mine = batches[r::world]
+        forwards = -(-len(batches) // world)  # what the rank with the most batches runs
         self.engine.eval()
         try:
             with torch.no_grad():
-                losses = [float(self._loss(x, y).float()) for x, y in batches]
+                losses = [float(self._loss(x, y).float()) for x, y in mine]
+                for _ in range(forwards - len(mine)):
+                    self._loss(*batches[0])  # not counted: keeps this rank in step with the others' gathers
         finally:
             self.engine.train()
-        return sum(losses) / len(losses)
+        total, count = world_sum(self.ranks, self.engine.device, sum(losses), len(losses))
+        return total / count
 
     def train(self, on_step: Callable[[StepResult], None],
               on_validation: Callable[[int, float], None] | None = None) -> TrainResult:
@@ -308,8 +339,11 @@ class FineTuneRecipe:
             raise RuntimeError("FineTuneRecipe.train() called before setup()")
         t = self.spec.training
         done = self.resumed.step if self.resumed is not None else 0
-        # A resumed run reads the data from where the checkpoint stood, so it sees what an uninterrupted one would.
-        batches = self.data.batches(t.micro_batch, start=self.resumed.micro_batches if self.resumed else 0)
+        # A resumed run reads the data from where the checkpoint stood, so it sees what an uninterrupted one would;
+        # each rank its own share of the global micro-batches.
+        world = self.ranks.world
+        batches = self.data.batches(t.micro_batch, start=self.resumed.micro_batches if self.resumed else 0,
+                                    rank=self.ranks.rank, world=world)
         result = TrainResult(phases=self.phases)
         before = self.evaluate() if self.resumed is None else None
         if before is not None:
@@ -332,12 +366,14 @@ class FineTuneRecipe:
                 self.phases.backward += t2 - t1
                 self.phases.step += t3 - t2
                 losses.append(float(loss.detach().float()))
-            value = sum(losses) / len(losses)
+            # The step's loss is the mean over every rank's micro-batches (what one rank with all of them would
+            # report), the same on every rank, so a non-finite loss stops all of them together.
+            value = world_sum(self.ranks, self.engine.device, sum(losses) / len(losses))[0] / world
             if not torch.isfinite(torch.tensor(value)):
                 raise FloatingPointError(f"loss became {value} at step {step}")
             norm = self.engine.get_global_grad_norm()
             record = StepResult(step=step, loss=value, seconds=time.perf_counter() - started,
-                                tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length,
+                                tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length * world,
                                 learning_rate=float(rate), grad_norm=float(norm) if norm is not None else None)
             if step == t.steps or (t.eval_interval and step % t.eval_interval == 0):
                 record.validation_loss = self.evaluate()
@@ -346,7 +382,7 @@ class FineTuneRecipe:
             if self.checkpointer is not None and self.checkpointer.due(step):
                 try:
                     record.checkpoint = self.checkpointer.save(
-                        self.engine, step=step, micro_batches=step * t.gradient_accumulation,
+                        self.engine, step=step, micro_batches=step * t.gradient_accumulation * world,
                         loss=value, validation_loss=record.validation_loss)
                 except CheckpointWriteError as exc:
                     # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
@@ -358,8 +394,9 @@ class FineTuneRecipe:
 
     # --- save ----------------------------------------------------------------------------------------
     def save(self, step: int, validation_loss: float | None) -> OutputStatus | None:
-        """Write the fine-tuned model to spec.output.path (None when the job has no output)."""
-        from memstrata.runtime.train.export import save_model
+        """Write the fine-tuned model to spec.output.path (None when the job has no output, and on every rank but
+        0, which only takes part in the gathers)."""
+        from memstrata.runtime.train.export import join_save, save_model
 
         out = self.spec.output
         if out is None:
@@ -368,6 +405,9 @@ class FineTuneRecipe:
             raise RuntimeError("FineTuneRecipe.save() called before setup()")
         # Parameters the last forward prefetched are still in flight; gathering one of them would assert.
         self.engine.empty_partition_cache()
+        if not self.ranks.leader:
+            join_save(self.engine.module)
+            return None
         dtype = self._dtype()
         tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
         self.output = save_model(self.engine.module, Path(out.path), tokenizer=tokenizer, shard_size=out.shard_size,
