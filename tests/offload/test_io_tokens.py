@@ -77,3 +77,23 @@ def test_bad_limits_and_names_are_refused() -> None:
         IoTokens("nvme", 0)
     with pytest.raises(ValueError, match="stratum name '../x'"):
         IoTokens("../x", 1)
+
+
+def test_a_bounded_wait_gives_up_instead_of_hanging_on_a_peer_that_holds_the_token() -> None:
+    # A peer rank holding the token while it waits in a collective for this rank must cost a bounded wait,
+    # not a deadlock: the waiter goes on without a token, holds nothing, and says so in its counters.
+    stratum = f"test-{uuid.uuid4().hex[:8]}"
+    peer, me = IoTokens(stratum, 1, rank=0), IoTokens(stratum, 1, rank=1)
+    try:
+        assert peer.acquire() is True
+        assert me.acquire(timeout_s=0.2) is False
+        assert (me.held, me.bypasses) == (False, 1) and me.wait_seconds >= 0.2
+        me.release()  # a release after a bypass must not give back the peer's token
+        assert peer.held
+        peer.release()
+        assert me.acquire(timeout_s=0.2) is True and me.bypasses == 1
+        me.release()
+    finally:
+        peer.close(), me.close()
+        for f in Path("/dev/shm").glob(f"memstrata-io-{stratum}-*"):
+            f.unlink()

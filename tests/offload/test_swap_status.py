@@ -13,7 +13,7 @@ from memstrata.runtime.swap.layer import SwapLayer, SwapSettings  # noqa: E402
 
 # The contract: benchmarks/offload/run.py, tests/offload/test_training.py and the run report read these names.
 NVME_KEYS = ["namespaces", "bytesWritten", "bytesRead", "bytesLive", "bytesLivePeak", "extentsLive", "byKind",
-             "ioTokenWaitSeconds"]
+             "ioTokenWaitSeconds", "ioTokenBypasses"]
 DRAM_KEYS = ["lockedBytes", "lockedPeakInUse", "trimmedBytes", "optimizerCacheBytes", "optimizerCacheHits",
              "subGroupOrders", "gradients", "vmLockedBytes"]
 

@@ -62,6 +62,11 @@ class SwapCounters:
             w_r[1] += nbytes
 
 
+# The longest a rank waits for the node's I/O token before doing its I/O without one: several sub-groups'
+# transfer time at NVMe speed, short enough that a peer stuck in a collective costs seconds, not the run.
+TOKEN_WAIT_S = 2.0
+
+
 class ExtentSwapHandle:
     """DeepSpeed's aio-handle interface over extents of an NvmeEngine.
 
@@ -83,6 +88,7 @@ class ExtentSwapHandle:
         self._extents: dict[str, Extent] = names
         self._pending: list[tuple[Handle, str, Any, bool]] = []
         self._token_held = False
+        self._token_taken = False
         self.on_io: Callable[[str, float, float], None] | None = None  # (kind, start, end) for tests
         self._t0 = 0.0
 
@@ -194,8 +200,13 @@ class ExtentSwapHandle:
 
     def _begin(self) -> None:
         if not self._token_held:
-            if self.tokens is not None:
-                self.tokens.acquire()
+            # Only the update's I/O takes the node's token (MLP-Offload's contention is there). A parameter's
+            # swap-in is submitted before ZeRO-3's all-gather and waited after it: a rank holding the token
+            # across that collective while its peer waits for the token would hang both, so parameter I/O never
+            # takes one, and the update's wait is bounded all the same (a gradient swap-out may span a
+            # reduce-scatter).
+            self._token_taken = (self.tokens is not None and self.kind != "param"
+                                 and self.tokens.acquire(timeout_s=TOKEN_WAIT_S))
             self._token_held = True
             self._t0 = time.monotonic()
 
@@ -204,9 +215,9 @@ class ExtentSwapHandle:
             t1 = time.monotonic()
             if self.on_io is not None:
                 self.on_io(self.kind, self._t0, t1)
-            if self.tokens is not None:
+            if self._token_taken and self.tokens is not None:
                 self.tokens.release()
-            self._token_held = False
+            self._token_held = self._token_taken = False
 
 
 def _digest(t: Any) -> str:

@@ -34,6 +34,8 @@ class NvmeStatus(_Status):
     extents_live: int
     by_kind: dict[str, MovedBytes] = Field(description="Per swapper: param, optimizer.")
     io_token_wait_seconds: float = Field(description="Time this rank waited for the node's I/O token.")
+    io_token_bypasses: int = Field(0, ge=0, description="Update I/O done without the token after a bounded wait "
+                                                        "(a peer held it across a collective).")
 
 
 class GradientStatus(_Status):

@@ -34,6 +34,7 @@ class IoTokens:
         self._depth = 0  # a rank's swappers share its one token: nested acquires count, not block
         self.wait_seconds = 0.0  # time spent waiting for a token: the cost of the bound
         self.acquisitions = 0
+        self.bypasses = 0  # bounded waits that ran out: I/O done without a token rather than a deadlock
 
     def _open(self) -> list[int]:
         if not self._fds:
@@ -42,10 +43,13 @@ class IoTokens:
                 self._fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         return self._fds
 
-    def acquire(self) -> None:
-        self._depth += 1
+    def acquire(self, timeout_s: float | None = None) -> bool:
+        """Take a token (nested calls share the one held); False when `timeout_s` passed without one, and then
+        nothing is held. A bounded wait is how a rank escapes a peer that holds the token while it waits in a
+        collective for this rank: the bound is exceeded, never deadlocked (`bypasses` counts it)."""
         if self._held is not None:
-            return
+            self._depth += 1
+            return True
         fds = self._open()
         t0 = time.monotonic()
         # Start at a rank-dependent slot so ranks spread over tokens; poll the
@@ -59,9 +63,14 @@ class IoTokens:
                 except BlockingIOError:
                     continue
                 self._held = i
+                self._depth += 1
                 self.wait_seconds += time.monotonic() - t0
                 self.acquisitions += 1
-                return
+                return True
+            if timeout_s is not None and time.monotonic() - t0 >= timeout_s:
+                self.wait_seconds += time.monotonic() - t0
+                self.bypasses += 1
+                return False
             time.sleep(0.0005)
 
     def release(self) -> None:
