@@ -3,6 +3,7 @@ marker, damage detected by size and sha256 with the previous checkpoint taken in
 for which checkpoint may resume which run."""
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -135,3 +136,77 @@ def test_a_path_that_lost_the_checkpoints_the_status_reported_fails_rather_than_
                                               "on a persistent volume"):
         ck.to_resume(resume=True, steps=100, expected_step=40)
     assert ck.to_resume(resume=True, steps=100, expected_step=None) is None  # a first attempt starts at 0
+
+
+def test_each_rank_checks_its_own_files_so_damage_to_another_ranks_is_found_by_that_rank(tmp_path: Path) -> None:
+    partial = ckptstore.partial_dir(tmp_path, 2)
+    files = {name: ckptstore.write_tensors(partial / name, {"master": torch.ones(10)})
+             for name in ("rank-00000-group-00000.safetensors", "rank-00001-group-00000.safetensors")}
+    two = ckptstore.finish(partial, Manifest(identity=IDENTITY.model_copy(update={"world_size": 2}), job="j", step=2,
+                                             time=datetime.now(timezone.utc), engine="deepspeed", micro_batches=4,
+                                             files=files))
+    (two / "rank-00001-group-00000.safetensors").write_bytes(b"half")
+    assert ckptstore.verify(two, rank=0).step == 2
+    with pytest.raises(CheckpointError, match=r"rank-00001-group-00000.safetensors: 4 bytes, .*truncated"):
+        ckptstore.verify(two, rank=1)
+    with pytest.raises(CheckpointError, match="rank-00001"):
+        ckptstore.verify(two)  # one process alone checks every file
+
+
+def test_another_ranks_sub_group_layout_is_refused() -> None:
+    two = IDENTITY.model_copy(update={"world_size": 2, "rank_sub_groups": [[100, 28], [100, 28]]})
+    assert identity_mismatches(two, two) == []
+    other = two.model_copy(update={"rank_sub_groups": [[100, 28], [120]]})
+    assert identity_mismatches(two, other) == [
+        "optimizer sub-groups: the checkpoint has 4 (256 elements), this run 3 (248 elements)"]
+
+
+_RANK_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from memstrata.api.architecture import PRESETS
+from memstrata.api.finetunejob import Checkpoint
+from memstrata.runtime.train import ckptstore
+from memstrata.runtime.train.checkpoint import Checkpointer, CheckpointError
+from memstrata.runtime.train.ckptgroup import Group, agree
+
+dist.init_process_group("gloo")
+rank, root = dist.get_rank(), Path(sys.argv[1])
+ck = Checkpointer(Checkpoint(path=str(root), everyMinutes=1), job="j", job_uid="", arch=PRESETS["gpt-tiny"],
+                  precision="fp32", engine_name="deepspeed", fingerprint={})
+ck.last_time = time.monotonic() - (0 if rank == 0 else 120)  # only rank 1's clock says a checkpoint is due
+due = ck.due(1)
+found = ck.existing()
+chosen = agree(found, Group())
+print(json.dumps({"due": due, "own": found.manifest.step, "chosen": chosen.manifest.step, "skipped": chosen.skipped}))
+"""
+
+
+def test_ranks_decide_together_when_a_checkpoint_is_due_and_which_to_resume_from(tmp_path: Path) -> None:
+    """Two real gloo ranks: rank 0's clock decides a time-based checkpoint for both; rank 1's file of the newest
+    checkpoint is damaged, so rank 1 alone would take step 2 and rank 0 step 4: both settle on step 2."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    for step in (2, 4):
+        partial = ckptstore.partial_dir(tmp_path, step)
+        files = {f"rank-{r:05d}-group-00000.safetensors": ckptstore.write_tensors(
+            partial / f"rank-{r:05d}-group-00000.safetensors", {"master": torch.ones(10) * step}) for r in (0, 1)}
+        ckptstore.finish(partial, Manifest(identity=IDENTITY.model_copy(update={"world_size": 2}), job="j", step=step,
+                                           time=datetime.now(timezone.utc), engine="deepspeed",
+                                           micro_batches=step * 2, files=files))
+    (tmp_path / "step-00000004" / "rank-00001-group-00000.safetensors").write_bytes(b"half")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r in (0, 1)]
+    out = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [o["due"] for o in out] == [False, False]
+    assert [o["own"] for o in out] == [4, 2] and [o["chosen"] for o in out] == [2, 2]
+    assert all("rank-00001-group-00000.safetensors" in o["skipped"][0] for o in out)

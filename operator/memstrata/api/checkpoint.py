@@ -2,7 +2,8 @@
 
 A checkpoint is `<spec.checkpoint.path>/step-NNNNNNNN/`, holding per rank one
 safetensors file per optimizer sub-group (fp32 master weights and optimizer
-moments), the rank's RNG and optimizer scalars (`rank-RRRRR.json`), the
+moments), the rank's RNG and optimizer scalars (`rank-RRRRR.json`): every
+rank writes its own files, named by its rank, into the one directory; the
 manifest (`checkpoint.json`: what was trained, where the data stood, the LR
 schedule, a size and sha256 per file) and, written last, the marker
 (`COMPLETE`, holding the manifest's sha256). The directory is written under a
@@ -26,6 +27,7 @@ FORMAT: Final = 1
 MANIFEST: Final = "checkpoint.json"
 MARKER: Final = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_RANKED = re.compile(r"^rank-(\d{5,})[-.]")
 
 
 def step_dir_name(step: int) -> str:
@@ -46,6 +48,12 @@ def group_file(rank: int, group: int) -> str:
     return f"rank-{rank:05d}-group-{group:05d}.safetensors"
 
 
+def file_rank(name: str) -> int | None:
+    """The rank that wrote a checkpoint file (None: the manifest, the marker, anything not a rank's)."""
+    m = _RANKED.match(name)
+    return int(m.group(1)) if m else None
+
+
 class FileDigest(ApiModel):
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -59,6 +67,9 @@ class Identity(ApiModel):
     precision: str
     world_size: int = Field(ge=1)
     sub_groups: list[int] = Field(description="Elements per optimizer sub-group of rank 0 (the ZeRO-3 layout).")
+    rank_sub_groups: list[list[int]] = Field(default_factory=list, description=(
+        "Elements per optimizer sub-group of every rank, by rank (empty before the engine exists, and in "
+        "checkpoints of one rank written before ranks were recorded: sub_groups is then the only layout)."))
     job_uid: str = Field("", description="The FineTuneJob's uid; empty for a local run.")
     job: str = Field("", description="The FineTuneJob's name.")
     training: dict[str, Any] = Field(default_factory=dict, description="What decides which data a step sees and "
@@ -101,9 +112,13 @@ def identity_mismatches(saved: Identity, current: Identity) -> list[str]:
     if saved.world_size != current.world_size:
         out.append(f"world size: the checkpoint was written by {saved.world_size} ranks, this run has "
                    f"{current.world_size} (memstrata does not reshard optimizer state)")
-    elif saved.sub_groups != current.sub_groups and current.sub_groups:  # empty: not known yet
-        out.append(f"optimizer sub-groups: the checkpoint has {len(saved.sub_groups)} ({sum(saved.sub_groups)} "
-                   f"elements), this run {len(current.sub_groups)} ({sum(current.sub_groups)} elements)")
+    elif current.sub_groups and (saved.sub_groups != current.sub_groups or (  # empty: not known yet
+            saved.rank_sub_groups and current.rank_sub_groups and saved.rank_sub_groups != current.rank_sub_groups)):
+        def layout(i: Identity) -> str:
+            groups = i.rank_sub_groups or [i.sub_groups]
+            return f"{sum(map(len, groups))} ({sum(map(sum, groups))} elements)"
+
+        out.append(f"optimizer sub-groups: the checkpoint has {layout(saved)}, this run {layout(current)}")
     if saved.job_uid and current.job_uid and saved.job_uid != current.job_uid:
         out.append(f"job: the checkpoint belongs to another FineTuneJob (uid {saved.job_uid}, this one is "
                    f"{current.job_uid})")

@@ -13,6 +13,13 @@ those buffers to the volume before the next is read: host memory grows by one
 sub-group at most, never by the whole state. Nothing is written back to NVMe
 while saving. Resuming goes the other way: each sub-group is swapped in, filled
 from the checkpoint, its 16-bit partitions re-derived, and swapped out.
+
+With several ranks (on one node or several sharing the checkpoint volume) each
+rank writes and reads only its own files, named by its rank, in the one step
+directory; rank 0 creates that directory and writes the manifest, the marker
+and the rename once every rank's files are in. Whether a checkpoint is due,
+whether it was written and which one to resume from are decided together
+(memstrata.runtime.train.ckptgroup): the ranks never disagree about a step.
 """
 from __future__ import annotations
 
@@ -32,13 +39,10 @@ from memstrata.api.checkpoint import (FORMAT, FileDigest, Identity, Manifest, gr
                                       rank_file)
 from memstrata.api.finetunejob import Checkpoint, CheckpointStatus
 from memstrata.runtime.train import ckptstore
-from memstrata.runtime.train.ckptstore import CheckpointError, Found
+from memstrata.runtime.train.ckptgroup import Group, agree, outcome
+from memstrata.runtime.train.ckptstore import CheckpointError, CheckpointWriteError, Found
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Resumed", "capture_rng", "restore_rng"]
-
-
-class CheckpointWriteError(CheckpointError):
-    """The checkpoint volume refused a write (full, gone, read-only); the training state is untouched."""
 
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
@@ -199,20 +203,27 @@ class Checkpointer:
         self.last_time = time.monotonic()
         self.latest: CheckpointStatus | None = None
 
+    @staticmethod
+    def _env_rank() -> int:
+        """This process's global rank as the launcher set it (before torch.distributed exists)."""
+        return int(os.environ.get("RANK", "0"))
+
     def check_path(self) -> None:
         """Refuse, before training, a checkpoint path that cannot take a directory; remove what interrupted
-        writes left there (one run writes a job's checkpoints at a time)."""
+        writes left there (one run writes a job's checkpoints at a time; its rank 0 cleans up)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             ckptstore.partial_dir(self.root, 0).rmdir()
-            ckptstore.remove_partials(self.root)
+            if self._env_rank() == 0:
+                ckptstore.remove_partials(self.root)
         except OSError as exc:
             raise CheckpointError(f"spec.checkpoint.path: {self.root}: cannot create a directory there: "
                                   f"{exc.strerror or exc}") from None
 
     def existing(self) -> Found | None:
-        """The newest intact checkpoint here (see ckptstore.find_latest)."""
-        return ckptstore.find_latest(self.root)
+        """The newest checkpoint here intact as far as this rank's files go (ckptstore.find_latest; all files with
+        one rank); `resume` settles on the one intact for every rank."""
+        return ckptstore.find_latest(self.root, self._env_rank())
 
     def to_resume(self, *, resume: bool, steps: int, expected_step: int | None) -> Found | None:
         """The checkpoint this run starts from (None: from step 0), or CheckpointError saying why it cannot start:
@@ -244,19 +255,20 @@ class Checkpointer:
 
     def identity(self, engine: Any = None) -> Identity:
         """This run's identity; before the engine exists (`engine` None) without the sub-group layout, and with
-        the world size the launcher set."""
+        the world size the launcher set. With the engine it is collective: every rank's layout, on every rank."""
+        ranked: list[list[int]] = [[]]
         if engine is None:
-            world, groups = int(os.environ.get("WORLD_SIZE", "1")), []
+            world = int(os.environ.get("WORLD_SIZE", "1"))
         else:
-            import deepspeed.comm as dist
-
-            world, groups = dist.get_world_size(), _SubGroups(engine.optimizer).numels()
+            group = Group()
+            world, ranked = group.world, group.gather(_SubGroups(engine.optimizer).numels())
         return Identity(memstrata_version=memstrata_version(), model=self.arch.model_dump(mode="json"),
-                        precision=self.precision, world_size=world, sub_groups=groups, job_uid=self.job_uid,
-                        job=self.job, training=self.fingerprint)
+                        precision=self.precision, world_size=world, sub_groups=ranked[0],
+                        rank_sub_groups=ranked if ranked[0] else [], job_uid=self.job_uid, job=self.job,
+                        training=self.fingerprint)
 
     def refusal(self, found: Found, engine: Any = None) -> str | None:
-        """Why `found` cannot resume this run (None: it can)."""
+        """Why `found` cannot resume this run (None: it can); collective with the engine (see identity)."""
         differences = identity_mismatches(found.manifest.identity, self.identity(engine))
         if found.manifest.format != FORMAT:
             differences.insert(0, f"format: the checkpoint is format {found.manifest.format}, this runtime reads "
@@ -266,57 +278,82 @@ class Checkpointer:
         return f"{found.directory}: cannot resume from this checkpoint: " + "; ".join(differences)
 
     def due(self, step: int) -> bool:
-        return self.spec.due(step, (time.monotonic() - self.last_time) / 60)
+        """Whether a checkpoint is due after `step`; collective when minutes count: rank 0's clock decides, or
+        the ranks could part ways, one writing a checkpoint while another trains on."""
+        due = self.spec.due(step, (time.monotonic() - self.last_time) / 60)
+        if self.spec.every_minutes is None and self.spec.every_steps is not None:
+            return due  # the same step on every rank
+        return Group().broadcast(due)
 
     def save(self, engine: Any, *, step: int, micro_batches: int, loss: float | None,
              validation_loss: float | None) -> CheckpointStatus:
-        """Write the checkpoint of `step`. CheckpointWriteError when the volume refuses a write: then nothing of it
-        is left and training may go on; any other error (reading the state) is the run's."""
-        import deepspeed.comm as dist
-
-        if dist.get_world_size() != 1:  # ranks would share one partial directory: issue 15 brings a barrier
-            raise CheckpointError("checkpoints are written by one rank only in this version")
+        """Write the checkpoint of `step`, on every rank together. CheckpointWriteError, the same on every rank,
+        when the volume refused any rank's write: then nothing of it is left and training may go on; any other
+        error (reading the state) is the run's."""
         started = time.monotonic()
-        rank = dist.get_rank()
-        groups = _SubGroups(engine.optimizer)
-        partial = self._written(self.root, lambda root, s: ckptstore.partial_dir(root, s), step)
+        group = Group()
+        identity = self.identity(engine)  # every rank's sub-group layout, gathered before anything is written
+        # One partial directory, rank 0's, for every rank's files.
+        made, error = outcome(lambda: self._written(self.root, lambda root, s: ckptstore.partial_dir(root, s),
+                                                    step)) if group.rank == 0 else (None, None)
+        where, error = group.broadcast((str(made) if made is not None else None, error))
+        if where is None:
+            self.last_time = time.monotonic()  # a failed time-based checkpoint is not retried after every step
+            raise CheckpointWriteError(error or f"{self.root}: no directory for the checkpoint of step {step}")
+        partial, status = Path(where), None
         try:
-            files: dict[str, FileDigest] = {}
-            scalars: list[dict[str, Any]] = []
-            for i in range(len(groups)):
-                tensors, group_scalars = groups.read(i)
-                try:
-                    files[group_file(rank, i)] = self._written(partial / group_file(rank, i),
-                                                               ckptstore.write_tensors, tensors)
-                finally:
-                    groups.release(i)
-                scalars.append(group_scalars)
-            scaler = getattr(engine.optimizer, "loss_scaler", None)
-            files[rank_file(rank)] = self._written(partial / rank_file(rank), ckptstore.write_json, {
-                "rng": capture_rng(), "groups": scalars,
-                "loss_scaler": {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
-                if scaler is not None else {}})
-            scheduler = getattr(engine, "lr_scheduler", None)
-            manifest = Manifest(
-                identity=self.identity(engine), job=self.job, step=step, time=datetime.now(timezone.utc),
-                engine=self.engine_name, micro_batches=micro_batches,
-                scheduler=scheduler.state_dict() if scheduler is not None else None,
-                counters={k: int(getattr(engine, k)) for k in _COUNTERS if hasattr(engine, k)},
-                loss=loss, validation_loss=validation_loss, files=files)
-            final = self._written(partial, ckptstore.finish, manifest)
+            files, error = outcome(lambda: self._write_rank(engine, partial, group.rank))
+            written = group.gather((files or {}, error))
+            error = next((e for _, e in written if e is not None), None)  # the lowest rank's, on every rank
+            if error is None and group.rank == 0:
+                scheduler = getattr(engine, "lr_scheduler", None)
+                manifest = Manifest(
+                    identity=identity, job=self.job, step=step, time=datetime.now(timezone.utc),
+                    engine=self.engine_name, micro_batches=micro_batches,
+                    scheduler=scheduler.state_dict() if scheduler is not None else None,
+                    counters={k: int(getattr(engine, k)) for k in _COUNTERS if hasattr(engine, k)},
+                    loss=loss, validation_loss=validation_loss, files={k: v for f, _ in written for k, v in f.items()})
+                final, error = outcome(lambda: self._written(partial, ckptstore.finish, manifest))
+                if final is not None:
+                    ckptstore.prune(self.root, self.spec.keep, final)  # only now: the new one is complete
+                    status = CheckpointStatus(path=str(final), step=step, time=manifest.time,
+                                              bytes=manifest.total_bytes, seconds=round(time.monotonic() - started, 3))
+            if error is not None and group.rank == 0:
+                ckptstore.shutil.rmtree(partial, ignore_errors=True)
+            # Also the barrier: no rank trains on before the checkpoint is complete (or known to have failed).
+            status, error = group.broadcast((status, error))
         except BaseException:
             ckptstore.shutil.rmtree(partial, ignore_errors=True)
-            self.last_time = time.monotonic()  # a failed time-based checkpoint is not retried after every step
             raise
         finally:
+            self.last_time = time.monotonic()  # a failed time-based checkpoint is not retried after every step
             layer = getattr(engine, "memstrata", None)
             if layer is not None:
                 layer.trim()  # give back the pool regions the sub-groups were read into, as after a step
-        ckptstore.prune(self.root, self.spec.keep, final)  # only now: the new one is complete
-        self.last_time = time.monotonic()
-        self.latest = CheckpointStatus(path=str(final), step=step, time=manifest.time, bytes=manifest.total_bytes,
-                                       seconds=round(time.monotonic() - started, 3))
-        return self.latest
+        if error is not None or status is None:
+            raise CheckpointWriteError(error or f"{self.root}: the checkpoint of step {step} was not written")
+        self.latest = status
+        return status
+
+    def _write_rank(self, engine: Any, partial: Path, rank: int) -> dict[str, FileDigest]:
+        """This rank's files: its sub-groups, one at a time, then its RNGs and optimizer scalars."""
+        groups = _SubGroups(engine.optimizer)
+        files: dict[str, FileDigest] = {}
+        scalars: list[dict[str, Any]] = []
+        for i in range(len(groups)):
+            tensors, group_scalars = groups.read(i)
+            try:
+                files[group_file(rank, i)] = self._written(partial / group_file(rank, i), ckptstore.write_tensors,
+                                                           tensors)
+            finally:
+                groups.release(i)
+            scalars.append(group_scalars)
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        files[rank_file(rank)] = self._written(partial / rank_file(rank), ckptstore.write_json, {
+            "rng": capture_rng(), "groups": scalars,
+            "loss_scaler": {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+            if scaler is not None else {}})
+        return files
 
     @staticmethod
     def _written(path: Path, write: Callable[[Path, Any], Any], what: Any) -> Any:
@@ -326,17 +363,22 @@ class Checkpointer:
             raise CheckpointWriteError(f"{path}: {exc.strerror or exc}") from exc
 
     def resume(self, engine: Any, found: Found) -> Resumed:
-        """Load `found` into the engine; CheckpointError naming every difference if it belongs to another run."""
+        """Load `found` into the engine; CheckpointError naming every difference if it belongs to another run.
+        Collective: every rank calls it with what it found (existing) and all settle on one checkpoint, or fail
+        with the same error."""
         from safetensors import safe_open
-        import deepspeed.comm as dist
 
+        group = Group()
+        found = agree(found, group)
         manifest = found.manifest
         refusal = self.refusal(found, engine)
         if refusal is not None:
             raise CheckpointError(refusal)
-        for directory in found.damaged:  # newer than the one resumed from: set aside, out of pruning's count
-            ckptstore.quarantine(directory)
-        rank = dist.get_rank()
+        if group.rank == 0:
+            for directory in found.damaged:  # newer than the one resumed from: set aside, out of pruning's count
+                if directory.exists():
+                    ckptstore.quarantine(directory)
+        rank = group.rank
         ranked = json.loads((found.directory / rank_file(rank)).read_text())
         groups = _SubGroups(engine.optimizer)
         for i in range(len(groups)):

@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from memstrata.api.checkpoint import MANIFEST, MARKER, FileDigest, Manifest, parse_step_dir, step_dir_name
+from memstrata.api.checkpoint import (MANIFEST, MARKER, FileDigest, Manifest, file_rank, parse_step_dir,
+                                      step_dir_name)
 from memstrata.runtime.train.export import fsync_dir
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CheckpointError", "Found", "write_tensors", "write_json", "finish", "find_latest", "prune",
-           "remove_partials", "verify"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "Found", "write_tensors", "write_json", "finish",
+           "find_latest", "prune", "remove_partials", "verify"]
 
 _CHUNK = 8 << 20
 # safetensors' names for torch dtypes (the format's spec).
@@ -38,6 +39,10 @@ _DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or used; the message names the directory or file and why."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """The checkpoint volume refused a write (full, gone, read-only); the training state is untouched."""
 
 
 class _HashingFile:
@@ -127,8 +132,9 @@ def finish(partial: Path, manifest: Manifest) -> Path:
     return final
 
 
-def verify(directory: Path) -> Manifest:
-    """The manifest of a complete, intact checkpoint; CheckpointError naming the first problem otherwise."""
+def verify(directory: Path, rank: int | None = None) -> Manifest:
+    """The manifest of a complete, intact checkpoint; CheckpointError naming the first problem otherwise.
+    `rank`: check only that rank's files (and the manifest): each rank of a run reads its own, in parallel."""
     marker = directory / MARKER
     if not marker.is_file():
         raise CheckpointError(f"{directory}: no {MARKER} marker: the write was interrupted")
@@ -143,6 +149,8 @@ def verify(directory: Path) -> Manifest:
         raise CheckpointError(f"{directory / MANIFEST}: not a memstrata checkpoint manifest: "
                               f"{exc.errors()[0]['msg']}") from None
     for name, want in manifest.files.items():
+        if rank is not None and file_rank(name) != rank:
+            continue
         path = directory / name
         try:
             size = path.stat().st_size
@@ -183,14 +191,15 @@ def quarantine(directory: Path) -> Path:
     return aside
 
 
-def find_latest(root: Path) -> Found | None:
+def find_latest(root: Path, rank: int | None = None) -> Found | None:
     """The newest intact checkpoint under `root` (None when there is none at all); CheckpointError when there
-    are checkpoints but none is intact, naming each and why: training is never silently restarted from 0."""
+    are checkpoints but none is intact, naming each and why: training is never silently restarted from 0.
+    `rank`: intact as far as that rank's files go (see verify)."""
     skipped: list[str] = []
     damaged: list[Path] = []
     for _, directory in complete_steps(root):
         try:
-            return Found(directory, verify(directory), skipped, damaged)
+            return Found(directory, verify(directory, rank), skipped, damaged)
         except CheckpointError as exc:
             skipped.append(str(exc))
             damaged.append(directory)
