@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -34,7 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "benchmarks" / "checkpoint" / "worker.py"
 RESULTS = REPO / "benchmarks" / "results"
-sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator")]
+sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
+from machine import machine  # noqa: E402
 
 # The DRAM budgets of benchmarks/plan/memory.py: the weights and the optimizer state go to the NVMe stratum
 # (memstrata keeps part of the fp32 master weights in its DRAM cache), as a job that needs offloading has.
@@ -305,18 +305,6 @@ def render(results: dict[str, Any]) -> str:
               f"{results['loadavg_start']}, end {results.get('loadavg_end')} (shared machine); "
               f"total {results.get('total_seconds', 0) / 60:.1f} min."]
     return "\n".join(lines) + "\n"
-
-
-def machine(scratch: Path) -> dict[str, Any]:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    fs = subprocess.run(["stat", "-f", "-c", "%T", str(scratch)], capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
-            "dram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "scratch": str(scratch), "scratch_fs": fs}
 
 
 def main(argv: list[str] | None = None) -> int:

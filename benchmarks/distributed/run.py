@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -37,7 +36,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator")]
+sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
+from machine import machine  # noqa: E402
 
 ENGINES = ("memstrata", "deepspeed")
 LAYOUTS = ((1, 2), (2, 1))  # (ranks per node, gradient accumulation): the same global batch of 2 sequences
@@ -205,18 +205,6 @@ def render(results: dict[str, Any]) -> str:
               f"Load average at start {results['loadavg_start']}, end {results.get('loadavg_end')} (shared machine); "
               f"total {results.get('total_seconds', 0) / 60:.1f} min."]
     return "\n".join(lines) + "\n"
-
-
-def machine(scratch: Path) -> dict[str, Any]:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    fs = subprocess.run(["stat", "-f", "-c", "%T", str(scratch)], capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
-            "dram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "scratch": str(scratch), "scratch_fs": fs}
 
 
 def _budgets(text: str) -> dict[str, str]:
