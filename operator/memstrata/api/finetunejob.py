@@ -451,7 +451,7 @@ class FineTuneJobStatus(ApiModel):
                                                       "or last attempt (node is node rank 0's).")
     plan: dict[str, Any] | None = Field(None, description="The plan for the chosen node (memstrata.plan.Plan).")
     progress: Progress | None = None
-    peak_memory: dict[str, int] | None = Field(None, description="Peak bytes per stratum, reported by the runtime.")
+    peak_memory: dict[str, int] | None = Field(None, description="Peak bytes per stratum, reported by the runtime: of the node of the job's rank 0, all its ranks together (every node's: status.workers).")
     start_time: datetime | None = None
     completion_time: datetime | None = None
     restarts: int = 0

@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -213,9 +214,11 @@ class Checkpointer:
         writes left there (one run writes a job's checkpoints at a time; its rank 0 cleans up)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            ckptstore.partial_dir(self.root, 0).rmdir()
             if self._env_rank() == 0:
+                ckptstore.partial_dir(self.root, 0).rmdir()
                 ckptstore.remove_partials(self.root)
+            else:  # a name rank 0's clean-up (at this very moment) leaves alone
+                Path(tempfile.mkdtemp(prefix=f".probe-rank{self._env_rank()}-", dir=self.root)).rmdir()
         except OSError as exc:
             raise CheckpointError(f"spec.checkpoint.path: {self.root}: cannot create a directory there: "
                                   f"{exc.strerror or exc}") from None

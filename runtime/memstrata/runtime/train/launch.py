@@ -152,6 +152,11 @@ def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, ranks: int, rend
         return code
     except SignalException as exc:
         return 128 + int(exc.sigval)
+    except Exception as exc:  # noqa: BLE001 - a rendezvous that never completes, workers that cannot start
+        print(f"memstrata: node {r.node_rank} of {r.nodes} (PET_NODE_RANK of PET_NNODES) could not start its "
+              f"{ranks} rank(s) through the rendezvous at {r.master_addr}:{r.master_port} (MASTER_ADDR:MASTER_PORT): "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -126,8 +126,12 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     if recipe.finished is not None:
         print(f"memstrata: {who}{job.metadata.name}: {recipe.finished.path} already holds this job's model after step "
               f"{recipe.finished.step}: nothing left to do", file=sys.stderr)
-        report_to(RuntimeReport(stage="finished", step=job.spec.training.steps, total_steps=job.spec.training.steps,
-                                output=recipe.finished))
+        done = RuntimeReport(stage="finished", step=job.spec.training.steps, total_steps=job.spec.training.steps,
+                             output=recipe.finished)
+        if worker is not None:  # this pod's own entry says so too
+            done = done.model_copy(update={"node_rank": node_rank, "worker": worker.model_copy(
+                update={"step": done.step, "stage": done.stage})})
+        report_to(done)
         return 0
     sample = None
     if sample_prompt is not None and recipe.model_dir is not None:
@@ -261,6 +265,8 @@ class _NodeReport:
                 hbm = torch.cuda.max_memory_allocated()
             assert self.recipe.engine is not None
             nvme_node, hbm_node = node_sums(self.recipe.ranks, self.recipe.engine.device, nvme, hbm)
+            if "nvme" in report.strata:  # the job's peakMemory is then node-wide throughout, like its DRAM peak
+                report.strata["nvme"] = report.strata["nvme"].model_copy(update={"peak_bytes": int(nvme_node)})
             if self.entry is not None:
                 ranks = self.recipe.ranks
                 peak = {"dram": self.watch.peak_rss, "nvme": int(nvme_node), **({"hbm": int(hbm_node)} if hbm else {})}

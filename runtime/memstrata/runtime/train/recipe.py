@@ -210,6 +210,7 @@ class FineTuneRecipe:
         if self.strata is not None:
             create_file_namespaces(self.strata)
         self._setup_distributed()
+        self._agree_on_resuming()
         self.engine = self._setup_engine(self.ds)
         if self.checkpointer is not None and self.found is not None:
             try:
@@ -217,6 +218,21 @@ class FineTuneRecipe:
             except CheckpointError as exc:
                 raise RecipeError(str(exc)) from None
         self.phases.init = time.perf_counter() - t0
+
+    def _agree_on_resuming(self) -> None:
+        """Every rank resumes or none does: each looked for checkpoints on its own (before the process group
+        existed), and a rank that starts afresh while another resumes would meet it in different collectives."""
+        if self.checkpointer is None or self.ranks.world == 1:
+            return
+        from memstrata.runtime.train.ckptgroup import Group
+
+        found = Group().gather(self.found is not None)
+        if any(found) and not all(found):
+            having = [r for r, f in enumerate(found) if f]
+            raise RecipeError(f"spec.checkpoint.path: {self.checkpointer.root}: ranks {having} found checkpoints "
+                              f"there and ranks {[r for r, f in enumerate(found) if not f]} none: every node must "
+                              "mount the same volume at that path (a ReadWriteMany claim), and no earlier attempt "
+                              "may still be writing to it")
 
     def _setup_data(self) -> TrainData:
         return build_data(self.spec.dataset, self.spec.training, self.tokenizer)
