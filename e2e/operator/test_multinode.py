@@ -148,3 +148,38 @@ def test_more_nodes_than_the_cluster_has_fails_as_impossible(memstrata_cluster: 
     assert failed["reason"] == "InsufficientNodes"
     assert "spec.resources.nodes is 3, but only 2 node(s) can ever hold this job" in failed["message"], failed
     assert not pods_of(cluster, ns, "huge")  # all or none: nothing was created
+
+
+def test_a_quota_admitting_one_pod_of_two_keeps_the_attempt_and_completes_it_once_raised(
+        memstrata_cluster: Any, ns: str, nodes: Any) -> None:
+    """A ResourceQuota allowing fewer pods than the gang: the pod it admits is kept (not deleted and made again
+    every second as a new attempt), the status and events say why the job waits, and once the quota is raised
+    the missing pod of the same attempt is created on the node chosen for it."""
+    cluster = memstrata_cluster
+    nodes.add("gang-a", dram_gib=64, gpus=1)
+    nodes.add("gang-b", dram_gib=64, gpus=1)
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}}
+    apply_yaml(cluster, quota, ns)
+    # Until the quota controller has counted the namespace, admission refuses every pod.
+    wait("the quota counted", lambda: (cluster.get_json("resourcequota", "pods", "-n", ns).get("status") or {})
+         .get("hard"), timeout=60)
+    apply_yaml(cluster, job("squeezed", resources={"gpus": 1, "nodes": 2}), ns)
+    wait("squeezed says the quota stops it", lambda: "exceeded quota" in (
+        _status(cluster, ns, "squeezed").get("message") or ""), timeout=60)
+    (kept,) = wait("one pod admitted", lambda: pods if len(pods := _live(cluster, ns, "squeezed", 0)) == 1 else None)
+    uid = kept["metadata"]["uid"]
+    for _ in range(12):  # a few seconds: the admitted pod stays, no other attempt is made
+        pods = pods_of(cluster, ns, "squeezed")
+        assert [(p["metadata"]["uid"], bool(p["metadata"].get("deletionTimestamp"))) for p in pods] == [(uid, False)]
+        subprocess.run(["sleep", "0.5"], check=True)
+    status = _status(cluster, ns, "squeezed")
+    assert status.get("attempts") == 1 and not status.get("activePod") and not status.get("failedPods"), status
+    created = next(c for c in status["conditions"] if c["type"] == "Created")
+    assert created["status"] == "False" and created["reason"] == "PodCreateFailed", created
+    assert any(e["reason"] == "ReconcileError" and "exceeded quota" in e["message"]
+               for e in events_of(cluster, ns, "squeezed"))
+    apply_yaml(cluster, {**quota, "spec": {"hard": {"pods": "2"}}}, ns)
+    pair = _running_pair(cluster, ns, "squeezed", 0)
+    assert uid in [p["metadata"]["uid"] for p in pair]  # the same attempt, completed
+    assert [p["spec"]["nodeName"] for p in pair] == _status(cluster, ns, "squeezed")["nodes"]
+    assert _status(cluster, ns, "squeezed")["activePod"] == "squeezed-0-0"

@@ -12,14 +12,16 @@ import pytest
 from ftj_factories import at, inventory, job_dict, node_dict
 
 from memstrata.api.runtimeconfig import RENDEZVOUS_PORT
-from memstrata.operator import names, render
-from memstrata.operator.actions import CreateAttempt, DeletePods, Event, PatchStatus
+from memstrata.operator import gang, names, render
+from memstrata.operator.actions import CreateAttempt, Decision, DeletePods, Event, PatchStatus
 from memstrata.operator.lifecycle import LifecyclePolicy, decide
 from memstrata.operator.nodes import PodUse, node_view, usage_by_node
 from memstrata.operator.observe import job_view, pod_view
 from memstrata.operator.scheduling import place
 
 POLICY = LifecyclePolicy(backoff_base_seconds=10, backoff_max_seconds=40, unschedulable_retry_seconds=30)
+QUOTA_ERROR = ('POST /api/v1/namespaces/team-a/pods: 403 Forbidden: pods "llama-0-1" is forbidden: exceeded quota: '
+               'pods, requested: pods=1, used: pods=1, limited: pods=1')
 
 
 def _nodes(*names_: str, dram_gib: int = 1024) -> list[Any]:
@@ -43,26 +45,40 @@ class Gang:
         self.events: list[Event] = []
         self.companions: list[dict[str, Any]] = []
 
-    def step(self, t: float = 0.0) -> Any:
+    def step(self, t: float = 0.0, refuse: tuple[str, ...] = ()) -> Any:
+        """One reconcile; the API server refuses to create the pods named in `refuse` (as a ResourceQuota would):
+        the reconcile then stops there, recording the attempt as the reconciler does (gang.unfinished)."""
         d = decide(job_view(self.job), [pod_view(p) for p in self.pods.values()], at(t),
                    lambda spec: place(spec, self.nodes, {}), POLICY)
         for a in d.actions:
             if isinstance(a, CreateAttempt):
                 self.created.append(a)
-                self.companions, pods = render.gang_objects(job_view(self.job), a.placed, a.plan, a.attempt)
+                self.companions, rendered = render.gang_objects(job_view(self.job), a.placed, a.plan, a.attempt)
+                pods = [rendered[r] for r, _ in a.creates]
                 for p in pods:
                     p.setdefault("status", {"phase": "Pending"})
-                    self.pods.setdefault(p["metadata"]["name"], p)
+                    if p["metadata"]["name"] not in refuse:
+                        assert p["metadata"]["name"] not in self.pods, "created twice"
+                        self.pods[p["metadata"]["name"]] = p
+                if any(p["metadata"]["name"] in refuse for p in pods):
+                    self.apply(gang.unfinished(job_view(self.job), at(t), a, QUOTA_ERROR))
+                    return d
             elif isinstance(a, DeletePods):
                 for n in a.names:
                     self.pods[n]["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
-            elif isinstance(a, PatchStatus):
+            else:
+                self.apply(Decision((a,)))
+        if "memstrata.dev/cleanup" not in self.job["metadata"].get("finalizers", []):
+            self.job["metadata"].setdefault("finalizers", []).append("memstrata.dev/cleanup")
+        return d
+
+    def apply(self, d: Decision) -> Decision:
+        for a in d.actions:
+            if isinstance(a, PatchStatus):
                 for k, v in a.patch.items():
                     self.status.pop(k, None) if v is None else self.status.__setitem__(k, v)
             elif isinstance(a, Event):
                 self.events.append(a)
-        if "memstrata.dev/cleanup" not in self.job["metadata"].get("finalizers", []):
-            self.job["metadata"].setdefault("finalizers", []).append("memstrata.dev/cleanup")
         return d
 
     def attempt_pods(self, attempt: int) -> list[dict[str, Any]]:
@@ -73,12 +89,12 @@ class Gang:
         for p in self.attempt_pods(attempt):
             self.set(p, phase, exit_code)
 
-    def set(self, pod: dict[str, Any], phase: str, exit_code: int | None = None) -> None:
+    def set(self, pod: dict[str, Any], phase: str, exit_code: int | None = None, finished: str | None = None) -> None:
         pod["spec"]["nodeName"] = pod["metadata"]["annotations"]["memstrata.dev/planned-node"]
         pod["status"] = {"phase": phase}
         if exit_code is not None:
             pod["status"]["containerStatuses"] = [{"name": "runtime", "state": {"terminated": {
-                "exitCode": exit_code, "reason": "Error" if exit_code else "Completed"}}}]
+                "exitCode": exit_code, "reason": "Error" if exit_code else "Completed", "finishedAt": finished}}}]
 
     @property
     def status(self) -> dict[str, Any]:
@@ -191,6 +207,86 @@ def test_siblings_failing_together_count_one_failure():
     g.run(0, "Failed", 1)  # the rendezvous broke: both ranks exit at once
     g.step()
     assert g.status["failedPods"] == ["llama-0-0"] and g.status["phase"] == "Restarting"
+
+
+def test_the_pod_that_ended_first_is_blamed_and_the_message_says_its_sibling_failed_after_it():
+    """With gloo rank 0's crash reaches rank 1 at once as a connection error: the operator may see both failed in
+    one reconcile, and must not blame rank 0 just for its lower node rank."""
+    g = Gang()
+    g.step()
+    g.run(0)
+    g.step()
+    g.set(g.pods["llama-0-0"], "Failed", 1, finished="2026-01-01T12:00:07Z")  # Connection reset by peer
+    g.set(g.pods["llama-0-1"], "Failed", 1, finished="2026-01-01T12:00:05Z")  # the CUDA error: the cause
+    g.step()
+    assert g.status["failedPods"] == ["llama-0-1"] and g.status["lastFailure"]["pod"] == "llama-0-1"
+    message = g.status["lastFailure"]["message"]
+    assert message.startswith("pod llama-0-1 failed with exit code 1") and "node rank 1 on node n2" in message
+    assert "pod llama-0-0 of the attempt failed after it" in message
+    assert g.status["phase"] == "Restarting" and "llama-0-1 failed" in g.status["message"]
+
+
+def test_a_new_attempt_drops_the_last_attempts_worker_reports():
+    g = Gang()
+    g.step()
+    g.run(0)
+    g.step()
+    # What each pod's runtime reported for itself (status.workers, keyed by node rank).
+    g.status["workers"] = {str(r): {"pod": f"llama-0-{r}", "node": f"n{r + 1}", "step": 40, "attempt": 0,
+                                    "stage": "training"} for r in range(2)}
+    g.set(g.pods["llama-0-1"], "Failed", 1)
+    g.step()
+    assert g.status["workers"]["0"]["step"] == 40  # still the attempt that just ended, until the next one starts
+    g.step(11)  # past the backoff: attempt 2's pods are created
+    assert [p["metadata"]["name"] for p in g.attempt_pods(1)] == ["llama-1-0", "llama-1-1"]
+    assert "workers" not in g.status  # not step 40 of the pods that are gone, until the new pods report
+
+
+def test_a_gang_created_in_part_is_completed_on_its_nodes_not_deleted_and_recreated():
+    """A ResourceQuota allows one pod of the two: the attempt's second create is refused. Deleting the first pod
+    and trying a new attempt would fail alike, for ever: pods created and deleted every second, the attempt
+    counter climbing. The attempt is kept; its missing pod is created on the node chosen for it, and the status
+    says why the job waits."""
+    g = Gang()
+    g.step(0, refuse=("llama-0-1",))
+    assert list(g.pods) == ["llama-0-0"]
+    assert "activePod" not in g.status  # not recorded as the current attempt: one of its pods does not exist
+    assert g.status["nodes"] == ["n1", "n2"] and g.status["attempts"] == 1
+    assert "exceeded quota" in g.status["message"] and "llama-0-1" in g.status["message"]
+    created = next(c for c in g.status["conditions"] if c["type"] == "Created")
+    assert created["status"] == "False" and created["reason"] == "PodCreateFailed"
+    assert "exceeded quota" in created["message"]
+    g.run(0)  # the pod that exists starts (and waits at the rendezvous)
+    for t in range(1, 6):  # the quota still refuses: every reconcile asks for the same attempt's missing pod
+        d = g.step(t, refuse=("llama-0-1",))
+        assert not d.of(DeletePods), d
+        (create,) = d.of(CreateAttempt)  # only the missing pod: the quota would charge a create of the other too
+        assert (create.attempt, create.placed, create.creates) == (0, ("n1", "n2"), [(1, "n2")])
+    assert list(g.pods) == ["llama-0-0"] and not g.pods["llama-0-0"]["metadata"].get("deletionTimestamp")
+    assert g.status["attempts"] == 1 and "failedPods" not in g.status
+    g.step(6)  # the quota was raised
+    assert sorted(g.pods) == ["llama-0-0", "llama-0-1"]
+    assert g.pods["llama-0-1"]["metadata"]["annotations"]["memstrata.dev/planned-node"] == "n2"
+    assert g.status["activePod"] == "llama-0-0" and g.status["attempts"] == 1 and g.status["restarts"] == 0
+    created = next(c for c in g.status["conditions"] if c["type"] == "Created")
+    assert created["status"] == "True" and created["message"].startswith("created pod llama-0-1 for node n2: ")
+    g.run(0)
+    g.step(7)
+    assert g.status["phase"] == "Running" and {c.attempt for c in g.created} == {0}
+
+
+def test_a_gang_created_in_part_by_a_reconcile_that_recorded_nothing_is_deleted_and_made_whole():
+    """An operator that stopped between the attempt's creates recorded nothing about it: its nodes are unknown,
+    so its pods go and the next attempt is created whole (once: nothing repeats the stop)."""
+    g = Gang()
+    g.step()
+    g.status.clear()
+    g.pods.pop("llama-0-1")
+    d = g.step(1)
+    assert d.of(DeletePods)[0].names == ("llama-0-0",) and "not created whole" in d.of(DeletePods)[0].why
+    g.step(2)  # (while it terminates)
+    assert [p["metadata"]["name"] for p in g.attempt_pods(1)] == ["llama-1-0", "llama-1-1"]
+    assert "failedPods" not in g.status and g.status["activePod"] == "llama-1-0"
 
 
 def test_suspend_deletes_every_pod_and_copies_the_queue_label():

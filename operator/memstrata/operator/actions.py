@@ -12,17 +12,25 @@ from memstrata.api.strataplan import Plan
 @dataclass(frozen=True)
 class CreateAttempt:
     """Create the attempt's ServiceAccount/Role/RoleBinding/ConfigMap (and, on several nodes, its headless
-    Service), then its pods: one per node of `placed`, by node rank."""
+    Service), then its pods: one per node of `placed`, by node rank (those of `ranks`)."""
 
     attempt: int
     node: str  # node rank 0's
     plan: Plan  # every node's: the placement chose nodes alike
     architecture: ModelArchitecture | None = None  # the shape read from the model directory, for the runtime
     nodes: tuple[str, ...] = ()  # a multi-node job's nodes by node rank (empty: just `node`)
+    # Only these node ranks' pods (empty: all): the rest of an attempt created in part. Its existing pods are not
+    # sent again: a ResourceQuota charges a create it admits even when the pod exists (409), until it recounts.
+    ranks: tuple[int, ...] = ()
 
     @property
     def placed(self) -> tuple[str, ...]:
         return self.nodes or (self.node,)
+
+    @property
+    def creates(self) -> list[tuple[int, str]]:
+        """(node rank, node) of each pod to create."""
+        return [(r, n) for r, n in enumerate(self.placed) if not self.ranks or r in self.ranks]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from memstrata.operator import inspection, names, render
 from memstrata.operator.actions import CreateAttempt
-from memstrata.operator.kube import Conflict, Kube, KubeError, api_path, gather_ok, object_path
+from memstrata.operator.kube import Conflict, Kube, KubeError, NotLeading, api_path, gather_ok, object_path
 from memstrata.operator.observe import JobView
 
 KINDS = (("v1", "pods"), ("v1", "configmaps"), ("rbac.authorization.k8s.io/v1", "rolebindings"),
@@ -27,6 +27,11 @@ class PodRejected(Exception):
     """The API server refused the job's pod as invalid (422: a bad spec.volumes source, say) or as breaking
     the namespace's Pod Security level (403: a hostPath volume under `restricted`). The same pod would be
     refused on every retry, so the job fails with the API server's message."""
+
+
+class PartlyCreated(Exception):
+    """Some of a multi-node attempt's pods exist, a create of another failed (its error's text): the attempt is
+    to be completed, not made anew (memstrata.operator.gang.rest)."""
 
 
 def _refused_for_good(exc: KubeError) -> bool:
@@ -69,9 +74,20 @@ async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report
         # A multi-node job's Service (created, or re-pointed at this attempt: its selector names it) comes before
         # the pods too: a reconcile that finds the attempt's pods would never create it.
         await gather_ok(ensure(kube, job, account), *(ensure(kube, job, s) for s in service))
-        await gather_ok(*(create_pod(kube, job, p) for p in pods))
-    finally:
-        await others
+        made = await asyncio.gather(*(create_pod(kube, job, pods[r]) for r, _ in action.creates),
+                                    return_exceptions=True)
+        errors = [e for e in made if isinstance(e, BaseException)]
+        # A pod refused for good, a name clash, lost leadership (or a cancellation) decide what comes next.
+        final = [e for e in errors if isinstance(e, (NameClash, PodRejected, NotLeading))
+                 or not isinstance(e, Exception)]
+        if errors and not final and (len(errors) < len(made) or action.ranks):
+            raise PartlyCreated(str(errors[0])) from errors[0]
+        if errors:
+            raise (final or errors)[0]
+    except BaseException:
+        await asyncio.gather(others, return_exceptions=True)  # its own error comes second to this one
+        raise
+    await others
 
 
 async def create_inspection(kube: Kube, job: JobView, security: render.PodSecurity = render.PodSecurity()) -> None:

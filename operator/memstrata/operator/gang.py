@@ -4,14 +4,25 @@ Created together on M nodes (memstrata.operator.scheduling), Running once every 
 pod succeeded. One pod failing or lost fails the whole attempt (memstrata.operator.lifecycle counts it once and
 stops the others). `activePod` names node rank 0's pod and status `nodes` the attempt's nodes by node rank, so
 the attempt's other pods' names follow from them even after a pod is gone.
+
+An attempt whose pods could not all be created (a ResourceQuota allowing fewer than M pods, a refused request)
+is not recorded as the current one (`activePod`), but its nodes and plan are (`unfinished`): the next reconcile
+creates the missing pods of that same attempt on the same nodes (`rest`) instead of deleting the others and
+starting another attempt that would fail alike - pods created and deleted in a loop, the attempt count climbing.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from datetime import datetime
+from typing import Any, Mapping, Sequence
 
+from pydantic import ValidationError
+
+from memstrata.api.architecture import ModelArchitecture
+from memstrata.api.strataplan import Plan
+from memstrata.operator.actions import CreateAttempt, Decision, DeletePods, PatchStatus
 from memstrata.operator.conditions import StatusBuilder
 from memstrata.operator.names import attempt_of, pod_name
-from memstrata.operator.observe import PodView
+from memstrata.operator.observe import JobView, PodView
 
 
 def expected(job: str, active: str | None, nodes: Sequence[str]) -> list[str]:
@@ -67,3 +78,55 @@ def track(b: StatusBuilder, pods: Sequence[PodView], retrying: bool) -> bool:
     if stuck:
         b.condition("Scheduled", "False", "Unschedulable", "; ".join(f"pod {p.name}: {p.reason}" for p in stuck))
     return bool(stuck)
+
+
+def blame(ended: Sequence[PodView]) -> list[tuple[PodView, str]]:
+    """Per attempt (in order) of the pods seen ending in one reconcile, the one that failed it and the message
+    saying so. With gloo a peer's end reaches the others at once as a connection error, so the cause is the pod
+    deleted under the attempt (evicted, its node lost), else the one whose container ended first; the message
+    says the others ended after it."""
+    out: list[tuple[PodView, str]] = []
+    for attempt in sorted({p.attempt for p in ended}):
+        root, *others = sorted((p for p in ended if p.attempt == attempt), key=lambda p: (
+            not (p.deleting and not p.terminal), p.finished_at.timestamp() if p.finished_at else float("inf"),
+            p.node_rank))
+        after = f"; {describe(others)} of the attempt failed after it" if others else ""
+        out.append((root, root.describe_gang_failure() + after))
+    return out
+
+
+def unfinished(job: JobView, now: datetime, create: CreateAttempt, error: str) -> Decision:
+    """The status to record when `create` raised `error` before all of its pods existed: the attempt's nodes and
+    plan (for `rest`), and why it waits. The previous attempt's status.workers go: they are not this one's."""
+    b = StatusBuilder(job.status, now)
+    b.set("attempts", max(int(b.get("attempts") or 0), create.attempt + 1))
+    b.set("node", create.node)
+    b.set("nodes", list(create.placed))
+    b.set("plan", create.plan.model_dump(mode="json"))
+    b.set("workers", {k: w for k, w in (b.get("workers") or {}).items()
+                      if isinstance(w, Mapping) and w.get("attempt") == create.attempt} or None)
+    made = ", ".join(pod_name(job.name, create.attempt, r, len(create.placed)) for r in range(len(create.placed)))
+    message = (f"not every pod of attempt {create.attempt + 1} ({made}) could be created; the missing ones are "
+               f"created again on the same nodes: {error[:800]}")
+    b.set("message", message)
+    b.condition("Created", "False", "PodCreateFailed", message)
+    patch = b.patch()
+    return Decision(((PatchStatus(patch),) if patch else ()) + tuple(b.events()))
+
+
+def rest(status: Mapping[str, Any], pods: Sequence[PodView], nodes: int,
+         architecture: ModelArchitecture | None) -> CreateAttempt | DeletePods:
+    """What to do with an attempt whose pods are not all there and that is not recorded as the current one (none
+    of its pods ended: no failure). With the nodes and plan `unfinished` recorded for it, create its missing pods
+    on their nodes (its existing pods are kept); else (a reconcile stopped between its creates, before it
+    recorded anything) delete its pods: the next attempt is created whole."""
+    attempt, placed = pods[0].attempt, list(status.get("nodes") or [])
+    known = int(status.get("attempts") or 0) == attempt + 1 and len(placed) == nodes and status.get("plan")
+    if known and not any(p.node_rank >= nodes or (p.node and p.node != placed[p.node_rank]) for p in pods):
+        try:
+            plan, missing = Plan.model_validate(status["plan"]), set(range(nodes)) - {p.node_rank for p in pods}
+            return CreateAttempt(attempt, placed[0], plan, architecture, tuple(placed), tuple(sorted(missing)))
+        except ValidationError:
+            pass
+    return DeletePods(tuple(p.name for p in pods), f"attempt {attempt + 1} was not created whole "
+                                                   f"({len(pods)} of {nodes} pods)")

@@ -252,22 +252,15 @@ def _failures(run: _Run) -> list[str]:
     known = list(run.b.get("failedPods") or [])
     expected = _expected(run)
     multi = len(expected) > 1 or bool(run.job.spec and run.job.spec.resources.nodes > 1)
-    # One failure per attempt of a multi-node job: its other pods, ending with it or deleted for it, are no
-    # further failures.
-    done = {attempt_of(run.job.name, n) for n in known} if multi else set()
     by_name = {p.name: p for p in run.pods}
-    new: list[str] = []
-    message = ""
-    for pod in sorted(run.pods, key=lambda p: (p.attempt, p.node_rank)):
-        if pod.name in known or pod.attempt in done:
-            continue
-        # A pod we deleted ourselves (suspend) is not the current attempt and is no failure.
-        ours_deleted = pod.deleting and pod.name not in expected
-        if (pod.phase == "Failed" and not ours_deleted) or (pod.deleting and not pod.terminal and not ours_deleted):
-            new.append(pod.name)
-            message = pod.describe_gang_failure() if multi else pod.describe_failure()
-            if multi:
-                done.add(pod.attempt)
+    # One failure per attempt of a multi-node job: its other pods, ending with it or deleted for it, are no
+    # further failures; nor is a pod we deleted ourselves (suspend), which is not the current attempt.
+    done = {attempt_of(run.job.name, n) for n in known} if multi else set()
+    ended = [p for p in run.pods if p.name not in known and p.attempt not in done
+             and (p.phase == "Failed" or p.deleting and not p.terminal) and not (p.deleting and p.name not in expected)]
+    blamed = gang.blame(ended) if multi else [(p, p.describe_failure()) for p in sorted(ended, key=lambda p: p.attempt)]
+    new, message = [p.name for p, _ in blamed], (blamed[-1][1] if blamed else "")
+    done |= {p.attempt for p, _ in blamed} if multi else set()
     nodes = run.b.get("nodes") or []
     for rank, name in enumerate(expected):
         if name in by_name or name in known or name in new or attempt_of(run.job.name, name) in done:
@@ -317,14 +310,16 @@ def _track_gang(run: _Run, pods: list[PodView], failures: list[str]) -> Decision
     assert job.spec is not None
     nodes = job.spec.resources.nodes
     pods = sorted(pods, key=lambda p: p.node_rank)
-    attempt = pods[0].attempt
-    first = pod_name(job.name, attempt, 0, nodes)
+    first = pod_name(job.name, pods[0].attempt, 0, nodes)
     if b.get("activePod") != first:
-        if {p.node_rank for p in pods} != set(range(nodes)):
-            # Created by a reconcile that stopped before it recorded the attempt: not a failure (no pod of
-            # it ended), but not a gang either. Its pods are deleted; the next attempt is created whole.
-            run.actions.append(DeletePods(tuple(p.name for p in pods), f"attempt {attempt + 1} was not created "
-                                                                        f"whole ({len(pods)} of {nodes} pods)"))
+        if {p.node_rank for p in pods} != set(range(nodes)):  # created in part (gang.rest): the rest, or anew
+            shape = _shape(run)
+            if isinstance(shape, Decision):
+                return shape
+            rest = gang.rest(job.status, pods, nodes, shape[1])
+            if isinstance(rest, CreateAttempt):
+                return _create(run, failures, rest, f"completing attempt {pods[0].attempt + 1}, created in part")
+            run.actions.append(rest)
             run.requeue.append(1.0)
             return run.done()
         b.set("activePod", first)  # adopted after a restart between create and status patch
@@ -371,7 +366,7 @@ def _track(run: _Run, pod: PodView, failures: list[str]) -> Decision:
 
 def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: LifecyclePolicy,
                    spec: FineTuneJobSpec, architecture: ModelArchitecture | None) -> Decision:
-    job, b = run.job, run.b
+    b = run.b
     limit = spec.run_policy.backoff_limit
     retrying = _retrying(run, failures)
     if retrying:
@@ -402,26 +397,30 @@ def _start_attempt(run: _Run, failures: list[str], place: Placer, policy: Lifecy
         return run.done()
 
     assert placement.node is not None and placement.plan is not None
-    attempt = _next_attempt(b.get("attempts"), run.pods)
     placed = placement.nodes if spec.resources.nodes > 1 else ()
     assert len(placed) == spec.resources.nodes or not placed, "the placement chose one node per node rank"
-    name = pod_name(job.name, attempt, 0, len(placed))
-    run.actions.append(CreateAttempt(attempt, placement.node, placement.plan, architecture, placed))
-    if placed:
-        made = ", ".join(f"{pod_name(job.name, attempt, r, len(placed))} for node {n}" for r, n in enumerate(placed))
-        message = f"created pods {made}: {placement.message}"
-    else:
-        message = f"created pod {name} for node {placement.node}: {placement.message}"
-    b.set("node", placement.node)
+    b.set("workers", None)  # the last attempt's pods' reports, until this one's pods report
+    return _create(run, failures, CreateAttempt(_next_attempt(b.get("attempts"), run.pods), placement.node,
+                                                placement.plan, architecture, placed), placement.message)
+
+
+def _create(run: _Run, failures: list[str], create: CreateAttempt, why: str) -> Decision:
+    """Create the attempt's pods and record it as the current one (the reconciler patches status after the pods)."""
+    job, b = run.job, run.b
+    placed, attempt = create.nodes, create.attempt
+    run.actions.append(create)
+    made = ", ".join(f"{pod_name(job.name, attempt, r, len(placed))} for node {n}" for r, n in create.creates)
+    message = f"created pod{'s' if len(create.creates) > 1 else ''} {made}: {why}"
+    b.set("node", create.node)
     b.set("nodes", list(placed) if placed else None)
-    b.set("plan", placement.plan.model_dump(mode="json"))
+    b.set("plan", create.plan.model_dump(mode="json"))
     b.set("attempts", attempt + 1)
-    b.set("activePod", name)
+    b.set("activePod", pod_name(job.name, attempt, 0, len(placed)))
     b.set("restarts", len(failures))
     b.set("shortfalls", None)
     if b.get("startTime") is None:
         b.set("startTime", b.now_str)
-    if not retrying:
+    if not _retrying(run, failures):
         b.phase("Created", message)
     # The first pod's event comes with the Created condition; a later one's (a retry, or the pod after an
     # unsuspend) needs its own, as the condition stays True.

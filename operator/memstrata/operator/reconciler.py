@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
 from memstrata.api.finetunejob import FineTuneJobSpec
-from memstrata.operator import children, names, render
+from memstrata.operator import children, gang, names, render
 from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, Decision, DeleteJob, DeletePods, Event,
     PatchStatus,
@@ -295,8 +295,14 @@ class Reconciler:
                     for n in action.names:
                         self._assumed.pop(f"{job.namespace}/{n}", None)
                 elif isinstance(action, CreateAttempt):
-                    await children.create_attempt(self.kube, job, action, self.report_interval_seconds,
-                                                  self.pod_security)
+                    try:
+                        await children.create_attempt(self.kube, job, action, self.report_interval_seconds,
+                                                      self.pod_security)
+                    except children.PartlyCreated as exc:
+                        if finalizer is not None:  # the record's fresh read must see our finalizer write
+                            await asyncio.wait([finalizer])
+                        await self._record_unfinished(job, action, exc)
+                        raise
                 elif isinstance(action, CreateInspection):
                     await children.create_inspection(self.kube, job, self.pod_security)
                 elif isinstance(action, PatchStatus):
@@ -316,6 +322,17 @@ class Reconciler:
         finally:
             if finalizer is not None:
                 await finalizer
+
+    async def _record_unfinished(self, job: JobView, create: CreateAttempt, exc: Exception) -> None:
+        """Some pods of a multi-node attempt may exist, others not: record its nodes and plan and why, on a fresh
+        read, so that the next reconcile creates the missing pods of this attempt (gang.rest) rather than delete
+        them all and start another that fails alike. The error still fails the reconcile (event, backoff)."""
+        try:
+            fresh = job_view(await self.kube.get(api_path(API_VERSION, PLURAL, job.namespace, job.name)))
+            if fresh.uid == job.uid:
+                await self.apply(fresh, gang.unfinished(fresh, datetime.now(timezone.utc), create, str(exc)))
+        except Exception as record:  # noqa: BLE001 - the create's error is the one to report
+            log.warning("%s/%s: attempt %d not recorded: %s", job.namespace, job.name, create.attempt, record)
 
     async def _add_finalizer(self, job: JobView) -> str:
         """Add our finalizer; the job's resourceVersion after it."""
@@ -371,9 +388,8 @@ class Reconciler:
 
 def _pod_keys(namespace: str, job: str, create: CreateAttempt) -> list[tuple[str, str]]:
     """(namespace/name, node) of each pod the attempt creates."""
-    placed = create.placed
-    return [(f"{namespace}/{names.pod_name(job, create.attempt, r, len(placed))}", node)
-            for r, node in enumerate(placed)]
+    return [(f"{namespace}/{names.pod_name(job, create.attempt, r, len(create.placed))}", node)
+            for r, node in create.creates]
 
 
 def holds_resources(pod: Mapping[str, Any]) -> bool:
