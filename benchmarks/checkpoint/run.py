@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "benchmarks" / "checkpoint" / "worker.py"
 RESULTS = REPO / "benchmarks" / "results"
 sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
-from machine import machine  # noqa: E402
+from record import machine, write_results  # noqa: E402
 
 # The DRAM budgets of benchmarks/plan/memory.py: the weights and the optimizer state go to the NVMe stratum
 # (memstrata keeps part of the fp32 master weights in its DRAM cache), as a job that needs offloading has.
@@ -352,14 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         if m["memstrata"].get("ok") and m["deepspeed"].get("ok"):
             m["ratios"] = ratios(m["memstrata"], m["deepspeed"])
         results["models"][preset] = m
-    results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results["total_seconds"] = time.perf_counter() - t0
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    table = render(results)
-    (RESULTS / f"{args.name}.md").write_text(table)
-    print(table, end="")
-    print(f"wrote {RESULTS / (args.name + '.json')} and .md in {results['total_seconds'] / 60:.1f} min")
+    write_results(results, RESULTS, args.name, render, t0)
     return 0
 
 

@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
-from machine import machine  # noqa: E402
+from record import machine, write_results  # noqa: E402
 
 ENGINES = ("memstrata", "deepspeed")
 LAYOUTS = ((1, 2), (2, 1))  # (ranks per node, gradient accumulation): the same global batch of 2 sequences
@@ -253,14 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         if (e.get("1") or {}).get("ok") and (e.get("2") or {}).get("ok"):
             e["ratio"] = compare(e["1"], e["2"])
         results["engines"][engine] = e
-    results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results["total_seconds"] = time.perf_counter() - t0
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    table = render(results)
-    (RESULTS / f"{args.name}.md").write_text(table)
-    print(table, end="")
-    print(f"wrote {RESULTS / (args.name + '.json')} and .md in {results['total_seconds'] / 60:.1f} min")
+    write_results(results, RESULTS, args.name, render, t0)
     return 0
 
 
