@@ -97,7 +97,7 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                  "bytesLive": 40 << 20, "bytesLivePeak": 48 << 20, "extentsLive": 12,
                  "byKind": {"optimizer": {"written": 500 << 20, "read": 450 << 20},
                             "param": {"written": 200 << 20, "read": 200 << 20}},
-                 "ioTokenWaitSeconds": 0.25},
+                 "ioTokenWaitSeconds": 0.25, "ioTokenBypasses": 0},
         "dram": {"lockedBytes": 96 << 20, "lockedPeakInUse": 64 << 20, "trimmedBytes": 0,
                  "optimizerCacheBytes": 12 << 20, "optimizerCacheHits": 7, "subGroupOrders": [[0, 1], [1, 0]],
                  "gradients": None, "vmLockedBytes": 96 << 20},
