@@ -77,8 +77,6 @@ def _state(model: "PreTrainedModel") -> Iterator[tuple[Any, list[tuple[str, "tor
 
 def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int:
     """Gather, copy, release - module by module; returns the bytes written."""
-    import deepspeed
-    import torch
     from safetensors.torch import save_file
 
     current = _Shard({})
@@ -91,17 +89,15 @@ def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int
         save_file(current.tensors, str(path), metadata={"format": "pt"})
         written.append(path)
 
-    for module, own in _state(model):
-        params = [t for _, t in own if hasattr(t, "ds_id")]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
-            for name, tensor in own:
-                size = tensor.numel() * tensor.element_size()
-                if current.tensors and current.size + size > shard_size:
-                    flush()
-                    current = _Shard({})
-                current.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
-                current.size += size
-                names[name] = len(written) + 1
+    for own in _gathered(model):
+        for name, tensor in own:
+            size = tensor.numel() * tensor.element_size()
+            if current.tensors and current.size + size > shard_size:
+                flush()
+                current = _Shard({})
+            current.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            current.size += size
+            names[name] = len(written) + 1
     if current.tensors or not written:
         flush()
     total = len(written)
@@ -119,16 +115,22 @@ def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int
     return size
 
 
-def join_save(model: "PreTrainedModel") -> None:
-    """A rank other than 0 while rank 0 runs save_model: the same gathers (collectives under ZeRO-3), nothing
-    written."""
+def _gathered(model: "PreTrainedModel") -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    """Each module's own tensors (see _state), its ZeRO-3 partitions gathered whole while the caller holds them
+    and released before the next module's: every rank must walk this in step (the gathers are collectives)."""
     import deepspeed
     import torch
 
     for _, own in _state(model):
         with deepspeed.zero.GatheredParameters([t for _, t in own if hasattr(t, "ds_id")], modifier_rank=None), \
                 torch.no_grad():
-            pass
+            yield own
+
+
+def join_save(model: "PreTrainedModel") -> None:
+    """A rank other than 0 while rank 0 runs save_model: the same gathers, nothing written."""
+    for _ in _gathered(model):
+        pass
 
 
 def fsync_dir(path: Path) -> None:
