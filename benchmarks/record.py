@@ -8,6 +8,7 @@ from pathlib import Path
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -35,3 +36,43 @@ def write_results(results: dict[str, Any], directory: Path, name: str, render: C
     (directory / f"{name}.md").write_text(table)
     print(table, end="")
     print(f"wrote {directory / (name + '.json')} and .md in {results['total_seconds'] / 60:.1f} min")
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One benchmark process, run to its end: its exit status, stderr, wall time and its tree's peak RSS."""
+
+    returncode: int
+    err: str
+    wall_seconds: float
+    tree_peak_rss_bytes: int
+
+    def error(self) -> str:
+        """The last lines of what it said that are not DeepSpeed's warnings (or its exit status)."""
+        tail = [ln for ln in self.err.splitlines() if ln.strip() and "WARNING" not in ln][-15:]
+        return "\n".join(tail) or f"exit status {self.returncode}"
+
+
+def run_watched(cmd: list[str], repo: Path, timeout: float) -> Watched:
+    """Run `cmd` on the CPU from `repo` with its sources on the path, the RSS of its whole process tree sampled
+    every 20 ms from outside; past `timeout` it is asked to stop (a torch elastic agent passes SIGTERM on to its
+    workers), then killed."""
+    from memstrata.runtime.train.memwatch import MemWatch
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
+           "PYTHONPATH": f"{repo / 'runtime'}:{repo / 'operator'}:" + os.environ.get("PYTHONPATH", "")}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watch = MemWatch(None, interval=0.02, root_pid=proc.pid).start()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        err = f"timed out after {timeout:.0f} s\n{err}"
+    watch.stop()
+    return Watched(proc.returncode, err, time.perf_counter() - t0, watch.peak_rss)

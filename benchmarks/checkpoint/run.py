@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "benchmarks" / "checkpoint" / "worker.py"
 RESULTS = REPO / "benchmarks" / "results"
 sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
-from record import machine, write_results  # noqa: E402
+from record import machine, run_watched, write_results  # noqa: E402
 
 # The DRAM budgets of benchmarks/plan/memory.py: the weights and the optimizer state go to the NVMe stratum
 # (memstrata keeps part of the fp32 master weights in its DRAM cache), as a job that needs offloading has.
@@ -63,29 +62,14 @@ def dir_files(path: Path) -> list[dict[str, Any]]:
 
 
 def worker(job: Path, nvme: Path, out: Path, *, resume: bool, timeout: float, extra: list[str]) -> dict[str, Any]:
-    from memstrata.runtime.train.memwatch import MemWatch
-
     cmd = [sys.executable, str(WORKER), "--job", str(job), "--scratch", str(nvme), "--out", str(out), *extra]
     if resume:
         cmd.append("--resume")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
-           "PYTHONPATH": f"{REPO / 'runtime'}:{REPO / 'operator'}:" + os.environ.get("PYTHONPATH", "")}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watch = MemWatch(None, interval=0.02, root_pid=proc.pid).start()  # the whole tree, from outside
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        err = f"timed out after {timeout:.0f} s\n{err}"
-    watch.stop()
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0 or not out.exists():
-        tail = [ln for ln in err.splitlines() if ln.strip() and "WARNING" not in ln][-15:]
-        return {"ok": False, "error": "\n".join(tail), "wall_seconds": wall}
-    return {"ok": True, **json.loads(out.read_text()), "process_wall_seconds": wall,
-            "tree_peak_rss_bytes": watch.peak_rss}
+    run = run_watched(cmd, REPO, timeout)
+    if run.returncode != 0 or not out.exists():
+        return {"ok": False, "error": run.error(), "wall_seconds": run.wall_seconds}
+    return {"ok": True, **json.loads(out.read_text()), "process_wall_seconds": run.wall_seconds,
+            "tree_peak_rss_bytes": run.tree_peak_rss_bytes}
 
 
 def run_pair(preset: str, engine: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:

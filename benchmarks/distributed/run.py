@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
-from record import machine, write_results  # noqa: E402
+from record import machine, run_watched, write_results  # noqa: E402
 
 ENGINES = ("memstrata", "deepspeed")
 LAYOUTS = ((1, 2), (2, 1))  # (ranks per node, gradient accumulation): the same global batch of 2 sequences
@@ -63,32 +62,13 @@ spec:
 
 def memstrata_run(job: Path, nvme: Path, report: Path, timeout: float) -> dict[str, Any]:
     """`memstrata run JOB --report-json REPORT`, its whole process tree's peak RSS watched from outside."""
-    from memstrata.runtime.train.memwatch import MemWatch
-
     cmd = [sys.executable, "-m", "memstrata.cli", "run", str(job), "--nvme-path", str(nvme),
            "--report-json", str(report)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
-           "PYTHONPATH": f"{REPO / 'runtime'}:{REPO / 'operator'}:" + os.environ.get("PYTHONPATH", "")}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watch = MemWatch(None, interval=0.02, root_pid=proc.pid).start()
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the agent passes SIGTERM on to its workers
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        err = f"timed out after {timeout:.0f} s\n{err}"
-    watch.stop()
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0 or not report.exists():
-        tail = [ln for ln in err.splitlines() if ln.strip() and "WARNING" not in ln][-15:]
-        return {"ok": False, "error": "\n".join(tail) or f"exit status {proc.returncode}", "wall_seconds": wall}
-    return {"ok": True, "report": json.loads(report.read_text()), "wall_seconds": wall,
-            "tree_peak_rss_bytes": watch.peak_rss}
+    run = run_watched(cmd, REPO, timeout)
+    if run.returncode != 0 or not report.exists():
+        return {"ok": False, "error": run.error(), "wall_seconds": run.wall_seconds}
+    return {"ok": True, "report": json.loads(report.read_text()), "wall_seconds": run.wall_seconds,
+            "tree_peak_rss_bytes": run.tree_peak_rss_bytes}
 
 
 def plan_of(job: Path, nvme: Path) -> dict[str, Any]:
