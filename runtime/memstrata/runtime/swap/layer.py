@@ -52,6 +52,24 @@ class SwapSettings(BaseModel):
         1, ge=0, description="Optimizer sub-groups (per rank) whose state stays in DRAM across steps. A run from a "
                              "plan sets it from the plan's DRAM bytes for optimizer state "
                              "(memstrata.runtime.swap.stratamap.cache_subgroups); 1 is the least a plan gives.")
+    resident_state_bytes: int | None = Field(
+        None, ge=0,
+        description="Optimizer state (fp32 master + Adam moments, 12 B per element) per rank kept in DRAM for good: "
+                    "whole sub-groups, as many as fit, are never swappable, so they own no NVMe extent and move no "
+                    "byte per step; the rest streams through NVMe. A run from a plan sets it from the plan's DRAM "
+                    "bytes for master + optimizer (memstrata.runtime.swap.stratamap); None: none (unplanned use).")
+    resident_weight_bytes: int | None = Field(
+        None, ge=0,
+        description="16-bit parameter partitions per rank kept in DRAM when the weights are offloaded to NVMe: "
+                    "parameters are kept, in construction order, while they fit; the rest live on NVMe. None: "
+                    "every swappable parameter goes to NVMe.")
+    no_nvme: bool = Field(
+        False, description="The plan puts nothing on NVMe: open no namespace at all; a swap request is then an "
+                           "error naming the plan, never a silent file.")
+    prefetch_subgroups: int = Field(
+        1, ge=0, le=4,
+        description="Optimizer sub-groups read ahead of the one being updated (the update pipelined: read of i+1, "
+                    "Adam on i, write-back of i-1 overlap); 0 reads each one when it is needed.")
     min_swap_bytes: int = Field(64 << 10, ge=4096, description="Smaller tensors stay in DRAM (DeepSpeed: 1 MiB).")
     param_staging_bytes: int = Field(256 << 20, ge=0,
                                      description="Locked bytes the parameter prefetcher may fill ahead of use.")
@@ -149,6 +167,10 @@ class SwapLayer:
         self.param_bytes_in_use = 0
         self.cache_bytes = 0
         self.cache_hits = 0
+        self.resident_state_bytes = 0  # set once ZeRO-3 has built its sub-groups (memstrata.runtime.swap.resident)
+        self.resident_subgroups = 0
+        self.resident_weight_bytes = 0  # grown by the parameter swapper as it keeps partitions in DRAM
+        self.prefetch_hits = 0  # counted by the optimizer swapper's read-ahead
         self.overflow_checks = 0
         self.trimmed_bytes = 0
         self.subgroup_order: Any = None  # memstrata.runtime.swap.suborder.SubGroupOrder, once installed
@@ -217,6 +239,10 @@ class SwapLayer:
                 trimmed_bytes=self.trimmed_bytes,
                 optimizer_cache_bytes=self.cache_bytes,
                 optimizer_cache_hits=self.cache_hits,
+                resident_state_bytes=self.resident_state_bytes,
+                resident_subgroups=self.resident_subgroups,
+                resident_weight_bytes=self.resident_weight_bytes,
+                prefetch_hits=self.prefetch_hits,
                 sub_group_orders=order.history[-8:] if order is not None else [],
                 gradients=self.dram_gradients.status() if self.dram_gradients is not None else None,
                 vm_locked_bytes=vm_locked_bytes(),

@@ -51,6 +51,13 @@ class DramStatus(_Status):
     locked_peak_in_use: int
     trimmed_bytes: int = Field(description="Given back after updates, in all.")
     optimizer_cache_bytes: int
+    resident_state_bytes: int = Field(0, description="Optimizer state of the sub-groups kept in DRAM for good "
+                                                     "(never on NVMe), fp32 master + moments.")
+    resident_subgroups: int = Field(0, description="How many sub-groups those are.")
+    resident_weight_bytes: int = Field(0, description="16-bit parameter partitions kept in DRAM although the "
+                                                      "weights are offloaded to NVMe.")
+    prefetch_hits: int = Field(0, description="Sub-group reads that were already in flight when the update "
+                                              "reached them (the pipelined update).")
     optimizer_cache_hits: int
     sub_group_orders: list[list[int]] = Field(description="Update order of the last walks (at most 8).")
     gradients: GradientStatus | None = Field(description="None: gradients are not kept in DRAM by memstrata.")
