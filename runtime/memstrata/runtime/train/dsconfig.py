@@ -73,6 +73,19 @@ def deepspeed_swap_refusal(plan: Plan, engine: str, *, granted: Sequence[str], s
     return None
 
 
+def offload_devices(plan: Plan) -> tuple[str, str]:
+    """(offload_param.device, offload_optimizer.device) of a run of `plan`.
+
+    Stock DeepSpeed offloads a whole group to one device, so a group with any byte on NVMe goes there whole.
+    memstrata's engine honours the plan per byte instead: its optimizer swapper keeps the sub-groups the plan
+    puts in DRAM resident there for good and streams only the rest, so it always manages the optimizer state
+    (device nvme, even when nothing spills: then no namespace is opened at all), and its parameter swapper keeps
+    the plan's DRAM share of the weights resident, so the weights go through it only when some of them spill."""
+    param = plan.offload_device("weights")
+    optimizer = "nvme" if plan.engine == "memstrata" else plan.offload_device("master", "optimizer")
+    return param, optimizer
+
+
 # What DeepSpeed builds when a key is absent: the optimizer state is always offloaded here, so its AdamW is
 # DeepSpeedCPUAdam, whose defaults these are.
 CPU_ADAM_DEFAULTS: dict[str, Any] = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
@@ -104,8 +117,7 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         settings.append(Setting(key=key, value=value, default=default, why=why))
         return value
 
-    param_dev = plan.offload_device("weights")
-    optim_dev = plan.offload_device("master", "optimizer")
+    param_dev, optim_dev = offload_devices(plan)
     largest = largest_param(arch)
     tensors = param_tensors(arch)
     # torch's pin_memory() needs an accelerator; on a CPU-only node it raises.
