@@ -1,4 +1,4 @@
-"""The swap layer's settings from the plan: the DRAM cache and the namespace sizes follow `memory.dramBudget`,
+"""The swap layer's settings from the plan: resident state and the namespace sizes follow `memory.dramBudget`,
 and the device plugin's env names the namespaces and CXL nodes where there is one."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from memstrata.api.inventory import NodeInventory, NumaNode, NvmeNamespace
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan
 from memstrata.plan import JobShape, plan_for_node, plan_job
 from memstrata.runtime.swap.layer import SwapSettings
+from memstrata.plan.stock import align_elements, largest_param
 from memstrata.runtime.swap.stratamap import create_file_namespaces, subgroup_state_bytes, swap_settings
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -41,47 +42,47 @@ def _on(plan: Plan, stratum: str, *categories: str) -> int:
     return sum(plan.category(c).on(stratum) for c in categories)
 
 
-def test_a_larger_dram_budget_gives_a_larger_cache_and_smaller_namespaces(tmp_path: Path) -> None:
-    low, mid, high = (_budget_plan(b) for b in (160, 336, 384))
-    # 160 MiB: the Adam moments and the weights all on NVMe; 336: most of the moments in DRAM;
-    # 384: the whole optimizer state in DRAM and only the weights left on NVMe.
-    assert _on(low, "dram", "optimizer") == 0 and _on(mid, "nvme", "optimizer") > 0
-    assert _on(high, "nvme", "master", "optimizer") == 0 and _on(high, "nvme", "weights") > 0
-    got = {name: swap_settings(p, ARCH, job="j", run_dir=tmp_path, env={})
-           for name, p in (("low", low), ("mid", mid), ("high", high))}
-    cache = {k: s.settings.cache_subgroups for k, s in got.items()}
-    assert cache == {"low": 1, "mid": 4, "high": 6}
-    sizes = {k: s.file_bytes for k, s in got.items()}
-    # Partly cached optimizer state still owns its NVMe extents, so the namespace only shrinks once
-    # the whole group has left NVMe.
-    assert sizes["low"] == sizes["mid"] > sizes["high"] + 250 * MiB
-    for name, plan in (("mid", mid), ("high", high)):
-        # Never more cached than the plan gave the optimizer state in DRAM.
-        assert cache[name] * subgroup_state_bytes(ARCH) <= _on(plan, "dram", "master", "optimizer")
+def test_a_larger_dram_budget_keeps_more_state_resident_and_shrinks_the_namespaces(tmp_path: Path) -> None:
+    plans = [_budget_plan(b) for b in (160, 336, 384, 2048)]
+    got = [swap_settings(p, ARCH, job="j", run_dir=tmp_path, env={}) for p in plans]
+    resident = [s.settings.resident_state_bytes for s in got]
+    # The plan's DRAM bytes for master + moments are what the runtime keeps resident, byte for byte.
+    assert resident == [_on(p, "dram", "master", "optimizer") for p in plans]
+    assert resident[0] < resident[1] < resident[2] and all(s.settings.cache_subgroups == 1 for s in got)
+    # Only what spills sizes the stratum: each larger budget gives smaller namespaces, the last none at all.
+    sizes = [s.file_bytes for s in got[:3]]
+    assert sizes[0] > sizes[1] > sizes[2] > 0
+    assert got[3].settings.no_nvme and got[3].settings.nvme == [] and got[3].file_namespaces == []
+    assert plans[3].bytes_on("nvme") == 0 and plans[3].nvme_namespaces == []
 
 
-def test_namespace_sizes_are_the_plans_nvme_groups_plus_the_stated_slack(tmp_path: Path) -> None:
+def test_namespace_sizes_are_the_plans_nvme_bytes_plus_the_stated_slack(tmp_path: Path) -> None:
     plan = _budget_plan(336)
-    whole = sum(plan.category(c).bytes for c in ("master", "optimizer", "weights"))
-    assert plan.bytes_on("nvme") < whole  # the DRAM share of the moments is a cache, not a hole in the stratum
+    spilled = plan.bytes_on("nvme")
+    assert 0 < spilled < sum(plan.category(c).bytes for c in ("master", "optimizer", "weights"))
+    # One sub-group of state and one 16-bit tensor of slack: whole sub-groups and tensors are kept resident.
+    nvme = spilled + subgroup_state_bytes(ARCH) + align_elements(largest_param(ARCH)) * 4
     extents = 5 * 100  # the GPT-2 model's 100 parameter tensors: one extent each, and at most 4 per sub-group
     one = swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env={})
-    assert one.file_bytes == -(-(MiB + whole + extents * 4096) // MiB) * MiB
+    assert one.file_bytes == -(-(MiB + nvme + extents * 4096) // MiB) * MiB
     two = swap_settings(plan.model_copy(update={"nvme_namespaces": ["/a", "/b"]}), ARCH, job="j", run_dir=tmp_path,
                         env={})
     assert two.file_namespaces == [str(tmp_path / "nvme0.img"), str(tmp_path / "nvme1.img")]
     # Striped: half each, and per extent up to two stripe units more on the first namespace.
-    assert two.file_bytes == -(-(MiB + -(-whole // 2) + extents * (4096 + 2 * MiB)) // MiB) * MiB
+    assert two.file_bytes == -(-(MiB + -(-nvme // 2) + extents * (4096 + 2 * MiB)) // MiB) * MiB
 
 
-def test_the_default_demo_keeps_the_cache_it_always_had(tmp_path: Path) -> None:
+def test_the_default_demo_streams_part_of_the_optimizer_state(tmp_path: Path) -> None:
     job = load_job(REPO / "examples" / "finetune-tiny.yaml")
     node = NODE.model_copy(update={"numa_nodes": [NumaNode(id=0, cpus=[0, 1], memory_bytes=8 * GiB)]})
     plan = plan_job(job.spec, node)
-    assert _on(plan, "nvme", "optimizer", "weights") > 0
+    assert _on(plan, "nvme", "master", "optimizer") > 0 and _on(plan, "nvme", "weights") == 0
     strata = swap_settings(plan, PRESETS["gpt-tiny"], job="j", run_dir=tmp_path, env={})
     assert strata.settings.cache_subgroups == SwapSettings().cache_subgroups == 1
-    assert strata.file_bytes >= MiB + 14 * plan.parameters  # bf16 weights + fp32 master + 2 moments, whole
+    assert strata.settings.resident_state_bytes == _on(plan, "dram", "master", "optimizer")
+    assert strata.settings.resident_weight_bytes is None  # the weights do not spill: no parameter swapper
+    assert strata.settings.prefetch_subgroups == plan.optimizer_read_ahead
+    assert strata.file_bytes >= MiB + plan.bytes_on("nvme")
 
 
 def test_local_run_gets_one_sparse_file_namespace_per_plan_namespace(tmp_path: Path) -> None:
@@ -97,20 +98,20 @@ def test_local_run_gets_one_sparse_file_namespace_per_plan_namespace(tmp_path: P
         create_file_namespaces(strata)  # never reuses (or truncates) a file it did not just create
 
 
-def test_device_plugin_env_wins_over_the_plan_and_the_cache_still_follows_it(tmp_path: Path) -> None:
+def test_device_plugin_env_wins_over_the_plan_and_the_budget_still_follows_it(tmp_path: Path) -> None:
     env = {"MEMSTRATA_NVME_DEVICES": "/dev/nvme1n1,/dev/nvme2n1", "MEMSTRATA_CXL_NODES": "3,4"}
-    strata = swap_settings(_budget_plan(336).model_copy(update={"cxl_nodes": [2]}), ARCH, job="j", run_dir=tmp_path,
-                           env=env)
+    plan = _budget_plan(336)
+    strata = swap_settings(plan.model_copy(update={"cxl_nodes": [2]}), ARCH, job="j", run_dir=tmp_path, env=env)
     assert strata.source == "device-plugin" and strata.file_namespaces == []
     assert strata.settings.nvme == ["/dev/nvme1n1", "/dev/nvme2n1"] and strata.settings.cxl_nodes == [3, 4]
-    assert strata.settings.cache_subgroups == 4
+    assert strata.settings.resident_state_bytes == _on(plan, "dram", "master", "optimizer") > 0
 
 
 def test_bad_plans_and_env_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="MEMSTRATA_CXL_NODES='a,b'"):
         swap_settings(_plan(["/s"]), ARCH, job="j", run_dir=tmp_path, env={"MEMSTRATA_CXL_NODES": "a,b"})
-    with pytest.raises(ValueError, match="plan.nvme_namespaces is empty and MEMSTRATA_NVME_DEVICES is not set"):
-        swap_settings(_plan([]), ARCH, job="j", run_dir=tmp_path, env={})
+    # Nothing on NVMe and no namespace: an all-DRAM run, not an error.
+    assert swap_settings(_plan([]), ARCH, job="j", run_dir=tmp_path, env={}).settings.no_nvme
     on_nvme = [CategoryPlan(category="optimizer", description="", bytes=3 * MiB,
                             placement=[Allocation(stratum="nvme", bytes=3 * MiB)])]
     with pytest.raises(ValueError, match=r"plan.nvme_namespaces is empty but plan.categories place 3.0 MiB on nvme"):

@@ -59,18 +59,18 @@ def _small_node(dram: int, *, gpus: int = 1, cxl: int = 0, nvme: list[int] = ())
 
 
 def test_impossible_job_names_each_shortfall_in_bytes() -> None:
-    """8B, bf16, seq 4096, 100 GiB DRAM (107,374,182,400 B, no reserve), no CXL, no NVMe:
-    model build 218,112,000*2 + 525,336,576*4 = 2,537,570,304 -> 104,836,612,096 left;
-    gradients 16,060,522,496 -> 88,776,089,600 left; checkpoints 32*4096*4096*2 = 1,073,741,824
-    -> 87,702,347,776; master 32,121,044,992 -> 55,581,302,784 left; moments need 64,242,089,984:
-    short 8,660,787,200; weights 16,060,522,496 short."""
+    """8B, bf16, seq 4096, 100 GiB DRAM (107,374,182,400 B, no reserve), no CXL, no NVMe, memstrata's engine
+    (weights claim DRAM before the optimizer state): model build 218,112,000*2 + 525,336,576*4 = 2,537,570,304
+    -> 104,836,612,096 left; gradients 16,060,522,496 -> 88,776,089,600 left; checkpoints 32*4096*4096*2 =
+    1,073,741,824 -> 87,702,347,776; weights 16,060,522,496 -> 71,641,825,280; master 32,121,044,992 ->
+    39,520,780,288 left; moments need 64,242,089,984: short 24,721,309,696."""
     job = JobShape(model=PRESETS["llama3-8b"], sequence_length=4096, micro_batch=1, gpus=1, engine="memstrata")
     plan = plan_for_node(job, _small_node(100 * GiB),
                          MemoryPolicy(engine="memstrata", nvme_namespaces=0, dram_reserve_fraction=0))
     assert not plan.feasible
     missing = {(s.category, s.stratum): s.missing_bytes for s in plan.shortfalls}
-    assert missing == {("optimizer", "nvme"): 8_660_787_200, ("weights", "nvme"): 16_060_522_496}
-    assert "DRAM or NVMe: short by 8.1 GiB for Adam moments" in plan.verdict()
+    assert missing == {("optimizer", "nvme"): 24_721_309_696}
+    assert "DRAM or NVMe: short by 23.0 GiB for Adam moments" in plan.verdict()
 
 
 def test_hbm_too_small_for_working_set_says_what_to_change() -> None:
@@ -107,9 +107,11 @@ def test_stock_deepspeed_gets_all_or_nothing_offload_and_no_cxl(cxl_node: NodeIn
 
 
 def test_dram_budget_spills_to_nvme() -> None:
-    """gpt-125m on the CPU under a 1 GiB budget (1,073,741,824 B). memstrata: pinned 275,734,528 ->
-    798,007,296 left; gradients 250,524,672, checkpoints 9,437,184 (12*512*768*2), master 501,049,344
-    -> 36,996,096 left for 1,002,098,688 B of moments: the rest and all weights spill to NVMe.
+    """gpt-125m on the CPU under a 1 GiB budget (1,073,741,824 B). memstrata: the weights fit in DRAM, so only
+    the optimizer state streams: pinned 3 sub-groups of one layer at 12 B = 255,172,608 -> 818,569,216 left;
+    gradients 250,524,672, checkpoints 9,437,184 (12*512*768*2), weights 250,524,672 -> 308,082,688 left for
+    the 1,503,148,032 B of master + moments, split as a sub-group holds them (4 of 12 bytes master):
+    master 102,694,229 and moments 205,388,459 in DRAM, the rest on NVMe.
     Stock DeepSpeed's pinned pools alone (1,854,406,656 B, see test_accounting) exceed the budget."""
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0)
     node = _small_node(64 * GiB, gpus=0, nvme=[100 * GiB])
@@ -117,12 +119,29 @@ def test_dram_budget_spills_to_nvme() -> None:
     assert roomy.bytes_on("nvme") == 0
     tight = plan_for_node(JobShape(**shape, engine="memstrata"), node, MemoryPolicy(engine="memstrata", dram_budget=GiB))
     assert tight.feasible, tight.verdict()
-    assert tight.category("optimizer").on("dram") == 36_996_096
-    assert tight.category("optimizer").on("nvme") == 1_002_098_688 - 36_996_096
-    assert tight.offload_device("weights") == "nvme"
+    assert tight.category("weights").on("dram") == 250_524_672 and tight.offload_device("weights") == "cpu"
+    assert tight.category("master").on("dram") == 102_694_229
+    assert tight.category("optimizer").on("dram") == 205_388_459
+    assert tight.category("optimizer").on("nvme") == 1_002_098_688 - 205_388_459
+    assert tight.bytes_on("dram") - tight.category("working").bytes - tight.category("build").bytes == GiB
     stock = plan_for_node(JobShape(**shape), node, MemoryPolicy(dram_budget=GiB))
     assert not stock.feasible
     assert "page-locked buffers of 1.7 GiB exceed the 1.0 GiB" in stock.verdict()
+
+
+def test_dram_budget_is_a_continuum_for_memstrata() -> None:
+    """Every budget from nothing to all of it: NVMe bytes only ever shrink as the budget grows, DRAM is used up to
+    the budget, and a budget that holds everything is an all-DRAM plan with no namespace."""
+    shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0, engine="memstrata")
+    node = _small_node(64 * GiB, gpus=0, nvme=[100 * GiB])
+    last_nvme = None
+    for budget in (3 * GiB // 4, GiB, 3 * GiB // 2, 2 * GiB, 3 * GiB):
+        plan = plan_for_node(JobShape(**shape), node, MemoryPolicy(engine="memstrata", dram_budget=budget))
+        assert plan.feasible, (budget, plan.verdict())
+        nvme = plan.bytes_on("nvme")
+        assert last_nvme is None or nvme < last_nvme or nvme == 0, (budget, nvme, last_nvme)
+        last_nvme = nvme
+    assert last_nvme == 0 and plan.nvme_namespaces == [] and "memstrata.dev/nvme-ns" not in plan.requests
 
 
 @pytest.mark.parametrize("sizes,count,want", [

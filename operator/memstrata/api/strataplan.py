@@ -59,6 +59,10 @@ class Plan(BaseModel):
     cxl_nodes: list[int] = []
     requests: dict[str, int] = Field(default_factory=dict, description="Extended resources the pod must request.")
     update_io_seconds: float = Field(0.0, description="Estimated NVMe time per optimizer step.")
+    optimizer_read_ahead: int = Field(
+        0, ge=0, description="Streamed optimizer sub-groups memstrata's update reads ahead of the one it updates "
+                             "(1: read of i+1, Adam on i and write-back of i-1 overlap, one more sub-group of locked "
+                             "buffers; 0 where the budget cannot spare that buffer).")
     # The job's shape across nodes: the plan is for ONE node of `nodes`, running `ranks_per_node` ranks;
     # ZeRO-3 partitions the model state over all `world_size` of them.
     nodes: int = Field(1, ge=1, description="Nodes of the job; this plan is for one of them.")

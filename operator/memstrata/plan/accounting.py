@@ -137,13 +137,19 @@ def build_transient(job: JobShape) -> int:
     return (m.layer_params() * job.weight_bytes + m.largest_tensor() * 4) * job.ranks
 
 
-def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool) -> int:
+def subgroup_bytes(job: JobShape) -> int:
+    """Locked bytes of one streamed optimizer sub-group in memstrata's update: min(layer, 2^27) elements at
+    12 B (fp32 master + 2 moments), page-rounded."""
+    return _pages(min(job.model.layer_params(), SUB_GROUP_CAP) * 12)
+
+
+def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool, read_ahead: int = 1) -> int:
     """Page-locked host staging for all ranks on the node.
 
     memstrata sizes its buffers from the model's shapes (exact size, 4 KiB aligned):
     per rank, parameters need two layers plus the largest tensor in flight, and
-    streamed optimizer state two sub-groups of min(layer, 2^27) elements at 12 B
-    each (fp32 master + 2 moments) — one being updated while the next is read.
+    streamed optimizer state 2 + `read_ahead` sub-groups of min(layer, 2^27) elements at
+    12 B each (fp32 master + 2 moments): being updated, being written back, and those read ahead.
 
     Stock DeepSpeed, run with the settings memstrata.runtime.train.dsconfig gives it, locks
     what memstrata.plan.stock.pinned_pool_bytes counts: buffer_count buffers of the
@@ -155,7 +161,7 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool)
         if params_on_nvme:
             per_rank += _pages(2 * m.layer_params() * w) + _pages(m.largest_tensor() * w)
         if optimizer_on_nvme:
-            per_rank += 2 * _pages(min(m.layer_params(), SUB_GROUP_CAP) * 12)
+            per_rank += (2 + read_ahead) * subgroup_bytes(job)
     else:
         per_rank = pinned_pool_bytes(m, w, params_on_nvme=params_on_nvme, optimizer_on_nvme=optimizer_on_nvme)
     return per_rank * job.ranks

@@ -31,6 +31,19 @@ PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+# memstrata's engine: the 16-bit weights are read twice a step (forward, backward) and written once, the
+# optimizer state read and written once, so a byte of weights kept in DRAM saves more I/O than a byte of state:
+# the weights claim DRAM first, then the state, whose split the runtime honours sub-group by sub-group.
+MEMSTRATA_PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
+    ("gradients", ("dram",)),
+    ("checkpoints", ("cxl", "dram")),
+    ("weights", ("cxl", "dram", "nvme")),
+    ("master", ("dram", "nvme")),
+    ("optimizer", ("dram", "nvme")),
+]
+# A resident sub-group keeps its fp32 master and its two moments together: 4 of every 12 bytes are master.
+MASTER_SHARE = (4, 12)
+
 NVME_NOTE = "NVMe namespaces"
 
 ShortFn = Callable[[str, str, int, str], None]
@@ -43,9 +56,20 @@ STOCK_GROUPS = {"master": ("master", "optimizer"), "optimizer": ("master", "opti
 
 def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
     """Assign each category of `job` to the strata of `node`, or say precisely what is missing."""
+    # memstrata's update reads one sub-group ahead, at the cost of one more sub-group of locked buffers; where
+    # that buffer is what stands between the job and a fit, it reads each one when it needs it instead.
+    plan = _settle(job, node, policy, read_ahead=1)
+    if not plan.feasible and job.engine == "memstrata":
+        serial = _settle(job, node, policy, read_ahead=0)
+        if serial.feasible:
+            return serial
+    return plan
+
+
+def _settle(job: JobShape, node: NodeInventory, policy: MemoryPolicy, read_ahead: int) -> Plan:
     spills = (False, False)
     for _ in range(3):  # pinned buffers grow once state spills to NVMe; settle in ≤ 3 passes
-        plan = _place(job, node, policy, *spills)
+        plan = _place(job, node, policy, *spills, read_ahead=read_ahead)
         now = (plan.category("weights").on("nvme") > 0,
                plan.category("optimizer").on("nvme") + plan.category("master").on("nvme") > 0)
         if now == spills:
@@ -54,7 +78,8 @@ def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> P
     return plan
 
 
-def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme: bool, optim_nvme: bool) -> Plan:
+def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme: bool, optim_nvme: bool, *,
+           read_ahead: int) -> Plan:
     shortfalls: list[Shortfall] = []
     ranks = job.ranks
 
@@ -119,7 +144,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         free["dram"] = policy.dram_budget
         detail["dram"] += f", memory.dramBudget {format_bytes(policy.dram_budget)}"
 
-    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme)
+    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme, read_ahead=read_ahead)
     if policy.pinned_memory_cap is not None and pinned > policy.pinned_memory_cap:
         short("dram", "pinned", pinned - policy.pinned_memory_cap,
               f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "
@@ -137,7 +162,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
 
     # --- model state, in preference order ---------------------------------------------------------
     sizes = category_bytes(job)
-    for name, preferred in PREFERENCES:
+    for name, preferred in (MEMSTRATA_PREFERENCES if job.engine == "memstrata" else PREFERENCES):
         allowed = preferred
         if job.engine == "deepspeed" and name in STOCK_GROUPS:
             allowed = _stock_stratum(name, preferred, sizes, categories, free)
@@ -154,7 +179,8 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
                   f"{where}: short by {format_bytes(need)} for {DESCRIPTIONS[name]} "
                   f"(needs {format_bytes(sizes[name])})")
         categories[name] = _cat(name, sizes[name], placed, ranks)
-
+    if job.engine == "memstrata":
+        _split_state_as_subgroups(categories, ranks)
 
     strata = [
         StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s], detail=detail.get(s, ""))
@@ -177,6 +203,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         cxl_nodes=cxl_nodes if requests["memstrata.dev/cxl-gib"] else [],
         requests={k: v for k, v in requests.items() if v},
         update_io_seconds=_update_io_seconds(categories, node, max(len(namespaces), 1)),
+        optimizer_read_ahead=read_ahead if job.engine == "memstrata" and optim_nvme else 0,
         nodes=job.nodes,
         ranks_per_node=ranks,
         world_size=job.world_size,
@@ -184,6 +211,24 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in STRATA},
         notes=notes,
     )
+
+
+def _split_state_as_subgroups(categories: dict[str, CategoryPlan], ranks: int) -> None:
+    """Re-split the DRAM and NVMe bytes of master + optimizer in the proportion a sub-group holds them (the
+    runtime keeps whole sub-groups resident, master and moments together), keeping each stratum's total."""
+    master, optimizer = categories["master"], categories["optimizer"]
+    dram = master.on("dram") + optimizer.on("dram")
+    nvme = master.on("nvme") + optimizer.on("nvme")
+    if not dram or not nvme:
+        return
+    num, den = MASTER_SHARE
+    master_dram = min(master.bytes, dram * num // den)
+    split = {"master": (master_dram, master.bytes - master_dram),
+             "optimizer": (dram - master_dram, optimizer.bytes - (dram - master_dram))}
+    for name, (in_dram, on_nvme) in split.items():
+        cat = categories[name]
+        placed = [Allocation(stratum=s, bytes=b) for s, b in (("dram", in_dram), ("nvme", on_nvme)) if b > 0]
+        categories[name] = _cat(name, cat.bytes, placed, ranks)
 
 
 def _cat(name: str, size: int, placement: list[Allocation], ranks: int) -> CategoryPlan:

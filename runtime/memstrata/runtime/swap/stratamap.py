@@ -9,18 +9,22 @@ sparse file-backed namespace per plan namespace inside the run's own
 directory, which is the rank's own (each rank has its own run directory, so
 two ranks never share a file).
 
-How much, both from the plan, so `memory.dramBudget` reaches the swap layer:
+How much, from the plan, so `memory.dramBudget` reaches the swap layer byte for byte:
 
-- DRAM cache. The plan's DRAM bytes for optimizer state (categories master +
-  optimizer on stratum dram) buy whole sub-groups of the DRAM cache: as many as
-  fit, counted at the largest size a sub-group can have (`subgroup_state_bytes`),
-  so the cache never holds more than the plan gave it. At least one, which is
-  what the layer always kept: the sub-group the next (reversed) step walks first.
-- Namespace sizes. DeepSpeed offloads per group (`STOCK_GROUPS`: the weights;
-  master + moments), so a group with any byte on NVMe lives there whole; the
-  plan's DRAM share of the optimizer state is a cache of sub-groups that keep
-  their NVMe extents (the cached set changes every step). Each namespace holds
-  an even share of those bytes plus the slack in `namespace_bytes`.
+- Optimizer state. The plan's DRAM bytes for optimizer state (categories master +
+  optimizer on stratum dram) become `resident_state_bytes`: that many bytes of whole
+  sub-groups stay in DRAM for good (memstrata.runtime.swap.resident) and only the rest
+  streams through NVMe. The rotating cache keeps its one sub-group (the one the next,
+  reversed, step walks first), which the plan counts with the locked buffers.
+- Weights. The plan's non-NVMe bytes for the 16-bit weights become
+  `resident_weight_bytes` when any of them spill: the parameter swapper keeps that
+  many in DRAM.
+- Nothing on NVMe: `no_nvme`, and the run opens no namespace at all.
+- Namespace sizes (local runs): stock DeepSpeed offloads per group (`STOCK_GROUPS`),
+  so for it a group with any byte on NVMe lives there whole; memstrata's engine puts
+  there only what the plan spills, plus one sub-group and one tensor of slack, because
+  whole sub-groups and tensors are what it keeps resident. Each namespace holds an
+  even share plus the slack in `namespace_bytes`.
 
 `swap_settings` is pure; `create_file_namespaces` is the one side effect.
 """
@@ -42,8 +46,8 @@ from memstrata.plan.assignment import STOCK_GROUPS
 from memstrata.plan.stock import align_elements, largest_param, param_tensors, sub_group_size
 from memstrata.runtime.swap.layer import SwapSettings
 
-__all__ = ["SwapStrata", "cache_subgroups", "create_file_namespaces", "namespace_bytes", "nvme_state_bytes",
-           "subgroup_state_bytes", "swap_settings"]
+__all__ = ["SwapStrata", "create_file_namespaces", "namespace_bytes", "nvme_state_bytes", "resident_state_bytes",
+           "resident_weight_bytes", "subgroup_state_bytes", "swap_settings"]
 
 OPTIMIZER_STATE = ("master", "optimizer")
 # What a cached sub-group keeps in DRAM per element: fp32 master weights and the two Adam moments.
@@ -80,15 +84,27 @@ def subgroup_state_bytes(arch: ModelArchitecture, ranks: int = 1) -> int:
     return align_elements(elements) * STATE_BYTES_PER_ELEMENT
 
 
-def cache_subgroups(plan: Plan, arch: ModelArchitecture, ranks: int = 1) -> int:
-    """Sub-groups each rank keeps in DRAM: as many whole ones as fit in the plan's DRAM bytes for optimizer
-    state (split evenly over the node's ranks), and never fewer than MIN_CACHE_SUBGROUPS."""
-    per_rank = _bytes(plan, OPTIMIZER_STATE, "dram") // max(ranks, 1)
-    return max(MIN_CACHE_SUBGROUPS, per_rank // subgroup_state_bytes(arch, ranks))
+def resident_state_bytes(plan: Plan, ranks: int = 1) -> int:
+    """Optimizer state each rank keeps in DRAM for good: the plan's DRAM bytes for master + moments, split
+    evenly over the node's ranks."""
+    return _bytes(plan, OPTIMIZER_STATE, "dram") // max(ranks, 1)
 
 
-def nvme_state_bytes(plan: Plan) -> int:
-    """Bytes the runtime keeps on the NVMe stratum: every offload group with any byte there, whole."""
+def resident_weight_bytes(plan: Plan, ranks: int = 1) -> int:
+    """16-bit weights each rank keeps in DRAM (or CXL) although some spill to NVMe."""
+    kept = sum(_bytes(plan, ("weights",), s) for s in ("hbm", "dram", "cxl"))
+    return kept // max(ranks, 1)
+
+
+def nvme_state_bytes(plan: Plan, arch: ModelArchitecture | None = None) -> int:
+    """Bytes the runtime keeps on the NVMe stratum. Stock: every offload group with any byte there, whole.
+    memstrata: what the plan spills, plus one sub-group of optimizer state and one 16-bit tensor, since it
+    keeps whole sub-groups and tensors resident and so may spill up to that much more than the plan's bytes."""
+    if plan.engine == "memstrata":
+        spilled = plan.bytes_on("nvme")
+        if not spilled or arch is None:
+            return spilled
+        return spilled + subgroup_state_bytes(arch) + align_elements(largest_param(arch)) * 4
     total, counted = 0, set[str]()
     for c in plan.categories:
         if c.category in counted or not c.on("nvme"):
@@ -118,7 +134,7 @@ def namespace_bytes(plan: Plan, arch: ModelArchitecture, namespaces: int, stripe
     tensors = param_tensors(arch)
     extents = tensors + EXTENTS_PER_SUBGROUP * tensors
     per_extent = BLOCK_BYTES + (2 * stripe_bytes if n > 1 else 0)
-    size = DATA_OFFSET + -(-nvme_state_bytes(plan) // n) + extents * per_extent
+    size = DATA_OFFSET + -(-nvme_state_bytes(plan, arch) // n) + extents * per_extent
     return -(-size // MiB) * MiB
 
 
@@ -147,7 +163,11 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
             from None
     # One I/O token for the node's ranks of this run (the update's I/O, one rank at a time, as MLP-Offload
     # found best); memstrata.runtime.swap.handle keeps it from ever deadlocking ranks that meet in collectives.
-    base = SwapSettings(job=job, cxl_nodes=cxl, cache_subgroups=cache_subgroups(plan, arch, ranks),
+    spills_weights = _bytes(plan, ("weights",), "nvme") > 0
+    base = SwapSettings(job=job, cxl_nodes=cxl, cache_subgroups=MIN_CACHE_SUBGROUPS,
+                        resident_state_bytes=resident_state_bytes(plan, ranks),
+                        prefetch_subgroups=plan.optimizer_read_ahead,
+                        resident_weight_bytes=resident_weight_bytes(plan, ranks) if spills_weights else None,
                         io_token_scope=io_token_scope(env))
     devices = _env_list(env, ENV_NVME_DEVICES)
     if devices:
@@ -160,8 +180,8 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
         if on_nvme:
             raise ValueError(f"plan.nvme_namespaces is empty but plan.categories place {format_bytes(on_nvme)} on "
                              "nvme: a plan that uses the NVMe stratum must name its namespaces")
-        raise ValueError("plan.nvme_namespaces is empty and MEMSTRATA_NVME_DEVICES is not set: memory.engine "
-                         "memstrata needs an NVMe stratum (give `memstrata run` an --nvme-path)")
+        # Everything fits in DRAM: a valid plan of the memstrata engine, run with no namespace at all.
+        return SwapStrata(settings=base.model_copy(update={"no_nvme": True}), source="plan")
     files = [str(run_dir / f"nvme{i}.img") for i in range(len(plan.nvme_namespaces))]
     size = namespace_bytes(plan, arch, len(files), base.stripe_bytes)
     # Sized for the whole state, not this rank's 1/world share: the files are sparse, so the slack costs nothing.
