@@ -19,6 +19,13 @@ read it back in the update. With this hook:
 
 Per step this removes 2 x 4 bytes per parameter of NVMe traffic and the
 gradient swapper's two pinned buffers of the largest sub-group.
+
+Sub-groups kept in DRAM for good (memstrata.runtime.swap.resident) are treated
+alike: stock gives each one a permanent fp32 gradient buffer (4 bytes per
+parameter) and copies into it at the boundary; here that buffer is released
+after construction, and the update widens the sub-group's gradients into an
+exact buffer from the locked pool when it reaches the sub-group
+(`_prepare_sub_group`) and frees it after (`_release_sub_group`).
 """
 from __future__ import annotations
 
@@ -119,24 +126,65 @@ class DramGradients:
 
 
 def install_dram_gradients(optimizer: ZeroOptimizer, swapper: MemstrataOptimizerSwapper) -> DramGradients:
-    """Stop ZeRO-3 from copying and swapping gradients of NVMe sub-groups; the swapper widens them instead.
+    """Stop ZeRO-3 from copying and swapping gradients of NVMe sub-groups and of resident ones; the update
+    widens them instead. Installed before memstrata.runtime.swap.suborder, whose wrappers then call these with
+    real sub-group ids.
 
     The optimizer's names used here are checked by memstrata.runtime.swap.seam before initialize."""
+    from memstrata.runtime.swap.resident import resident_ids
+
     grads = DramGradients(optimizer)
+    resident = resident_ids(optimizer)
     original = optimizer._offload_grad_partition_at_boundary
 
     def at_boundary(param: ZeroParam, grad_buffer: torch.Tensor, offload_fp32_gradients: dict[int, list[torch.Tensor]],
                     offload_fp32_offsets: dict[int, list[int]]) -> None:
         pid = optimizer.get_param_id(param)
-        if not optimizer._swappable_optimizer_subgroup(optimizer.grad_position[pid][0]):
+        group = optimizer.grad_position[pid][0]
+        if group not in resident and not optimizer._swappable_optimizer_subgroup(group):
             return original(param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets)
         # The norm is all stock takes from the buffer here; the gradient itself stays where it is.
         optimizer.norm_for_param_grads[pid] = optimizer._constant_buffered_norm2(grad_buffer)
         return None
 
     optimizer._offload_grad_partition_at_boundary = at_boundary
+    if resident:
+        _widen_resident_in_update(optimizer, grads, swapper, resident)
     swapper.dram_gradients = grads
     # Every byte of a sub-group's gradient buffer is now written by fill_fp32_gradients before use,
     # so new buffers need no memset (stock's gradient path leaves holes, hence zeroing until now).
     swapper.swap_buffer_manager.zero_new = False
     return grads
+
+
+def _widen_resident_in_update(optimizer: ZeroOptimizer, grads: DramGradients, swapper: MemstrataOptimizerSwapper,
+                              resident: set[int]) -> None:
+    """Resident sub-groups get their fp32 gradients only while the update works on them."""
+    pool = swapper.layer.pool
+    live: dict[int, torch.Tensor] = {}
+    flat = optimizer.fp32_partitioned_groups_flat
+    for i in resident:
+        flat[i].grad = None  # stock's permanent fp32 gradient buffer: 4 bytes per parameter, given back
+    prepare, release = optimizer._prepare_sub_group, optimizer._release_sub_group
+
+    def prepare_then_widen(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:
+        out = prepare(sub_group_id, *args, **kwargs)
+        if sub_group_id in resident and sub_group_id not in live:
+            fp32 = flat[sub_group_id]
+            buf = pool.tensor(fp32.numel(), torch.float32)
+            grads.fill_fp32_gradients(fp32, buf)
+            live[sub_group_id] = buf
+            fp32.grad = buf
+        return out
+
+    def release_then_free(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return release(sub_group_id, *args, **kwargs)
+        finally:
+            buf = live.pop(sub_group_id, None)
+            if buf is not None:
+                flat[sub_group_id].grad = None
+                pool.free(buf)
+
+    optimizer._prepare_sub_group = prepare_then_widen  # type: ignore[method-assign]
+    optimizer._release_sub_group = release_then_free  # type: ignore[method-assign]

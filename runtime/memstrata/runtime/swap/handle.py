@@ -73,7 +73,7 @@ class ExtentSwapHandle:
     One handle per swapper, like DeepSpeed's; all handles of a rank share one
     engine (single-threaded by design), one counter set and one I/O token."""
 
-    def __init__(self, engine: NvmeEngine, pool: LockedPool, counters: SwapCounters, *, kind: str,
+    def __init__(self, engine: NvmeEngine | None, pool: LockedPool, counters: SwapCounters, *, kind: str,
                  tokens: IoTokens | None = None, checksums: dict[str, str] | None = None,
                  lock: threading.Lock | None = None) -> None:
         self.engine = engine
@@ -82,9 +82,9 @@ class ExtentSwapHandle:
         self.kind = kind
         self.tokens = tokens
         self.checksums = checksums  # name -> sha256 of what was last written (tests turn this on)
-        names = getattr(engine, "_memstrata_names", None)
+        names = getattr(engine, "_memstrata_names", None) if engine is not None else {}
         if names is None:
-            names = engine._memstrata_names = {}  # type: ignore[attr-defined]  # shared by the rank's handles
+            names = engine._memstrata_names = {}  # type: ignore[union-attr]  # shared by the rank's handles
         self._extents: dict[str, Extent] = names
         self._pending: list[tuple[Handle, str, Any, bool]] = []
         self._token_held = False
@@ -95,7 +95,7 @@ class ExtentSwapHandle:
     def discard(self, path: str) -> bool:
         """Give the extent stored under `path` back to the engine (a tensor that no longer exists)."""
         extent = self._extents.pop(path, None)
-        if extent is None:
+        if extent is None or self.engine is None:
             return False
         self.engine.free(extent)
         self.counters.extents_live -= 1
@@ -103,19 +103,26 @@ class ExtentSwapHandle:
         return True
 
     # -- the interface DeepSpeed's swappers call -----------------------------------------------
+    def _stratum(self, path: str) -> NvmeEngine:
+        if self.engine is None:
+            raise SwapError(f"{path}: the plan puts nothing on NVMe, so this run opened no namespace (no_nvme), "
+                            f"but DeepSpeed asked to swap it; the {self.kind} swapper and the plan disagree")
+        return self.engine
+
     def async_pwrite(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+        engine = self._stratum(path)
         if offset:
             raise SwapError(f"{path}: memstrata stores whole tensors; offset {offset} is not supported")
         nbytes = buffer.numel() * buffer.element_size()
         extent = self._extents.get(path)
         if extent is not None and extent.nbytes != nbytes:
             # DeepSpeed rewrites a name only with the same aligned size; anything else is a new tensor.
-            self.engine.free(extent)
+            engine.free(extent)
             self.counters.extents_live -= 1
             self.counters.extent_bytes_live -= extent.padded
             extent = None
         if extent is None:
-            extent = self.engine.allocate(nbytes)
+            extent = engine.allocate(nbytes)
             self._extents[path] = extent
             self.counters.extents_live += 1
             self.counters.extent_bytes_live += extent.padded
@@ -125,11 +132,12 @@ class ExtentSwapHandle:
         src = buffer.detach().contiguous()
         if self.checksums is not None:
             self.checksums[path] = _digest(src)
-        self._pending.append((self.engine.write(extent, src), path, src, True))
+        self._pending.append((engine.write(extent, src), path, src, True))
         self.counters.add(self.kind, nbytes, write=True)
         return 0
 
     def async_pread(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+        engine = self._stratum(path)
         if offset:
             raise SwapError(f"{path}: memstrata stores whole tensors; offset {offset} is not supported")
         extent = self._extents.get(path)
@@ -142,7 +150,7 @@ class ExtentSwapHandle:
             raise SwapError(f"{path}: read buffer is not contiguous")
         dst = buffer.view(-1).view(torch.uint8)[:extent.nbytes]
         self._begin()
-        self._pending.append((self.engine.read(extent, dst), path, dst, False))
+        self._pending.append((engine.read(extent, dst), path, dst, False))
         self.counters.add(self.kind, extent.nbytes, write=False)
         return 0
 
@@ -152,7 +160,7 @@ class ExtentSwapHandle:
         try:
             for handle, path, buf, write in self._pending:
                 try:
-                    self.engine.wait(handle)
+                    self._stratum(path).wait(handle)
                 except Exception as exc:  # keep draining: every buffer must be quiescent
                     first = first or exc
                     continue
@@ -185,7 +193,7 @@ class ExtentSwapHandle:
         return self.pool.owns(t)
 
     def get_block_size(self) -> int:
-        return self.engine.max_io_bytes
+        return self.engine.max_io_bytes if self.engine is not None else 1 << 20
 
     def get_queue_depth(self) -> int:
         return 32
@@ -193,7 +201,7 @@ class ExtentSwapHandle:
     # -- memstrata additions ---------------------------------------------------------------------
     def forget(self, path: str) -> None:
         extent = self._extents.pop(path, None)
-        if extent is not None:
+        if extent is not None and self.engine is not None:
             self.engine.free(extent)
             self.counters.extents_live -= 1
             self.counters.extent_bytes_live -= extent.padded

@@ -19,14 +19,17 @@ Hook points:
    `deepspeed.initialize` in the same process still gets stock DeepSpeed.
 3. The ZeRO-3 optimizer *instance*'s `has_overflow` (fp16 only): one pass of
    memstrata.runtime.strata.overflow instead of `isinf().any()` + `isnan().any()`.
-4. The same instance's `step` and the per-sub-group methods its loop calls
+4. `_swappable_optimizer_subgroup` (on the class while ZeRO-3 is built, on the instance
+   after): the sub-groups the plan keeps in DRAM are not swappable
+   (memstrata.runtime.swap.resident).
+5. The same instance's `step` and the per-sub-group methods its loop calls
    (memstrata.runtime.swap.suborder): the sub-group order reversed every step, the
    last K kept in DRAM.
-5. The same instance's `_offload_grad_partition_at_boundary`
+6. The same instance's `_offload_grad_partition_at_boundary`
    (memstrata.runtime.swap.gradients): gradients stay in DRAM, 16-bit where that
    changes no value (`data_types.grad_accum_dtype` set when the user did not),
    and are widened to fp32 by the optimizer swapper in the update.
-6. The same instance's `step`, once more: after it, locked regions nothing
+7. The same instance's `step`, once more: after it, locked regions nothing
    uses are given back (`SwapSettings.trim_after_step`).
 
 Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
@@ -174,7 +177,9 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
 def constructing(layer: SwapLayer) -> Iterator[SwapLayer]:
     """While a model is built under `deepspeed.zero.Init` (and its weights loaded), its partitions are swapped
     through `layer`, never through DeepSpeed's swap folder."""
-    with activate(layer), _swappers_installed():
+    from memstrata.runtime.swap.resident import deciding
+
+    with activate(layer), _swappers_installed(), deciding(layer):
         yield layer
 
 
@@ -214,14 +219,19 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
     engine.memstrata = layer  # read back by swap_layer_of
     opt = _zero3(engine)
     swapper = opt.optimizer_swapper if opt is not None else None
-    if settings.cache_subgroups > 0 and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
-        from memstrata.runtime.swap.suborder import install_reversing_order
+    if opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
+        from memstrata.runtime.swap.resident import keep_resident_decision
 
-        layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
+        keep_resident_decision(opt, layer)
+    # Gradients first: the order hook wraps whatever per-sub-group methods it finds and calls them with real ids.
     if settings.dram_gradients and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
         from memstrata.runtime.swap.gradients import install_dram_gradients
 
         layer.dram_gradients = install_dram_gradients(opt, swapper)
+    if settings.cache_subgroups > 0 and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
+        from memstrata.runtime.swap.suborder import install_reversing_order
+
+        layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
     if settings.trim_after_step and opt is not None:
         _trim_after_step(opt, layer)
     if settings.one_pass_overflow and opt is not None and engine.fp16_enabled():

@@ -152,7 +152,7 @@ def locked_pools(settings: SwapSettings) -> tuple[LockedPool, LockedPool]:
 
 
 class SwapLayer:
-    def __init__(self, settings: SwapSettings, engine: NvmeEngine, *, rank: int, local_rank: int,
+    def __init__(self, settings: SwapSettings, engine: NvmeEngine | None, *, rank: int, local_rank: int,
                  created_files: list[str]) -> None:
         self.settings = settings
         self.engine = engine
@@ -183,6 +183,11 @@ class SwapLayer:
         paths = ([p for i, p in enumerate(settings.nvme) if i % local_world == local_rank] if settings.nvme_shared
                  else list(settings.nvme))
         created: list[str] = []
+        if settings.no_nvme:
+            if settings.nvme:
+                raise ValueError(f"memstrata nvme: no_nvme is set and yet {len(settings.nvme)} namespaces are named; "
+                                 "a plan that puts nothing on NVMe names none")
+            return cls(settings, None, rank=rank, local_rank=local_rank, created_files=created)
         if settings.nvme and not paths:
             raise ValueError(f"memstrata nvme: {len(settings.nvme)} namespaces cannot serve {local_world} ranks "
                              f"of this node; give at least one per rank")
@@ -219,7 +224,7 @@ class SwapLayer:
 
     def status(self) -> SwapStatus:
         """Per-stratum bytes for the progress report and the job status; `.wire()` is its JSON."""
-        dev = self.engine.stats()
+        dev = self.engine.stats() if self.engine is not None else []
         order = self.subgroup_order
         return SwapStatus(
             nvme=NvmeStatus(
@@ -251,7 +256,8 @@ class SwapLayer:
 
     def close(self) -> None:
         try:
-            self.engine.close()
+            if self.engine is not None:
+                self.engine.close()
         finally:
             self.tokens.close()
             for path in self.created_files:

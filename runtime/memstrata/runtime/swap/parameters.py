@@ -82,6 +82,21 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self._reserved: list[torch.Tensor] = []
         self._lingering: list[_Lingering] = []
 
+    def swappable_tensor(self, param: ZeroParam | None = None, numel: int | None = None) -> bool:
+        """Whether a partition goes to NVMe. ZeRO-3 asks once per parameter, when it first partitions it
+        (partition_parameters.py); the plan's DRAM share of the weights (`resident_weight_bytes`) is spent
+        there, in construction order, first-fit: a partition that fits what is left stays in DRAM for good."""
+        if param is not None:  # a query about a partition already placed: where it went
+            return param.ds_tensor is not None and getattr(param.ds_tensor, "final_location", None) == "nvme"
+        if numel is None or not super().swappable_tensor(numel=numel):
+            return False
+        budget = self.layer.settings.resident_weight_bytes
+        nbytes = int(numel) * self.swap_element_size
+        if budget is not None and self.layer.resident_weight_bytes + nbytes <= budget:
+            self.layer.resident_weight_bytes += nbytes
+            return False
+        return True
+
     # -- buffers -----------------------------------------------------------------------------------
     def available_swap_in_buffers(self) -> int:
         """How many more partitions the prefetcher may bring in: what fits the staging budget."""

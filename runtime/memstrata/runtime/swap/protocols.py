@@ -64,6 +64,9 @@ class ZeroOptimizer(Protocol):
     has_overflow: Callable[..., bool]
     _offload_grad_partition_at_boundary: Callable[[ZeroParam, torch.Tensor, dict[int, list[torch.Tensor]],
                                                    dict[int, list[int]]], None]
+    _prepare_sub_group: Callable[..., object]
+    _release_sub_group: Callable[..., object]
+    fp16_partitioned_groups_flat_numel: list[int]
 
     # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.
     @overload
