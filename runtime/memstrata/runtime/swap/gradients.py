@@ -186,5 +186,5 @@ def _widen_resident_in_update(optimizer: ZeroOptimizer, grads: DramGradients, sw
                 flat[sub_group_id].grad = None
                 pool.free(buf)
 
-    optimizer._prepare_sub_group = prepare_then_widen  # type: ignore[method-assign]
-    optimizer._release_sub_group = release_then_free  # type: ignore[method-assign]
+    optimizer._prepare_sub_group = prepare_then_widen
+    optimizer._release_sub_group = release_then_free

@@ -228,7 +228,9 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
         from memstrata.runtime.swap.gradients import install_dram_gradients
 
         layer.dram_gradients = install_dram_gradients(opt, swapper)
-    if settings.cache_subgroups > 0 and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
+    # The order hook also drives the pipelined update's read-ahead, so it is there whenever either is on.
+    if ((settings.cache_subgroups > 0 or settings.prefetch_subgroups > 0) and opt is not None
+            and isinstance(swapper, MemstrataOptimizerSwapper)):
         from memstrata.runtime.swap.suborder import install_reversing_order
 
         layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)

@@ -20,6 +20,9 @@ memory or bypass memstrata:
 - gradients: with memstrata.runtime.swap.gradients installed, none are swapped; a
   sub-group's fp32 gradients are widened from DRAM into one exact buffer when
   its state is swapped in, and freed with it.
+- the pipeline (memstrata.runtime.swap.readahead): inside a step's walk the next
+  `prefetch_subgroups` sub-groups are read while Adam runs and each write-back
+  completes behind the next sub-group's update.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from memstrata.runtime.swap import layer as swaplayer
 from memstrata.runtime.swap.gradients import DramGradients
 from memstrata.runtime.strata.pinned import LockedPool
 from memstrata.runtime.swap.protocols import SwapInfo
+from memstrata.runtime.swap.readahead import ReadAhead
 
 __all__ = ["MemstrataOptimizerSwapper", "ExactBuffers"]
 
@@ -107,6 +111,8 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         self.keep_ids: set[str] | None = None
         # Set by memstrata.runtime.swap.gradients: gradients of NVMe sub-groups stay in DRAM, never swapped.
         self.dram_gradients: DramGradients | None = None
+        # Inert (stock's synchronous path) until memstrata.runtime.swap.suborder hands it a step's walk.
+        self.readahead = ReadAhead(self, layer.settings.prefetch_subgroups)
 
     # -- cache -------------------------------------------------------------------------------------
     def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: object = None) -> None:
@@ -117,19 +123,29 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         if cached is None or len(cached) != info.num_tensors():
             if cached is not None:  # state tensors appeared since it was cached: re-read everything
                 self._drop_cached(info.param_id)
-            super().swap_in_optimizer_state(parameter, async_parameter)
+            read = self.readahead.take(parameter, info)
+            if read is None:
+                super().swap_in_optimizer_state(parameter, async_parameter)
+            else:
+                self._flush_gradient_swapper(self.gradient_swapper)
+                self._bind_state(parameter, info, read)
             self._widen_dram_gradients(parameter, info)
             return
+        self.readahead.top_up(parameter)  # nothing to read here; the next ones still are
         self._flush_gradient_swapper(self.gradient_swapper)
         self.layer.cache_hits += 1
+        self._bind_state(parameter, info, cached)
+        self._widen_dram_gradients(parameter, info)
+
+    def _bind_state(self, parameter: torch.Tensor, info: SwapInfo, buffers: list[torch.Tensor]) -> None:
+        """Make `buffers` (already holding the state) the sub-group's tensors; read its swapped gradients."""
         aligned = self._io_aligned_numel(info.numel())
-        info.set_swap_buffers(cached, aligned)
-        info.swap_buffers = list(cached)
+        info.set_swap_buffers(buffers, aligned)
+        info.swap_buffers = list(buffers)
         if info.has_gradients():
             grad_buf = self.swap_buffer_manager.allocate(aligned, 1, parameter.dtype)
             info.swap_buffers += grad_buf
             self._swap_in_gradients(aio_handle=self.aio_handle, parameter=parameter, dest_buffer=grad_buf[0])
-        self._widen_dram_gradients(parameter, info)
 
     def _widen_dram_gradients(self, parameter: torch.Tensor, info: SwapInfo) -> None:
         """With memstrata.runtime.swap.gradients installed: this sub-group's fp32 gradients, widened from DRAM
@@ -173,7 +189,8 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             self.swap_buffer_manager.free(extra)
             info.release_unswapped_gradients()
             return
-        super().swap_out_optimizer_state(parameter, async_swap)
+        if not self.readahead.write_back(info):
+            super().swap_out_optimizer_state(parameter, async_swap)
 
     def _adopt_into_pool(self, info: SwapInfo) -> list[torch.Tensor]:
         """Copy every compute tensor of `info` into fresh pool buffers and rebind it there; the old swap

@@ -38,7 +38,7 @@ STATE_BYTES_PER_ELEMENT = 12
 # The swapper pads each state tensor to 4 KiB of fp32 (1024 elements); resident tensors are not padded, but the
 # budget is counted the same way so the plan's number is never exceeded by either kind.
 _ALIGN_ELEMENTS = 1024
-_ATTR = "_memstrata_resident"
+_ATTR = "memstrata_resident"
 
 
 def state_bytes(numel: int) -> int:

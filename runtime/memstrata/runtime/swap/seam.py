@@ -128,6 +128,8 @@ SEAM: tuple[Dependency, ...] = (
     Dependency(Kind.REBOUND, _STAGE3, "PipelinedOptimizerSwapper",
                "ZeRO-3 instantiates it when offload_optimizer.pipeline is set; replaced by the same subclass",
                same_as=f"{_ST}.pipelined_optimizer_swapper.PipelinedOptimizerSwapper"),
+    Dependency(Kind.OVERRIDDEN, _PARAM_SWAPPER, "swappable_tensor", "asked once per partition whether it goes to "
+               "NVMe: the plan's DRAM share of the weights stays resident", params=("param", "numel")),
     Dependency(Kind.CALLED, _PARAM_SWAPPER, "__init__", "zero.Init constructs the rebound class positionally",
                params=("ds_config", "model_dtype")),
     Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "__init__", "ZeRO-3 constructs the rebound class by these keywords",
@@ -175,7 +177,10 @@ SEAM: tuple[Dependency, ...] = (
                params=("sub_group_id", "timer_names")),
     Dependency(Kind.WRAPPED, _Z3, "_offload_grad_partition_at_boundary", "replaced: gradients of NVMe sub-groups stay "
                "in DRAM", params=("param", "grad_buffer", "offload_fp32_gradients", "offload_fp32_offsets")),
-    Dependency(Kind.CALLED, _Z3, "_swappable_optimizer_subgroup", "which sub-groups live on NVMe", params=_SUBGROUP),
+    Dependency(Kind.WRAPPED, _Z3, "_swappable_optimizer_subgroup", "which sub-groups live on NVMe: the plan's "
+               "resident ones never do (rebound on the class while ZeRO-3 is built)", params=_SUBGROUP),
+    Dependency(Kind.ATTRIBUTE, _Z3, "fp16_partitioned_groups_flat_numel", "each sub-group's size, which the resident "
+               "budget is spent on", set_in="__init__"),
     Dependency(Kind.CALLED, _Z3, "_constant_buffered_norm2", "the gradient norm stock records at the boundary",
                params=("input",)),
     Dependency(Kind.CALLED, _Z3, "get_param_id", "keys of grad_position and of the swapper's state",
@@ -234,6 +239,13 @@ SEAM: tuple[Dependency, ...] = (
                params=("aio_handle", "numel_alignment", "timers")),
     Dependency(Kind.CALLED, f"{_ST}.utils", "swap_in_tensors", "reads through a handle (called positionally)",
                params=("swap_handle", "tensor_buffers", "swap_paths")),
+    Dependency(Kind.CALLED, f"{_ST}.utils", "swap_out_tensors", "the pipelined write-back submits through a "
+               "handle (called positionally)", params=("swap_handle", "tensor_buffers", "swap_paths")),
+    Dependency(Kind.CALLED, _BASE_SWAPPER, "_swap_out_unpinned_tensors", "the pipelined write-back stages the first "
+               "step's moments as stock does", params=("aio_handle", "unpinned_tensors", "dest_paths",
+                                                        "pinned_buffers")),
+    *[Dependency(Kind.CALLED, _SWAP_INFO, n, "the read-ahead and write-back read a sub-group's swap names", params=p)
+      for n, p in (("get_swap_paths", ()), ("get_swap_buffers_and_paths", ("pinned",)))],
     *[Dependency(Kind.ATTRIBUTE, _SWAP_INFO, n, "read and rebound by the DRAM cache", set_in="__init__")
       for n in ("param_id", "swap_buffers", "has_state_tensors")],
     *[Dependency(Kind.CALLED, _SWAP_INFO, n, "the DRAM cache reads a sub-group's record", params=p)

@@ -15,6 +15,12 @@ methods outside `step()` are untouched.
 With the order reversed each step, the K sub-groups updated last in step i
 are the first K of step i+1: the optimizer swapper keeps exactly those in
 DRAM (its `keep` set) and writes every other one back to NVMe.
+
+The same walk drives the pipelined update (memstrata.runtime.swap.readahead):
+the swapper is told this step's swappable sub-groups in order before the loop,
+and the pipeline is drained right after the loop's last `_release_sub_group`
+(so the state is on NVMe, and no I/O token held, before `_post_step`'s
+collectives), or when `step()` leaves early or raises.
 """
 from __future__ import annotations
 
@@ -69,11 +75,15 @@ def install_reversing_order(optimizer: ZeroOptimizer, swapper: MemstrataOptimize
             if name == "_prepare_sub_group" and not state.in_loop and stepping[0]:
                 state.in_loop = True
                 state.history.append([])
+            last = state.in_loop and name == "_release_sub_group" and sub_group_id == state.groups - 1
             if state.in_loop:
                 sub_group_id = state.order[sub_group_id]
                 if name == "_prepare_sub_group":
                     state.history[-1].append(sub_group_id)
-            return original(sub_group_id, *args, **kwargs)
+            out = original(sub_group_id, *args, **kwargs)
+            if last:
+                swapper.readahead.finish()
+            return out
 
         setattr(optimizer, name, call)
 
@@ -85,14 +95,24 @@ def install_reversing_order(optimizer: ZeroOptimizer, swapper: MemstrataOptimize
     @functools.wraps(original_step)
     def step(*args: Any, **kwargs: Any) -> Any:
         state.next_order()
-        swapper.keep_ids = {optimizer.get_param_id(optimizer.fp32_partitioned_groups_flat[g])
-                           for g in state.keep(optimizer._swappable_optimizer_subgroup)}
+        swappable = optimizer._swappable_optimizer_subgroup
+        flat = optimizer.fp32_partitioned_groups_flat
+        swapper.keep_ids = {optimizer.get_param_id(flat[g]) for g in state.keep(swappable)}
+        swapper.readahead.begin([flat[g] for g in state.order if swappable(g)])
         stepping[0] = True
+        failed = True
         try:
-            return original_step(*args, **kwargs)
+            out = original_step(*args, **kwargs)
+            failed = False
+            return out
         finally:
             stepping[0] = False
             state.in_loop = False
+            try:
+                swapper.readahead.finish()  # an overflow-skipped or failed step: nothing read ahead stays
+            except Exception:
+                if not failed:
+                    raise  # else the step's own error is the one to report
 
     optimizer.step = step
     return state

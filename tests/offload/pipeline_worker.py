@@ -1,0 +1,116 @@
+"""One memstrata gpt-tiny run that records what the pipelined optimizer update did, step by step.
+
+    python pipeline_worker.py DEVICE SWAP_DIR OUT SWAP_JSON STEPS [sub-group=N] [skip-at=N] [fail-at=N]
+Writes OUT (JSON): losses, a digest of the final 16-bit weights, every I/O batch of the optimizer
+swapper's handles as (role, start, end) with role read/write/sync, the Adam span of every sub-group,
+prefetch hits and the optimizer pool's bytes in use vs the DRAM cache's after every step.
+`skip-at=N`: step N's loss is scaled to inf: its gradient norm is not finite and ZeRO-3 skips the step
+(the path an fp16 overflow takes, which this CPU's DeepSpeed cannot run).
+`fail-at=N`: Adam of the second sub-group of step N raises; the step's current sub-group is released
+as a caller that catches the error would, and the pool is measured again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks" / "offload"))
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def main() -> None:
+    device, swap_dir, out, swap_json, steps = sys.argv[1:6]
+    opts = dict(a.split("=", 1) for a in sys.argv[6:])
+    overflow_at, fail_at = int(opts.get("skip-at", 0)), int(opts.get("fail-at", 0))
+    from harness import ds_config, free_port
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("DS_ACCELERATOR", "cpu")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import torch
+    import deepspeed
+
+    from memstrata.api.architecture import PRESETS
+    from memstrata.runtime import initialize
+    from memstrata.runtime.train.hfmodel import random_model
+
+    torch.manual_seed(0)
+    arch = PRESETS["gpt-tiny"]
+    model = random_model(arch, 32, 1234)
+    Path(swap_dir).mkdir(parents=True, exist_ok=True)
+    cfg = ds_config(arch, swap_dir=swap_dir, batch=2, precision="bf16", profile="tuned")
+    if "sub-group" in opts:  # smaller sub-groups: more of them to pipeline
+        cfg["zero_optimization"]["sub_group_size"] = int(opts["sub-group"])
+    swap: dict[str, Any] = {"nvme": [device], **json.loads(swap_json)}
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg, swap=swap)
+    layer, opt = engine.memstrata, engine.optimizer
+    swapper = opt.optimizer_swapper
+    io: list[tuple[str, float, float]] = []
+    ra = swapper.readahead
+    roles = {id(h): "read" for h in ra._idle} | ({id(ra._writer): "write"} if ra._writer is not None else {})
+    for h in layer.handles:
+        if h.kind == "optimizer":
+            role = roles.get(id(h), "sync")
+            h.on_io = lambda _k, t0, t1, role=role: io.append((role, t0, t1))
+    adam: list[tuple[float, float]] = []
+    inner = opt._optimizer_step
+    current_step = [0]
+
+    def timed(position: int, *args: Any, **kwargs: Any) -> Any:
+        if current_step[0] == fail_at and position == 1:
+            raise InjectedFailure("injected")
+        t0 = time.monotonic()
+        try:
+            return inner(position, *args, **kwargs)
+        finally:
+            adam.append((t0, time.monotonic()))
+
+    opt._optimizer_step = timed
+    gen = torch.Generator().manual_seed(7)
+    losses, hits, in_use, cache, skipped = [], [], [], [], []
+    failure: dict[str, Any] = {}
+    for step in range(1, int(steps) + 1):
+        current_step[0] = step
+        ids = torch.randint(0, 200, (2, 32), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss * float("inf") if step == overflow_at else loss)
+        try:
+            engine.step()
+        except InjectedFailure:
+            walked = layer.subgroup_order.history[-1]
+            swapper.release_swap_buffers(opt.fp32_partitioned_groups_flat[walked[-1]])
+            failure = {"step": step, "walked": walked, "in_use": layer.pool.in_use, "cache": layer.cache_bytes,
+                       "reads_in_flight": len(ra._reads)}
+            break
+        losses.append(float(loss.detach().float()))
+        hits.append(layer.prefetch_hits)
+        in_use.append(layer.pool.in_use)
+        cache.append(layer.cache_bytes)
+        skipped.append(bool(getattr(opt, "overflow", False)))
+    digest = hashlib.sha256()
+    if not failure:
+        for p in engine.module.parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                digest.update(p.detach().float().contiguous().numpy().tobytes())
+    swappable = sum(1 for g in range(len(opt.fp16_groups)) if opt._swappable_optimizer_subgroup(g))
+    Path(out).write_text(json.dumps({
+        "losses": losses, "weights": digest.hexdigest(), "io": io, "adam": adam, "prefetch_hits": hits,
+        "pool_in_use": in_use, "cache_bytes": cache, "skipped": skipped, "failure": failure,
+        "swappable": swappable, "groups": len(opt.fp16_groups), "orders": layer.subgroup_order.history,
+        "cache_hits": layer.cache_hits,
+    }))
+    layer.close()
+
+
+if __name__ == "__main__":
+    main()
