@@ -53,16 +53,17 @@ class Watched:
         return "\n".join(tail) or f"exit status {self.returncode}"
 
 
-def run_watched(cmd: list[str], repo: Path, timeout: float) -> Watched:
+def run_watched(cmd: list[str], repo: Path, timeout: float, preexec: Callable[[], None] | None = None) -> Watched:
     """Run `cmd` on the CPU from `repo` with its sources on the path, the RSS of its whole process tree sampled
     every 20 ms from outside; past `timeout` it is asked to stop (a torch elastic agent passes SIGTERM on to its
-    workers), then killed."""
+    workers), then killed. `preexec` runs in the child before exec (e.g. joining a capped cgroup)."""
     from memstrata.runtime.train.memwatch import MemWatch
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
            "PYTHONPATH": f"{repo / 'runtime'}:{repo / 'operator'}:" + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=preexec)
     watch = MemWatch(None, interval=0.02, root_pid=proc.pid).start()
     try:
         _, err = proc.communicate(timeout=timeout)

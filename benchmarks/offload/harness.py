@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from diskstats import deltas, snapshot  # noqa: E402
+
 ALIGN = 1024
 
 
@@ -47,24 +50,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: str) -> dict[str, Any]:
+def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: str, param_device: str = "nvme",
+              optim_device: str = "nvme") -> dict[str, Any]:
     """The ds_config both engines get. `profile`: 'literal' (DeepSpeed's defaults exactly, which fail on
     some models), 'default' (DeepSpeed's defaults with only what it needs to run at all) or 'tuned' (the
-    settings memstrata's dsconfig uses for stock runs)."""
+    settings memstrata's dsconfig uses for stock runs: its buffer counts from memstrata.plan.stock).
+    `param_device`/`optim_device`: where offload_param/offload_optimizer go ('nvme' or 'cpu')."""
+    from memstrata.plan.stock import OPTIMIZER_BUFFER_COUNT, param_buffer_count
+
     largest = max(arch.largest_tensor(), arch.max_positions * arch.hidden)
     aligned = -(-largest // ALIGN) * ALIGN
     layer = arch.layer_params()
-    param: dict[str, Any] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False}
-    optim: dict[str, Any] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False}
+    param: dict[str, Any] = {"device": param_device, "pin_memory": False}
+    optim: dict[str, Any] = {"device": optim_device, "pin_memory": False}
+    for section in (param, optim):
+        if section["device"] == "nvme":
+            section["nvme_path"] = swap_dir
     zero: dict[str, Any] = {"stage": 3, "offload_param": param, "offload_optimizer": optim}
     if profile == "literal":
         pass  # DeepSpeed's own defaults untouched: buffer_size 1e8, buffer_count 5, sub_group_size 1e9
     elif profile == "default":
         # buffer_size must hold the largest tensor or stock refuses to start.
-        param.update(buffer_size=max(aligned, int(1e8)))
+        if param_device == "nvme":
+            param.update(buffer_size=max(aligned, int(1e8)))
     else:
-        param.update(buffer_size=aligned, buffer_count=16, max_in_cpu=0)
-        optim.update(buffer_count=4)
+        if param_device == "nvme":
+            param.update(buffer_size=aligned, buffer_count=param_buffer_count(arch), max_in_cpu=0)
+        if optim_device == "nvme":
+            optim.update(buffer_count=OPTIMIZER_BUFFER_COUNT)
         zero.update(sub_group_size=max(layer, largest, (1 << 20) // 4), stage3_param_persistence_threshold=0,
                     stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=aligned,
                     stage3_max_live_parameters=max(2 * layer, 2 * largest),
@@ -85,6 +98,31 @@ def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: 
     }
 
 
+def build_zero3(arch: Any, cfg: dict[str, Any], args: argparse.Namespace, swap: dict[str, Any]) -> tuple[Any, Any]:
+    """(model, swap layer or None): the model built under zero.Init in the training dtype, as the runtime's
+    recipe builds it (memstrata: the layer opened first, the model constructed straight into it)."""
+    import contextlib
+
+    import torch
+
+    from memstrata.runtime.train.hfmodel import build_model, preset_config
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
+    layer = None
+    if args.engine == "memstrata":
+        from memstrata.runtime.swap.integration import constructing, open_layer
+
+        layer = open_layer(cfg, swap, numel=arch.parameters())
+    try:
+        with constructing(layer) if layer is not None else contextlib.nullcontext():
+            model = build_model(preset_config(arch, args.seq), cfg, dtype, checkpointing=False, seed=args.seed)
+    except BaseException:
+        if layer is not None:
+            layer.close()
+        raise
+    return model, layer
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["stock", "memstrata"], required=True)
@@ -103,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-adam", action="store_true",
                     help="torch.optim.AdamW instead of DeepSpeedCPUAdam (where the cpu_adam op is not built)")
     ap.add_argument("--pause-at-step", type=int, default=0, help="write --out, then sleep inside this step")
+    ap.add_argument("--param-device", default="nvme", choices=["nvme", "cpu"], help="offload_param.device")
+    ap.add_argument("--optim-device", default="nvme", choices=["nvme", "cpu"], help="offload_optimizer.device")
+    ap.add_argument("--zero-init", action="store_true",
+                    help="build the model under zero.Init in the training dtype (memstrata: into its swap layer), "
+                         "as a real run does, instead of whole in fp32 on the host first")
+    ap.add_argument("--diskstats", default="",
+                    help="comma-separated block devices whose /proc/diskstats bytes are recorded at every step")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -126,9 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     from memstrata.api.architecture import ModelArchitecture
 
     arch = ModelArchitecture.model_validate_json(args.arch_json) if args.arch_json else PRESETS[args.preset]
-    model = random_model(arch, args.seq, args.seed)
-    cfg = ds_config(arch, swap_dir=args.swap_dir, batch=args.batch, precision=args.precision, profile=args.profile)
+    cfg = ds_config(arch, swap_dir=args.swap_dir, batch=args.batch, precision=args.precision, profile=args.profile,
+                    param_device=args.param_device, optim_device=args.optim_device)
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
+    disks = [d for d in args.diskstats.split(",") if d]
+    io_marks = [snapshot(disks)] if disks else []
+    swap: dict[str, Any] = json.loads(args.swap_json) if args.swap_json else {}
+    if args.nvme:
+        swap["nvme"] = args.nvme.split(",")
+    built = None
+    t_build = time.perf_counter()
+    if args.zero_init:
+        built = build_zero3(arch, cfg, args, swap)
+        model = built[0]
+    else:
+        model = random_model(arch, args.seq, args.seed)
     init_kw: dict[str, Any] = {"model": model, "model_parameters": model.parameters(), "config": cfg}
     if args.torch_adam:
         opt_params = cfg.pop("optimizer")["params"]
@@ -137,18 +194,20 @@ def main(argv: list[str] | None = None) -> int:
                                                  betas=tuple(opt_params["betas"]), eps=opt_params["eps"],
                                                  weight_decay=opt_params["weight_decay"])
         del init_kw["model_parameters"]
-    out: dict[str, Any] = {"engine": args.engine, "preset": args.preset, "params": sum(p.numel() for p in
-                           model.parameters()), "config": cfg, "losses": [], "step_seconds": [],
-                           "phases": {"forward": [], "backward": [], "update": []}}
-    t0 = time.perf_counter()
+    params = arch.parameters() if args.zero_init else sum(p.numel() for p in model.parameters())
+    out: dict[str, Any] = {"engine": args.engine, "preset": args.preset, "params": params, "config": cfg,
+                           "losses": [], "step_seconds": [], "phases": {"forward": [], "backward": [], "update": []},
+                           "zero_init": args.zero_init}
+    t0 = t_build if args.zero_init else time.perf_counter()  # under zero.Init, building is part of init
     if args.engine == "stock":
         engine, _, _, _ = deepspeed.initialize(**init_kw)
+    elif built is not None:
+        from memstrata.runtime.swap.integration import initialize as initialize_with_layer
+
+        engine, _, _, _ = initialize_with_layer(**init_kw, layer=built[1])
     else:
         from memstrata.runtime import initialize
 
-        swap: dict[str, Any] = json.loads(args.swap_json) if args.swap_json else {}
-        if args.nvme:
-            swap["nvme"] = args.nvme.split(",")
         engine, _, _, _ = initialize(**init_kw, swap=swap)
     out["init_seconds"] = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(args.seed)
@@ -156,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     layer = getattr(engine, "memstrata", None)
     for step in range(1, args.steps + 1):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+        if disks:
+            io_marks.append(snapshot(disks))
         s0 = time.perf_counter()
         mem.phase = "forward"
         loss = engine(input_ids=ids, labels=ids).loss
@@ -182,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         if step == 1:
             out["time_to_first_step"] = time.perf_counter() - t0
     out["rss_peak_by_phase"] = dict(mem.peaks)
+    if disks:
+        io_marks.append(snapshot(disks))
+        # [init (build + initialize), step 1, ..., step N]: {device: [bytes read, bytes written]} each
+        out["diskstats"] = {"devices": disks, "init": deltas(io_marks[0], io_marks[1]),
+                            "steps": [deltas(a, b) for a, b in zip(io_marks[1:-1], io_marks[2:])]}
     if layer is not None:
         out["swap"] = layer.status().wire()
         out["overflow_checks"] = layer.overflow_checks

@@ -1,0 +1,150 @@
+"""One contender at one DRAM cap: what it runs (memstrata: what the planner says for that cap) and its run,
+in its own process tree inside its own capped cgroup (record.run_watched + memcap.DramCap.preexec).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from budget import spread, step_io  # noqa: E402
+from memcap import DramCap  # noqa: E402
+from record import run_watched  # noqa: E402
+
+HARNESS = HERE / "harness.py"
+LOOP_BYTES = 64 << 30  # sparse: only what memstrata writes is allocated
+# name: (harness profile, offload_param device, offload_optimizer device)
+STOCK_PROFILES = {"stock-default": ("default", "nvme", "nvme"), "stock-tuned": ("tuned", "nvme", "nvme"),
+                  "stock-cpu": ("tuned", "cpu", "cpu")}
+CONTENDERS = ("memstrata", *STOCK_PROFILES)
+
+
+def job_shape(arch: Any, seq: int, batch: int, engine: str) -> Any:
+    from memstrata.plan.accounting import JobShape
+
+    # The harness never turns on activation checkpointing, so the planner must not assume it.
+    return JobShape(model=arch, sequence_length=seq, micro_batch=batch, precision="bf16", gpus=0, engine=engine,
+                    activation_checkpointing=False)
+
+
+def planned_base(arch: Any, seq: int, batch: int) -> int:
+    """Host bytes of a CPU run that are not offloaded state, as the planner counts them."""
+    from memstrata.plan.accounting import build_transient, working_set
+
+    job = job_shape(arch, seq, batch, "memstrata")
+    return working_set(job) + build_transient(job)
+
+
+def stock_cpu_bytes(arch: Any, seq: int, batch: int, scratch: Path) -> int:
+    """DRAM the planner says stock DeepSpeed with everything offloaded to the CPU needs (no NVMe at all)."""
+    from memstrata.api.finetunejob import MemoryPolicy
+    from memstrata.node.local import local_inventory
+    from memstrata.plan.assignment import plan_for_node
+
+    plan = plan_for_node(job_shape(arch, seq, batch, "deepspeed"), local_inventory(scratch),
+                         MemoryPolicy(engine="deepspeed", nvme_namespaces=0))
+    return plan.bytes_on("dram")
+
+
+def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, work: Path, loop: str
+                   ) -> tuple[dict[str, Any], list[str]]:
+    """(what the run records about its plan, the harness arguments that run it) for a DRAM budget."""
+    from memstrata.api.finetunejob import MemoryPolicy
+    from memstrata.node.local import local_inventory
+    from memstrata.plan.assignment import plan_for_node
+    from memstrata.runtime.swap.stratamap import swap_settings
+    from memstrata.runtime.train.dsconfig import offload_devices
+
+    plan = plan_for_node(job_shape(arch, seq, batch, "memstrata"), local_inventory(scratch),
+                         MemoryPolicy(engine="memstrata", dram_budget=budget))
+    settings = swap_settings(plan, arch, job="bench", run_dir=work, env={"MEMSTRATA_NVME_DEVICES": loop}).settings
+    param_dev, optim_dev = offload_devices(plan)
+    record = {"dram_budget_bytes": budget, "feasible": plan.feasible,
+              "shortfalls": [s.message for s in plan.shortfalls],
+              "bytes_on": {s: plan.bytes_on(s) for s in ("dram", "nvme")},
+              "categories": {c.category: {"dram": c.on("dram"), "nvme": c.on("nvme")} for c in plan.categories},
+              "offload_devices": [param_dev, optim_dev], "swap_settings": settings.model_dump(mode="json")}
+    args = ["--engine", "memstrata", "--profile", "tuned", "--param-device", param_dev, "--optim-device", optim_dev,
+            "--swap-json", json.dumps(settings.model_dump(mode="json"))]
+    return record, args
+
+
+def attach_loop(work: Path) -> str:
+    img = work / "ns0.img"
+    with open(img, "wb") as f:
+        f.truncate(LOOP_BYTES)
+    return subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(img)], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def run_contender(contender: str, *, arch_name: str, arch: Any, seq: int, batch: int, warmup: int, measured: int,
+                  cap: dict[str, Any], base: int, scratch: Path, backing: str, timeout: float) -> dict[str, Any]:
+    """Run one contender under `cap` and return its record (ok, OOM, step spread, per-step I/O, memory)."""
+    work = Path(tempfile.mkdtemp(prefix=f"{arch_name}-k{cap['k']}-{contender}-", dir=scratch))
+    out = work / "result.json"
+    loop = None
+    rec: dict[str, Any] = {"contender": contender, "ok": False}
+    try:
+        common = ["--preset", arch_name, "--seq", str(seq), "--batch", str(batch), "--steps", str(warmup + measured),
+                  "--zero-init", "--precision", "bf16", "--swap-dir", str(work / "swap"), "--out", str(out)]
+        devices = [backing]
+        if contender == "memstrata":
+            loop = attach_loop(work)
+            devices.append(Path(loop).name)
+            try:
+                rec["plan"], extra = memstrata_plan(arch, seq, batch, scratch, cap["bytes"] - base, work, loop)
+            except ValueError as exc:  # the planner or stratamap refused: that is the result at this cap
+                rec["error"] = f"no plan: {exc}"
+                return rec
+        else:
+            profile, pdev, odev = STOCK_PROFILES[contender]
+            extra = ["--engine", "stock", "--profile", profile, "--param-device", pdev, "--optim-device", odev]
+        cmd = [sys.executable, str(HARNESS), *common, *extra, "--diskstats", ",".join(devices)]
+        dram, why = DramCap.open(f"{arch_name}-{contender}", cap["bytes"])
+        print(f"== {arch_name} k={cap['k']} ({cap['bytes'] / 2**30:.2f} GiB) {contender}", flush=True)
+        try:
+            w = run_watched(cmd, REPO, timeout, preexec=dram.preexec if dram else None)
+            rec.update(wall_seconds=round(w.wall_seconds, 2), peak_rss_bytes=w.tree_peak_rss_bytes,
+                       cgroup=({"version": dram.version, "limit_bytes": dram.limit_bytes,
+                                "peak_bytes": dram.peak_bytes()} if dram else {"enforced": False, "why": why}),
+                       oom_killed=bool(dram and dram.oom_killed()))
+        finally:
+            if dram:
+                dram.close()
+        rec["command"] = " ".join(cmd)
+        if w.returncode != 0 or not out.exists():
+            rec["error"] = ("killed by the OOM killer under the cap" if rec["oom_killed"] else w.error())
+            return rec
+        rec.update(_measure(json.loads(out.read_text()), warmup, devices))
+        rec["ok"] = True
+        return rec
+    finally:
+        if loop:
+            subprocess.run(["losetup", "-d", loop], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+        print(json.dumps({k: v for k, v in rec.items() if k in ("contender", "ok", "error", "step", "peak_rss_bytes",
+                                                                "oom_killed")}), flush=True)
+
+
+def _measure(data: dict[str, Any], warmup: int, devices: list[str]) -> dict[str, Any]:
+    """A finished harness's record: step spread and phase medians over the measured steps, per-step I/O."""
+    import statistics
+
+    later = slice(warmup, None)
+    disk = data.get("diskstats") or {}
+    steps = disk.get("steps", [])
+    io = {d: step_io(steps, d, warmup) for d in devices}
+    return {"step": spread(data["step_seconds"][later]), "step_seconds_all": data["step_seconds"],
+            "phases": {k: statistics.median(v[later]) for k, v in data["phases"].items()},
+            "init_seconds": data["init_seconds"], "time_to_first_step": data.get("time_to_first_step"),
+            "losses": data["losses"], "params": data["params"], "rss_peak_by_phase": data.get("rss_peak_by_phase"),
+            "io": {d: v for d, v in io.items() if v is not None}, "init_io": disk.get("init"),
+            "swap": data.get("swap"), "config": data.get("config")}
