@@ -14,9 +14,11 @@ TARGET_MEMORY_VS_TUNED = 0.40
 TARGET_SPEED_VS_CPU = 0.9
 TARGET_MEMORY_VS_CPU = 0.75
 ALL_FITS_BYTES_PER_PARAM = 20.0
-BASE_FORMULA = ("cap = base + k x parameters; base = working_set(job) + build_transient(job) (memstrata.plan."
-                "accounting, JobShape with gpus=0, activation_checkpointing=False) + the measured RSS of an idle "
-                "interpreter that imported torch and deepspeed")
+BASE_FORMULA = ("cap = base + k x parameters; base = the peak RSS of memstrata with everything in DRAM (a probe run "
+                "under a cap far above it) minus 16 B/param (16-bit weights 2 + gradients 2 + fp32 master and Adam "
+                "moments 12): what a run holds beside its state (interpreter, transformers, DeepSpeed's ops, "
+                "activations, allocator slack). Where the probe fails: working_set + build_transient "
+                "(memstrata.plan.accounting) + the idle interpreter's RSS")
 STOCK = ("stock-default", "stock-tuned", "stock-cpu")
 ALL_DRAM = ("stock-cpu", "memstrata")  # the runs whose median step is the compute floor (at the all-fits cap)
 

@@ -65,14 +65,19 @@ def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, 
 
     plan = plan_for_node(job_shape(arch, seq, batch, "memstrata"), local_inventory(scratch),
                          MemoryPolicy(engine="memstrata", dram_budget=budget))
-    settings = swap_settings(plan, arch, job="bench", run_dir=work, env={"MEMSTRATA_NVME_DEVICES": loop}).settings
+    # As in a pod: the device plugin grants a namespace only to a plan that puts something on NVMe.
+    env = {"MEMSTRATA_NVME_DEVICES": loop} if plan.bytes_on("nvme") else {}
+    settings = swap_settings(plan, arch, job="bench", run_dir=work, env=env).settings
     param_dev, optim_dev = offload_devices(plan)
     record = {"dram_budget_bytes": budget, "feasible": plan.feasible,
               "shortfalls": [s.message for s in plan.shortfalls],
               "bytes_on": {s: plan.bytes_on(s) for s in ("dram", "nvme")},
               "categories": {c.category: {"dram": c.on("dram"), "nvme": c.on("nvme")} for c in plan.categories},
               "offload_devices": [param_dev, optim_dev], "swap_settings": settings.model_dump(mode="json")}
+    from memstrata.plan.accounting import memstrata_subgroup_elements
+
     args = ["--engine", "memstrata", "--profile", "tuned", "--param-device", param_dev, "--optim-device", optim_dev,
+            "--sub-group-size", str(memstrata_subgroup_elements(arch)),
             "--swap-json", json.dumps(settings.model_dump(mode="json"))]
     return record, args
 

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swap-dir", required=True)
     ap.add_argument("--nvme", default="", help="comma-separated namespaces for memstrata")
     ap.add_argument("--swap-json", default="", help="extra SwapSettings fields as JSON")
+    ap.add_argument("--sub-group-size", type=int, default=0,
+                    help="ZeRO-3 sub_group_size instead of the profile's (memstrata's plan-driven runs pass its own)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--torch-adam", action="store_true",
                     help="torch.optim.AdamW instead of DeepSpeedCPUAdam (where the cpu_adam op is not built)")
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     arch = ModelArchitecture.model_validate_json(args.arch_json) if args.arch_json else PRESETS[args.preset]
     cfg = ds_config(arch, swap_dir=args.swap_dir, batch=args.batch, precision=args.precision, profile=args.profile,
                     param_device=args.param_device, optim_device=args.optim_device)
+    if args.sub_group_size:
+        cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
     disks = [d for d in args.diskstats.split(",") if d]
     io_marks = [snapshot(disks)] if disks else []

@@ -83,6 +83,10 @@ def cap_mechanism() -> dict[str, Any]:
     return {"enforced": True, "cgroup_version": probe.version, "mechanism": probe.mechanism}
 
 
+# What a run holds per parameter beside its base: 16-bit weights and gradients, fp32 master and two moments.
+STATE_BYTES_PER_PARAM = 2 + 2 + 12
+
+
 def model_record(name: str, args: argparse.Namespace, idle: int, scratch: Path) -> dict[str, Any]:
     from memstrata.api.architecture import PRESETS
 
@@ -101,6 +105,20 @@ def run_model(name: str, m: dict[str, Any], args: argparse.Namespace, scratch: P
     from memstrata.api.architecture import PRESETS
 
     arch = PRESETS[name]
+    # The base is measured, not guessed: the interpreter, transformers, DeepSpeed's ops, the allocator's slack and
+    # the activations are what a run holds beside its 16 B/param of state (weights 2, gradients 2, master and
+    # moments 12). memstrata with everything in DRAM, under a cap far above it, shows it: base = peak - 16 x P.
+    probe_cap = {"k": "probe", "bytes": m["planned_base_bytes"] + 20 * arch.parameters() + (6 << 30), "all_fits": True}
+    probe = contenders.run_contender("memstrata", arch_name=name, arch=arch, seq=args.seq, batch=args.batch,
+                                     warmup=1, measured=2, cap=probe_cap, base=0, scratch=scratch, backing=backing,
+                                     timeout=args.timeout)
+    m["base_probe"] = {k: probe.get(k) for k in ("ok", "error", "peak_rss_bytes", "cgroup")}
+    if probe.get("ok"):
+        m["base_bytes"] = int(probe["peak_rss_bytes"] - STATE_BYTES_PER_PARAM * arch.parameters())
+        ks = [float(k) for k in args.caps_bytes_per_param.split(",")]
+        m["caps"] = [{**c, "runs": []} for c in budget.caps(m["base_bytes"], arch.parameters(), ks,
+                                                              args.all_fits_bytes_per_param)]
+    save()
     for cap in m["caps"]:
         names = args.all_fits_contenders if cap["all_fits"] else args.contenders
         for contender in names.split(","):

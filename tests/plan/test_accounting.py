@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from memstrata.api.architecture import PRESETS, ModelArchitecture
-from memstrata.plan.accounting import JobShape, category_bytes, pinned_buffers
+from memstrata.plan.accounting import JobShape, category_bytes, pinned_buffers, streamed_subgroup_bytes
 
 
 @pytest.mark.parametrize("preset,params", [
@@ -55,16 +55,24 @@ def test_memstrata_pins_less_than_tuned_stock() -> None:
     Stock, as dsconfig tunes it: 8 parameter buffers of the largest tensor, 8*38,633,472*2 = 618,135,552,
     plus 4 optimizer buffers of (sub-group 38,633,472 + one tensor of overshoot)*4 B = 1,236,271,104.
     memstrata: 2 layers (2*7,087,872*2 = 28,351,488 -> 28,352,512 page-rounded) + the largest tensor
-    (77,266,944), plus 2 sub-groups of one layer at 12 B (85,054,464 -> 85,057,536 page-rounded)."""
+    (77,266,944), plus 3 buffers (read ahead, updated, written back) of the largest streamed sub-group: with
+    nothing resident that is the embedding's own, 38,633,472*12 = 463,601,664; once the budget keeps it
+    resident, a layer's, 7,087,872*12 = 85,054,464 -> 85,057,536 page-rounded."""
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=1024, micro_batch=1, gpus=1)
     stock = pinned_buffers(JobShape(**shape, engine="deepspeed"), optimizer_on_nvme=True, params_on_nvme=True)
     ours = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True)
     assert stock == 618_135_552 + 1_236_271_104
-    assert ours == 28_352_512 + 77_266_944 + 3 * 85_057_536
+    assert ours == 28_352_512 + 77_266_944 + 3 * 463_601_664
+    layered = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True,
+                             streamed_bytes=streamed_subgroup_bytes(JobShape(**shape, engine="memstrata"),
+                                                                    463_601_664))
+    assert layered == 28_352_512 + 77_266_944 + 3 * 85_057_536
     assert pinned_buffers(JobShape(**shape), optimizer_on_nvme=False, params_on_nvme=False) == 0
     eight = pinned_buffers(JobShape(**{**shape, "gpus": 8}, engine="memstrata"), optimizer_on_nvme=True,
                            params_on_nvme=True)
-    assert eight == 8 * ours                     # one set per rank
+    # One set per rank; over 8 ranks each holds an eighth of the embedding (4,829,184 elements), less than a
+    # layer, so no rank has a sub-group larger than one layer's.
+    assert eight == 8 * layered
 
 
 def test_architecture_rejects_heads_that_do_not_divide() -> None:

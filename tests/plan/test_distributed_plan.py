@@ -111,7 +111,7 @@ def test_a_local_scratch_directory_serves_every_rank() -> None:
     """`memstrata run` on this machine: the scratch directory is one 'namespace' in which each rank creates its
     own files, so two ranks do not need two of them."""
     node = _node(gpus=0, nvme=1, controller="scratch-directory")
-    plan = plan_job(_spec("gpt-125m", gpus=0, seq=512, ranks=2, memory={"dramBudget": "1Gi"}), node)
+    plan = plan_job(_spec("gpt-125m", gpus=0, seq=512, ranks=2, memory={"dramBudget": "1536Mi"}), node)
     assert plan.feasible, plan.verdict()
     assert plan.bytes_on("nvme") > 0 and plan.nvme_namespaces == ["nvme0n1"]
     assert any("each of the 2 ranks stripes over its own files" in n for n in plan.notes)

@@ -35,6 +35,8 @@ ACTIVATION_FACTOR = 34
 # fp32 partition, capped so one huge layer cannot pin tens of GiB.
 SUB_GROUP_CAP = 1 << 27
 PAGE = 4096
+# memstrata's swapper leaves smaller tensors in DRAM (DeepSpeed's own floor is 1 MiB); the swap layer's default.
+MIN_SWAP_BYTES = 64 << 10
 
 
 class JobShape(BaseModel):
@@ -137,19 +139,49 @@ def build_transient(job: JobShape) -> int:
     return (m.layer_params() * job.weight_bytes + m.largest_tensor() * 4) * job.ranks
 
 
-def subgroup_bytes(job: JobShape) -> int:
-    """Locked bytes of one streamed optimizer sub-group in memstrata's update: min(layer, 2^27) elements at
-    12 B (fp32 master + 2 moments), page-rounded."""
-    return _pages(min(job.model.layer_params(), SUB_GROUP_CAP) * 12)
+def memstrata_subgroup_elements(arch: ModelArchitecture) -> int:
+    """memstrata's engine's ZeRO-3 sub_group_size: one transformer layer (capped, and at least the smallest tensor
+    its swapper swaps, MIN_SWAP_BYTES of fp32). A larger tensor (the embedding, the LM head) then closes a
+    sub-group of its own, so the budget can keep those big ones resident and stream layer-sized ones through
+    small buffers."""
+    return max(min(arch.layer_params(), SUB_GROUP_CAP), MIN_SWAP_BYTES // 4)
 
 
-def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool, read_ahead: int = 1) -> int:
+def subgroup_sizes(job: JobShape) -> list[int]:
+    """One rank's optimizer sub-groups in elements, as ZeRO-3 forms them with memstrata_subgroup_elements:
+    each tensor of at least that size (per rank) alone, the rest in units of about that size. An estimate of
+    DeepSpeed's grouping (it closes a sub-group once it reaches the size, so a group may overshoot by one
+    tensor); exact for the tensors that matter, the big ones."""
+    m, world = job.model, job.world_size
+    unit = memstrata_subgroup_elements(m)
+    tensors = [m.vocab * m.hidden, m.max_positions * m.hidden if m.family == "gpt" else 0, m.head_params()]
+    big = [-(-t // world) for t in tensors if t and -(-t // world) >= unit]
+    rest = -(-m.parameters() // world) - sum(big)
+    return big + [unit] * (rest // unit) + ([rest % unit] if rest % unit else [])
+
+
+def streamed_subgroup_bytes(job: JobShape, resident_state_bytes: int) -> int:
+    """Locked bytes of the largest optimizer sub-group one rank streams: the runtime keeps sub-groups resident
+    largest first while `resident_state_bytes` (12 B per element) lasts, so the streamed ones are the smaller
+    ones; page-rounded; 0 when every sub-group is resident."""
+    left, streamed = resident_state_bytes, 0
+    for n in sorted(subgroup_sizes(job), reverse=True):
+        if n * 12 <= left:
+            left -= n * 12
+        else:
+            streamed = max(streamed, n)
+    return _pages(streamed * 12)
+
+
+def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool, read_ahead: int = 1,
+                   streamed_bytes: int | None = None) -> int:
     """Page-locked host staging for all ranks on the node.
 
     memstrata sizes its buffers from the model's shapes (exact size, 4 KiB aligned):
     per rank, parameters need two layers plus the largest tensor in flight, and
-    streamed optimizer state 2 + `read_ahead` sub-groups of min(layer, 2^27) elements at
-    12 B each (fp32 master + 2 moments): being updated, being written back, and those read ahead.
+    streamed optimizer state 2 + `read_ahead` buffers of the largest streamed sub-group at
+    12 B per element (fp32 master + 2 moments): being updated, being written back, and those read
+    ahead (`streamed_bytes`, from streamed_subgroup_bytes; by default as if none were resident).
 
     Stock DeepSpeed, run with the settings memstrata.runtime.train.dsconfig gives it, locks
     what memstrata.plan.stock.pinned_pool_bytes counts: buffer_count buffers of the
@@ -161,7 +193,8 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool,
         if params_on_nvme:
             per_rank += _pages(2 * m.layer_params() * w) + _pages(m.largest_tensor() * w)
         if optimizer_on_nvme:
-            per_rank += (2 + read_ahead) * subgroup_bytes(job)
+            largest = streamed_bytes if streamed_bytes is not None else streamed_subgroup_bytes(job, 0)
+            per_rank += (2 + read_ahead) * largest
     else:
         per_rank = pinned_pool_bytes(m, w, params_on_nvme=params_on_nvme, optimizer_on_nvme=optimizer_on_nvme)
     return per_rank * job.ranks

@@ -18,7 +18,7 @@ from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.api.units import GiB, format_bytes
 from memstrata.plan.accounting import (DESCRIPTIONS, JobShape, build_transient, category_bytes, pinned_buffers,
-                                      working_set)
+                                      streamed_subgroup_bytes, working_set)
 
 # Placement order and each category's allowed strata, fastest first.
 PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
@@ -67,19 +67,23 @@ def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> P
 
 
 def _settle(job: JobShape, node: NodeInventory, policy: MemoryPolicy, read_ahead: int) -> Plan:
-    spills = (False, False)
-    for _ in range(3):  # pinned buffers grow once state spills to NVMe; settle in ≤ 3 passes
-        plan = _place(job, node, policy, *spills, read_ahead=read_ahead)
+    # Pinned buffers grow once state spills to NVMe, and (memstrata) with the largest sub-group that streams,
+    # which a smaller DRAM share makes larger: grow monotonically until the placement stops changing.
+    spills, streamed = (False, False), 0
+    for _ in range(6):
+        plan = _place(job, node, policy, *spills, read_ahead=read_ahead, streamed_bytes=streamed)
+        state_dram = plan.category("optimizer").on("dram") + plan.category("master").on("dram")
         now = (plan.category("weights").on("nvme") > 0,
                plan.category("optimizer").on("nvme") + plan.category("master").on("nvme") > 0)
-        if now == spills:
+        biggest = streamed_subgroup_bytes(job, state_dram // job.ranks) if now[1] else 0
+        if now == spills and biggest <= streamed:
             return plan
-        spills = (spills[0] or now[0], spills[1] or now[1])
+        spills, streamed = (spills[0] or now[0], spills[1] or now[1]), max(streamed, biggest)
     return plan
 
 
 def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme: bool, optim_nvme: bool, *,
-           read_ahead: int) -> Plan:
+           read_ahead: int, streamed_bytes: int) -> Plan:
     shortfalls: list[Shortfall] = []
     ranks = job.ranks
 
@@ -144,7 +148,8 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         free["dram"] = policy.dram_budget
         detail["dram"] += f", memory.dramBudget {format_bytes(policy.dram_budget)}"
 
-    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme, read_ahead=read_ahead)
+    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme, read_ahead=read_ahead,
+                            streamed_bytes=streamed_bytes or None)
     if policy.pinned_memory_cap is not None and pinned > policy.pinned_memory_cap:
         short("dram", "pinned", pinned - policy.pinned_memory_cap,
               f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "

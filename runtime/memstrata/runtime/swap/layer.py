@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from memstrata.plan.accounting import MIN_SWAP_BYTES
 from memstrata.runtime.strata.nvme import NvmeEngine
 from memstrata.runtime.strata.numa import cpu_nodes
 from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes
@@ -70,7 +71,7 @@ class SwapSettings(BaseModel):
         1, ge=0, le=4,
         description="Optimizer sub-groups read ahead of the one being updated (the update pipelined: read of i+1, "
                     "Adam on i, write-back of i-1 overlap); 0 reads each one when it is needed.")
-    min_swap_bytes: int = Field(64 << 10, ge=4096, description="Smaller tensors stay in DRAM (DeepSpeed: 1 MiB).")
+    min_swap_bytes: int = Field(MIN_SWAP_BYTES, ge=4096, description="Smaller tensors stay in DRAM (DeepSpeed: 1 MiB).")
     param_staging_bytes: int = Field(256 << 20, ge=0,
                                      description="Locked bytes the parameter prefetcher may fill ahead of use.")
     pool_chunk_bytes: int = Field(32 << 20, ge=1 << 20, description="Growth step of the locked pool.")

@@ -35,25 +35,26 @@ __all__ = ["STATE_BYTES_PER_ELEMENT", "choose_resident", "deciding", "keep_resid
 
 # fp32 master weights and the two Adam moments.
 STATE_BYTES_PER_ELEMENT = 12
-# The swapper pads each state tensor to 4 KiB of fp32 (1024 elements); resident tensors are not padded, but the
-# budget is counted the same way so the plan's number is never exceeded by either kind.
-_ALIGN_ELEMENTS = 1024
 _ATTR = "memstrata_resident"
 
 
 def state_bytes(numel: int) -> int:
-    """DRAM bytes of one sub-group's optimizer state (master + moments), padded as the swapper pads them."""
-    return -(-numel // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS * STATE_BYTES_PER_ELEMENT
+    """DRAM bytes of one resident sub-group's optimizer state (master + moments): ZeRO-3 builds a resident
+    sub-group's tensors at their exact size (only swapped ones are padded to the swapper's alignment), so a
+    budget of the plan's 12 bytes per parameter holds every sub-group."""
+    return numel * STATE_BYTES_PER_ELEMENT
 
 
 def choose_resident(numels: Sequence[int], swappable: Sequence[bool], budget_bytes: int | None) -> set[int]:
-    """Ids of the swappable sub-groups to keep in DRAM: first-fit in id order while their state fits in
-    `budget_bytes` (None: none). Pure. Sub-groups that are not swappable anyway (too small for the swapper)
-    stay in DRAM without taking budget: the planner counts them with the rest of the state."""
+    """Ids of the swappable sub-groups to keep in DRAM: largest first (ties by id) while their state fits in
+    `budget_bytes` (None: none), so the ones that stream are the small ones and their buffers small - the
+    order memstrata.plan.accounting.streamed_subgroup_bytes plans with. Pure. Sub-groups that are not
+    swappable anyway (too small for the swapper) stay in DRAM without taking budget."""
     if not budget_bytes:
         return set()
     left, kept = budget_bytes, set()
-    for i, (n, can_swap) in enumerate(zip(numels, swappable)):
+    for i in sorted(range(len(numels)), key=lambda g: (-numels[g], g)):
+        n, can_swap = numels[i], swappable[i]
         if can_swap and state_bytes(n) <= left:
             kept.add(i)
             left -= state_bytes(n)

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Training
 from memstrata.api.strataplan import Plan
+from memstrata.plan.accounting import memstrata_subgroup_elements
 from memstrata.plan.stock import (
     DS_ALIGN_ELEMENTS, OPTIMIZER_BUFFER_COUNT, align_elements, largest_param, param_buffer_count, param_tensors,
     sub_group_size,
@@ -160,11 +161,18 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         )
 
     # The planner's pinned-buffer estimate assumes one sub-group per layer (or the largest tensor).
-    sub_group = note(
-        "zero_optimization.sub_group_size", sub_group_size(arch), int(1e9),
-        "the optimizer swapper pins buffer_count x sub-group fp32 elements and streams one sub-group at a time: "
-        "one transformer layer per sub-group bounds that to the planner's estimate (1e9 pins 16 GB); at least the "
-        "largest tensor, and at least 1 MiB of fp32, because DeepSpeed never swaps a smaller tensor to NVMe")
+    if plan.engine == "memstrata":
+        sub_group = note(
+            "zero_optimization.sub_group_size", memstrata_subgroup_elements(arch), int(1e9),
+            "memstrata's engine: one transformer layer per sub-group, so a big tensor (the embedding) closes a "
+            "sub-group of its own that the DRAM budget keeps resident, and the streamed ones need small buffers")
+    else:
+        sub_group = note(
+            "zero_optimization.sub_group_size", sub_group_size(arch), int(1e9),
+            "the optimizer swapper pins buffer_count x sub-group fp32 elements and streams one sub-group at a "
+            "time: one transformer layer per sub-group bounds that to the planner's estimate (1e9 pins 16 GB); at "
+            "least the largest tensor, and at least 1 MiB of fp32, because DeepSpeed never swaps a smaller tensor "
+            "to NVMe")
 
     zero = {
         "stage": note("zero_optimization.stage", 3, 0,
