@@ -69,8 +69,12 @@ def best_stock(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def host_peak(run: dict[str, Any]) -> int:
-    """Peak host memory of a run: its process tree's peak RSS (the cgroup's peak also charges page cache)."""
-    return int(run["peak_rss_bytes"])
+    """Peak host memory of a run: what its cgroup was charged at the peak (each page once: anonymous memory, the
+    locked pools, the page cache its own I/O made, which direct I/O keeps small), the number the cap enforces;
+    the process tree's peak RSS where no cgroup peak was read. (The tree's RSS, also recorded, counts shared
+    library pages in every process and ran above the cap it was never killed at.)"""
+    peak = (run.get("cgroup") or {}).get("peak_bytes")
+    return int(peak) if peak else int(run["peak_rss_bytes"])
 
 
 def _run(cap: dict[str, Any], name: str) -> dict[str, Any] | None:

@@ -93,5 +93,6 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | compute floor | {floor_text} | |")
     lines += ["", f"Load average at start {results['loadavg_start']}, end {results.get('loadavg_end')} (shared "
               f"machine); total {results.get('total_seconds', 0) / 60:.1f} min. Peak host memory in the targets is "
-              "the process tree's peak RSS; the cgroup peak also charges page cache."]
+              "what the run's cgroup was charged at its peak (each page once; the process tree's RSS, also shown, "
+              "counts shared library pages in every process)."]
     return "\n".join(lines) + "\n"

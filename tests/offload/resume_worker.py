@@ -50,22 +50,40 @@ def arm(recipe: Any, phase: str, step: int, marker: Path) -> None:
 
         block.register_forward_hook(hook)
     elif phase == "update":
-        swapper = engine.optimizer.optimizer_swapper
-        real = swapper.aio_handle
+        from memstrata.runtime.swap.handle import ExtentSwapHandle
 
-        class Handle:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real, name)
-
-            def async_pwrite(self, *a: Any, **k: Any) -> Any:
-                out = real.async_pwrite(*a, **k)
+        def counting(real: Any) -> Any:
+            def async_pwrite(*a: Any, **k: Any) -> Any:
+                out = real(*a, **k)
                 if state["in_update"] and current() == step:
                     state["writes"] += 1
                     if state["writes"] == 2:
                         die(marker, phase, step)  # submitted, not waited for
                 return out
+            return async_pwrite
 
-        swapper.aio_handle = Handle()
+        swapper = engine.optimizer.optimizer_swapper
+        if isinstance(swapper.aio_handle, ExtentSwapHandle):
+            # memstrata's update writes through several handles (the pipelined write-back has its own): count
+            # the optimizer writes of every one of them.
+            real_write = ExtentSwapHandle.async_pwrite
+
+            def optimizer_write(handle: Any, *a: Any, **k: Any) -> Any:
+                if handle.kind != "optimizer":
+                    return real_write(handle, *a, **k)
+                return counting(lambda *a2, **k2: real_write(handle, *a2, **k2))(*a, **k)
+
+            ExtentSwapHandle.async_pwrite = optimizer_write  # type: ignore[method-assign]
+        else:
+            real = swapper.aio_handle
+
+            class Handle:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(real, name)
+
+                async_pwrite = staticmethod(counting(real.async_pwrite))
+
+            swapper.aio_handle = Handle()
     elif phase == "checkpoint":
         from memstrata.runtime.train import ckptstore
 

@@ -5,13 +5,14 @@ so a reader can check a number in `memstrata plan` by hand.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Engine, Precision
-from memstrata.plan.stock import pinned_pool_bytes
+from memstrata.plan.stock import pinned_pool_bytes, tensor_sizes
 
 Category = Literal["working", "pinned", "build", "gradients", "master", "optimizer", "weights", "checkpoints"]
 
@@ -35,6 +36,10 @@ ACTIVATION_FACTOR = 34
 # fp32 partition, capped so one huge layer cannot pin tens of GiB.
 SUB_GROUP_CAP = 1 << 27
 PAGE = 4096
+# The fewest optimizer sub-groups memstrata's engine cuts a model into (small models have few layers).
+MIN_SUBGROUPS = 16
+# What one element of optimizer state costs in DRAM: fp32 master weights and the two Adam moments.
+STATE_BYTES_PER_ELEMENT = 12
 # memstrata's swapper leaves smaller tensors in DRAM (DeepSpeed's own floor is 1 MiB); the swap layer's default.
 MIN_SWAP_BYTES = 64 << 10
 
@@ -140,37 +145,70 @@ def build_transient(job: JobShape) -> int:
 
 
 def memstrata_subgroup_elements(arch: ModelArchitecture) -> int:
-    """memstrata's engine's ZeRO-3 sub_group_size: one transformer layer (capped, and at least the smallest tensor
-    its swapper swaps, MIN_SWAP_BYTES of fp32). A larger tensor (the embedding, the LM head) then closes a
-    sub-group of its own, so the budget can keep those big ones resident and stream layer-sized ones through
-    small buffers."""
-    return max(min(arch.layer_params(), SUB_GROUP_CAP), MIN_SWAP_BYTES // 4)
+    """memstrata's engine's ZeRO-3 sub_group_size, grouped by `group_tensors`: about one transformer layer, but
+    small enough for MIN_SUBGROUPS sub-groups (the steps a DRAM budget is spent in, and the size of the buffers
+    the streamed ones need), capped at 2^27 elements, and at least the smallest tensor its swapper swaps
+    (MIN_SWAP_BYTES of fp32)."""
+    unit = min(arch.layer_params(), SUB_GROUP_CAP, arch.parameters() // MIN_SUBGROUPS)
+    return max(unit, MIN_SWAP_BYTES // 4)
+
+
+def group_tensors(sizes: Sequence[int], unit: int) -> list[list[int]]:
+    """memstrata's rule for cutting one rank's parameter partitions (`sizes`, in order) into optimizer sub-groups:
+    a partition of at least `unit` elements closes the open sub-group and forms one of its own; smaller ones
+    accumulate until the open sub-group reaches `unit`. So the big tensors (the embedding, the LM head) are alone
+    and every other sub-group is under 2 x unit. Indices into `sizes`, per sub-group. The runtime groups ZeRO-3's
+    partitions with it (memstrata.runtime.swap.resident) and the planner the architecture's tensors."""
+    groups: list[list[int]] = []
+    open_group: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if n >= unit:
+            if open_group:
+                groups.append(open_group)
+                open_group, total = [], 0
+            groups.append([i])
+            continue
+        open_group.append(i)
+        total += n
+        if total >= unit:
+            groups.append(open_group)
+            open_group, total = [], 0
+    if open_group:
+        groups.append(open_group)
+    return groups
 
 
 def subgroup_sizes(job: JobShape) -> list[int]:
-    """One rank's optimizer sub-groups in elements, as ZeRO-3 forms them with memstrata_subgroup_elements:
-    each tensor of at least that size (per rank) alone, the rest in units of about that size. An estimate of
-    DeepSpeed's grouping (it closes a sub-group once it reaches the size, so a group may overshoot by one
-    tensor); exact for the tensors that matter, the big ones."""
-    m, world = job.model, job.world_size
-    unit = memstrata_subgroup_elements(m)
-    tensors = [m.vocab * m.hidden, m.max_positions * m.hidden if m.family == "gpt" else 0, m.head_params()]
-    big = [-(-t // world) for t in tensors if t and -(-t // world) >= unit]
-    rest = -(-m.parameters() // world) - sum(big)
-    return big + [unit] * (rest // unit) + ([rest % unit] if rest % unit else [])
+    """One rank's optimizer sub-groups in elements, as memstrata's engine forms them: `group_tensors` over each
+    tensor's per-rank partition (ZeRO-3 gives each rank ceil(n / world) of every tensor)."""
+    parts = [-(-n // job.world_size) for n in tensor_sizes(job.model)]
+    return [sum(parts[i] for i in g) for g in group_tensors(parts, memstrata_subgroup_elements(job.model))]
+
+
+def choose_resident(sizes: Sequence[int], budget_bytes: int | None,
+                    eligible: Sequence[bool] | None = None) -> set[int]:
+    """Sub-groups (indices into `sizes`, in elements) kept in DRAM for good: largest first (ties by index) while
+    their state, STATE_BYTES_PER_ELEMENT each, fits in `budget_bytes` (None: none), so the ones that stream are
+    the small ones and their buffers small. Only `eligible` ones are considered (the others stay in DRAM
+    anyway). The one rule of the runtime's choice and of the planner's buffer sizing."""
+    if not budget_bytes:
+        return set()
+    left, kept = budget_bytes, set()
+    for i in sorted(range(len(sizes)), key=lambda g: (-sizes[g], g)):
+        need = sizes[i] * STATE_BYTES_PER_ELEMENT
+        if (eligible is None or eligible[i]) and need <= left:
+            kept.add(i)
+            left -= need
+    return kept
 
 
 def streamed_subgroup_bytes(job: JobShape, resident_state_bytes: int) -> int:
-    """Locked bytes of the largest optimizer sub-group one rank streams: the runtime keeps sub-groups resident
-    largest first while `resident_state_bytes` (12 B per element) lasts, so the streamed ones are the smaller
-    ones; page-rounded; 0 when every sub-group is resident."""
-    left, streamed = resident_state_bytes, 0
-    for n in sorted(subgroup_sizes(job), reverse=True):
-        if n * 12 <= left:
-            left -= n * 12
-        else:
-            streamed = max(streamed, n)
-    return _pages(streamed * 12)
+    """Locked bytes of the largest optimizer sub-group one rank streams once `choose_resident` has spent
+    `resident_state_bytes`, page-rounded; 0 when every sub-group is resident."""
+    sizes = subgroup_sizes(job)
+    kept = choose_resident(sizes, resident_state_bytes)
+    return _pages(max((n for i, n in enumerate(sizes) if i not in kept), default=0) * STATE_BYTES_PER_ELEMENT)
 
 
 def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool, read_ahead: int = 1,

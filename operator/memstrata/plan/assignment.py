@@ -18,7 +18,7 @@ from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.api.units import GiB, format_bytes
 from memstrata.plan.accounting import (DESCRIPTIONS, JobShape, build_transient, category_bytes, pinned_buffers,
-                                      streamed_subgroup_bytes, working_set)
+                                      streamed_subgroup_bytes, subgroup_sizes, working_set)
 
 # Placement order and each category's allowed strata, fastest first.
 PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
@@ -70,12 +70,13 @@ def _settle(job: JobShape, node: NodeInventory, policy: MemoryPolicy, read_ahead
     # Pinned buffers grow once state spills to NVMe, and (memstrata) with the largest sub-group that streams,
     # which a smaller DRAM share makes larger: grow monotonically until the placement stops changing.
     spills, streamed = (False, False), 0
-    for _ in range(6):
+    # Each pass flips a spill on or grows the streamed size to a larger sub-group: a bound that always settles.
+    for _ in range(3 + len(set(subgroup_sizes(job)))):
         plan = _place(job, node, policy, *spills, read_ahead=read_ahead, streamed_bytes=streamed)
         state_dram = plan.category("optimizer").on("dram") + plan.category("master").on("dram")
         now = (plan.category("weights").on("nvme") > 0,
                plan.category("optimizer").on("nvme") + plan.category("master").on("nvme") > 0)
-        biggest = streamed_subgroup_bytes(job, state_dram // job.ranks) if now[1] else 0
+        biggest = streamed_subgroup_bytes(job, state_dram // job.ranks) if now[1] and job.engine == "memstrata" else 0
         if now == spills and biggest <= streamed:
             return plan
         spills, streamed = (spills[0] or now[0], spills[1] or now[1]), max(streamed, biggest)

@@ -27,15 +27,25 @@ def align_elements(n: int, unit: int = DS_ALIGN_ELEMENTS) -> int:
     return -(-n // unit) * unit
 
 
-def param_tensors(arch: ModelArchitecture) -> int:
-    """Parameter tensors of the `transformers` model for `arch` (shared tensors once): GPT-2 fuses Q/K/V into
-    one `c_attn` matrix with one bias; Llama-style blocks keep q/k/v/o apart, with Q/K/V biases in Qwen2."""
+def tensor_sizes(arch: ModelArchitecture) -> list[int]:
+    """Elements of every parameter tensor of the `transformers` model for `arch`, in `model.parameters()` order
+    (shared tensors once): GPT-2 fuses Q/K/V into one `c_attn` matrix with one bias and has LayerNorms with
+    biases; Llama-style blocks keep q/k/v/o apart (Q/K/V biases in Qwen2), then gate/up/down, then two RMSNorms."""
+    h, i, kv, v = arch.hidden, arch.intermediate, arch.kv_dim, arch.vocab
+    head = [] if arch.tied else [v * h]
     if arch.family == "gpt":
-        # c_attn, attn c_proj, mlp c_fc, mlp c_proj (weight + bias each), ln_1, ln_2 (weight + bias each)
-        per_layer = 8 + 4
-        return 2 + arch.layers * per_layer + 2 + (0 if arch.tied else 1)
-    per_layer = 4 + (3 if arch.qkv_bias else 0) + 3 + 2
-    return 1 + arch.layers * per_layer + 1 + (0 if arch.tied else 1)
+        layer = [h, h, h * 3 * h, 3 * h, h * h, h, h, h, h * i, i, i * h, h]
+        return [v * h, arch.max_positions * h] + layer * arch.layers + [h, h] + head
+    bias = arch.qkv_bias
+    attention = [h * h, *([h] if bias else []), kv * h, *([kv] if bias else []), kv * h, *([kv] if bias else []),
+                 h * h]
+    layer = attention + [i * h, i * h, h * i, h, h]
+    return [v * h] + layer * arch.layers + [h] + head
+
+
+def param_tensors(arch: ModelArchitecture) -> int:
+    """How many parameter tensors the `transformers` model for `arch` has (shared tensors once)."""
+    return len(tensor_sizes(arch))
 
 
 def largest_param(arch: ModelArchitecture) -> int:

@@ -169,7 +169,10 @@ def _widen_resident_in_update(optimizer: ZeroOptimizer, grads: DramGradients, sw
 
     def prepare_then_widen(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:
         out = prepare(sub_group_id, *args, **kwargs)
-        if sub_group_id in resident and sub_group_id not in live:
+        if sub_group_id in resident:
+            stale = live.pop(sub_group_id, None)  # left by a step that failed before its release: widen anew
+            if stale is not None:
+                pool.free(stale)
             fp32 = flat[sub_group_id]
             buf = pool.tensor(fp32.numel(), torch.float32)
             grads.fill_fp32_gradients(fp32, buf)

@@ -50,9 +50,9 @@ class SwapSettings(BaseModel):
                     "same scope (one run's ranks on one node), so no rank ever waits for a token held by a rank it "
                     "is not in step with (another job's, or another node's of the same machine).")
     cache_subgroups: int = Field(
-        1, ge=0, description="Optimizer sub-groups (per rank) whose state stays in DRAM across steps. A run from a "
-                             "plan sets it from the plan's DRAM bytes for optimizer state "
-                             "(memstrata.runtime.swap.stratamap.cache_subgroups); 1 is the least a plan gives.")
+        1, ge=0, description="Streamed optimizer sub-groups (per rank) whose state stays in DRAM from one step to the "
+                             "next (the reversed walk starts with them). The plan's DRAM share is kept resident "
+                             "instead (`resident_state_bytes`); 1 is what a plan gives.")
     resident_state_bytes: int | None = Field(
         None, ge=0,
         description="Optimizer state (fp32 master + Adam moments, 12 B per element) per rank kept in DRAM for good: "
@@ -62,7 +62,8 @@ class SwapSettings(BaseModel):
     resident_weight_bytes: int | None = Field(
         None, ge=0,
         description="16-bit parameter partitions per rank kept in DRAM when the weights are offloaded to NVMe: "
-                    "parameters are kept, in construction order, while they fit; the rest live on NVMe. None: "
+                    "each partition, in construction order, is kept if it fits what is left (first-fit); the rest "
+                    "live on NVMe. None: "
                     "every swappable parameter goes to NVMe.")
     no_nvme: bool = Field(
         False, description="The plan puts nothing on NVMe: open no namespace at all; a swap request is then an "

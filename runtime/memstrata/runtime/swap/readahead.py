@@ -145,10 +145,16 @@ class ReadAhead:
         self._writing = written
         unpinned, unpinned_paths = record.get_swap_buffers_and_paths(False)
         if unpinned:  # the first step's moments are ordinary tensors: staged through exact buffers, in place
-            staging = sw.swap_buffer_manager.allocate_all(sw.largest_numel, sw.dtype)
+            # Sized for this sub-group, not the largest of all (a resident one may be far larger), and freed
+            # even when the write fails.
+            staging = sw.swap_buffer_manager.allocate(sw._io_aligned_numel(info.numel()), 2, sw.dtype)
+            try:
+                sw._swap_out_unpinned_tensors(aio_handle=sw.aio_handle, unpinned_tensors=unpinned,
+                                              dest_paths=unpinned_paths, pinned_buffers=staging)
+            except BaseException:
+                sw.swap_buffer_manager.free(staging)
+                raise
             extra = extra + staging
-            sw._swap_out_unpinned_tensors(aio_handle=sw.aio_handle, unpinned_tensors=unpinned,
-                                          dest_paths=unpinned_paths, pinned_buffers=staging)
         info.swap_buffers = []
         info.release_memory()
         sw.swap_buffer_manager.free(extra)  # the gradient buffer and staging: nothing in flight reads them

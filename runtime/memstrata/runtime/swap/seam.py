@@ -179,6 +179,10 @@ SEAM: tuple[Dependency, ...] = (
                "in DRAM", params=("param", "grad_buffer", "offload_fp32_gradients", "offload_fp32_offsets")),
     Dependency(Kind.WRAPPED, _Z3, "_swappable_optimizer_subgroup", "which sub-groups live on NVMe: the plan's "
                "resident ones never do (rebound on the class while ZeRO-3 is built)", params=_SUBGROUP),
+    Dependency(Kind.WRAPPED, _Z3, "_create_fp16_sub_groups", "replaced while ZeRO-3 is built: a big tensor forms a "
+               "sub-group of its own (memstrata.plan.accounting.group_tensors)", params=("params_group",)),
+    Dependency(Kind.ATTRIBUTE, _Z3, "sub_group_size", "the unit memstrata's sub-group rule cuts by",
+               set_in="__init__"),
     Dependency(Kind.ATTRIBUTE, _Z3, "fp16_partitioned_groups_flat_numel", "each sub-group's size, which the resident "
                "budget is spent on", set_in="__init__"),
     Dependency(Kind.CALLED, _Z3, "_constant_buffered_norm2", "the gradient norm stock records at the boundary",

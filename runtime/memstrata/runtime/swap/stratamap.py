@@ -42,6 +42,7 @@ from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.api.units import format_bytes
 from memstrata.node.header import DATA_OFFSET
+from memstrata.plan.accounting import STATE_BYTES_PER_ELEMENT
 from memstrata.plan.assignment import STOCK_GROUPS
 from memstrata.plan.stock import align_elements, largest_param, param_tensors, sub_group_size
 from memstrata.runtime.swap.layer import SwapSettings
@@ -50,8 +51,6 @@ __all__ = ["SwapStrata", "create_file_namespaces", "namespace_bytes", "nvme_stat
            "resident_weight_bytes", "subgroup_state_bytes", "swap_settings"]
 
 OPTIMIZER_STATE = ("master", "optimizer")
-# What a cached sub-group keeps in DRAM per element: fp32 master weights and the two Adam moments.
-STATE_BYTES_PER_ELEMENT = 3 * 4
 # The cache size the swap layer always had; the plan can only raise it.
 MIN_CACHE_SUBGROUPS = 1
 # Extents one sub-group can own: master, two moments, and fp32 gradients where they are swapped.

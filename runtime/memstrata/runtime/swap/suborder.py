@@ -68,7 +68,7 @@ def install_reversing_order(optimizer: ZeroOptimizer, swapper: MemstrataOptimize
     state = SubGroupOrder(len(optimizer.fp16_groups), cache_slots)
 
     def translated(name: str) -> None:
-        original = getattr(optimizer, name)  # bound method of the class
+        original = getattr(optimizer, name)  # what the instance has now: the class's, or a wrapper installed first
 
         @functools.wraps(original)
         def call(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:

@@ -134,8 +134,7 @@ class _SubGroups:
         return tensors, scalars
 
     def release(self, i: int) -> None:
-        # The NVMe copy is current: nothing is written back. (A sub-group kept in DRAM keeps its gradient
-        # buffer: ZeRO-3 allocated it once and copies into it at every boundary.)
+        # The NVMe copy is current: nothing is written back. (A sub-group kept in DRAM has nothing to release.)
         if self.swapped(i):
             self.zero._release_swap_buffers(i)
 

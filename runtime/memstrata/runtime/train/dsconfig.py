@@ -143,12 +143,14 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         offload_param.update(
             nvme_path=str(swap_dir), buffer_size=buffer_size, buffer_count=buffer_count,
             max_in_cpu=note("zero_optimization.offload_param.max_in_cpu", 0, int(1e9),
-                            "keep no parameter copies in DRAM beyond the swap buffers: the plan put them on NVMe"),
+                            "no cached parameter copies in DRAM beyond the swap buffers (memstrata's engine keeps the "
+                            "plan's DRAM share of the weights resident by itself)"),
         )
 
     offload_optimizer: dict[str, Any] = {
         "device": note("zero_optimization.offload_optimizer.device", optim_dev, "none",
-                       "from the plan: nvme when any byte of the fp32 master weights or Adam moments is on NVMe"),
+                       "from the plan (offload_devices): stock, nvme when any byte of the fp32 master weights or Adam "
+                       "moments is on NVMe; memstrata's engine, always nvme (it keeps the plan's DRAM share resident)"),
         "pin_memory": note("zero_optimization.offload_optimizer.pin_memory", pin, True,
                            "pinned host memory needs an accelerator; without a GPU torch refuses to pin"),
     }
@@ -160,12 +162,13 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
             pipeline_write=False,
         )
 
-    # The planner's pinned-buffer estimate assumes one sub-group per layer (or the largest tensor).
+    # The planner sizes the locked buffers from the same sub-group size (memstrata.plan.accounting).
     if plan.engine == "memstrata":
         sub_group = note(
             "zero_optimization.sub_group_size", memstrata_subgroup_elements(arch), int(1e9),
-            "memstrata's engine: one transformer layer per sub-group, so a big tensor (the embedding) closes a "
-            "sub-group of its own that the DRAM budget keeps resident, and the streamed ones need small buffers")
+            "memstrata's engine: about one transformer layer per sub-group, a big tensor (the embedding) alone "
+            "(memstrata.plan.accounting.group_tensors), so the DRAM budget keeps the big ones resident and the "
+            "streamed ones need small buffers")
     else:
         sub_group = note(
             "zero_optimization.sub_group_size", sub_group_size(arch), int(1e9),
