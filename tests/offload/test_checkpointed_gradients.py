@@ -8,8 +8,8 @@ next parameter swapped in overwrote it and backward multiplied by the wrong weig
 another gradient norm, and a first step after a resume that differed from an uninterrupted run's.
 
 The tiny example (a GPT-2 with tied embeddings, built by `transformers` under zero.Init) runs on both engines,
-each in its own process (tests/offload/ac_worker.py): every step's loss, DeepSpeed's global gradient norm and
-every parameter's gradient must be bit-identical.
+each in its own process (tests/offload/ac_worker.py): every parameter's gradient must be bit-identical, and every
+step's loss and DeepSpeed's global gradient norm equal up to the order of a sum over sub-groups.
 """
 from __future__ import annotations
 
@@ -59,9 +59,11 @@ def test_memstrata_with_activation_checkpointing_computes_stock_deepspeeds_gradi
         wrong = {n: (float.fromhex(a[n]), float.fromhex(b[n])) for n in a if a[n] != b[n]}
         assert not wrong, f"step {step}: gradient norms (stock, memstrata) differ for {len(wrong)} of {len(a)} " \
                           f"parameters: {dict(list(wrong.items())[:6])}"
-    assert ours["grad_norms"] == stock["grad_norms"], (
+    # The global norm is summed over sub-groups, which memstrata cuts by its own rule (a big tensor alone), so
+    # the sum's order and its last bits may differ; so may the updates it clips. Every gradient itself is equal.
+    assert floats(ours["grad_norms"]) == pytest.approx(floats(stock["grad_norms"]), rel=1e-6), (
         f"global gradient norms: stock {floats(stock['grad_norms'])}, memstrata {floats(ours['grad_norms'])}")
-    assert ours["losses"] == stock["losses"], (
+    assert floats(ours["losses"]) == pytest.approx(floats(stock["losses"]), rel=1e-5), (
         f"losses: stock {floats(stock['losses'])}, memstrata {floats(ours['losses'])}")
     assert float.fromhex(ours["losses"][-1]) < float.fromhex(ours["losses"][0]), "nothing was learned"
     # A buffer held back while autograd still read it went back to the pool once the backward was done with it.

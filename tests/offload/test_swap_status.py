@@ -14,8 +14,9 @@ from memstrata.runtime.swap.layer import SwapLayer, SwapSettings  # noqa: E402
 # The contract: benchmarks/offload/run.py, tests/offload/test_training.py and the run report read these names.
 NVME_KEYS = ["namespaces", "bytesWritten", "bytesRead", "bytesLive", "bytesLivePeak", "extentsLive", "byKind",
              "ioTokenWaitSeconds", "ioTokenBypasses"]
-DRAM_KEYS = ["lockedBytes", "lockedPeakInUse", "trimmedBytes", "optimizerCacheBytes", "optimizerCacheHits",
-             "subGroupOrders", "gradients", "vmLockedBytes"]
+DRAM_KEYS = ["lockedBytes", "lockedPeakInUse", "trimmedBytes", "optimizerCacheBytes", "residentStateBytes",
+             "residentSubgroups", "residentWeightBytes", "prefetchHits", "optimizerCacheHits", "subGroupOrders",
+             "gradients", "vmLockedBytes"]
 
 
 def test_status_json_has_the_keys_its_readers_use_and_counts_what_moved(tmp_path: Path) -> None:

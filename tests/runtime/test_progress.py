@@ -99,7 +99,9 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                             "param": {"written": 200 << 20, "read": 200 << 20}},
                  "ioTokenWaitSeconds": 0.25, "ioTokenBypasses": 0},
         "dram": {"lockedBytes": 96 << 20, "lockedPeakInUse": 64 << 20, "trimmedBytes": 0,
-                 "optimizerCacheBytes": 12 << 20, "optimizerCacheHits": 7, "subGroupOrders": [[0, 1], [1, 0]],
+                 "optimizerCacheBytes": 12 << 20, "residentStateBytes": 36 << 20, "residentSubgroups": 3,
+                 "residentWeightBytes": 4 << 20, "prefetchHits": 5, "optimizerCacheHits": 7,
+                 "subGroupOrders": [[0, 1], [1, 0]],
                  "gradients": None, "vmLockedBytes": 96 << 20},
     }
     losses = [5.0, 4.0, 3.0, 2.0, 1.0]

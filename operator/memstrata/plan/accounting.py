@@ -186,6 +186,12 @@ def subgroup_sizes(job: JobShape) -> list[int]:
     return [sum(parts[i] for i in g) for g in group_tensors(parts, memstrata_subgroup_elements(job.model))]
 
 
+def big_subgroup_sizes(job: JobShape) -> list[int]:
+    """The sub-groups a single tensor of at least the unit forms alone (the embedding, the LM head), per rank."""
+    unit = memstrata_subgroup_elements(job.model)
+    return [n for n in (-(-t // job.world_size) for t in tensor_sizes(job.model)) if n >= unit]
+
+
 def choose_resident(sizes: Sequence[int], budget_bytes: int | None,
                     eligible: Sequence[bool] | None = None) -> set[int]:
     """Sub-groups (indices into `sizes`, in elements) kept in DRAM for good: largest first (ties by index) while

@@ -17,7 +17,8 @@ from memstrata.api.inventory import SCRATCH_CONTROLLER, NodeInventory
 from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
 from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.api.units import GiB, format_bytes
-from memstrata.plan.accounting import (DESCRIPTIONS, JobShape, build_transient, category_bytes, pinned_buffers,
+from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, big_subgroup_sizes,
+                                      build_transient, category_bytes, choose_resident, pinned_buffers,
                                       streamed_subgroup_bytes, subgroup_sizes, working_set)
 
 # Placement order and each category's allowed strata, fastest first.
@@ -168,7 +169,13 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
 
     # --- model state, in preference order ---------------------------------------------------------
     sizes = category_bytes(job)
+    held = 0  # memstrata: DRAM held back for the big sub-groups' state until the weights are placed
     for name, preferred in (MEMSTRATA_PREFERENCES if job.engine == "memstrata" else PREFERENCES):
+        if job.engine == "memstrata" and name == "weights":
+            held = _hold_for_big_subgroups(job, max(free["dram"], 0))
+            free["dram"] -= held
+        elif held and name == "master":
+            free["dram"], held = free["dram"] + held, 0
         allowed = preferred
         if job.engine == "deepspeed" and name in STOCK_GROUPS:
             allowed = _stock_stratum(name, preferred, sizes, categories, free)
@@ -217,6 +224,20 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in STRATA},
         notes=notes,
     )
+
+
+def _hold_for_big_subgroups(job: JobShape, dram: int) -> int:
+    """DRAM to keep for the optimizer state of the sub-groups a big tensor forms alone (the embedding, the LM
+    head), before the weights take theirs: a big sub-group that streams needs locked buffers of its own size,
+    which costs more DRAM than its state; so the ones `dram` can hold (largest first, as the runtime keeps them)
+    come before the weights, and the weights spill first. 0 when nothing of the state would spill anyway."""
+    state = 12 * job.model.parameters() // job.world_size * job.ranks
+    weights = category_bytes(job)["weights"]
+    if dram >= state + weights:
+        return 0
+    big = big_subgroup_sizes(job)
+    kept = choose_resident(big, dram // job.ranks)
+    return sum(big[i] for i in kept) * STATE_BYTES_PER_ELEMENT * job.ranks
 
 
 def _split_state_as_subgroups(categories: dict[str, CategoryPlan], ranks: int) -> None:

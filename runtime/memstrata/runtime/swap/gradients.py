@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,3 +191,37 @@ def _widen_resident_in_update(optimizer: ZeroOptimizer, grads: DramGradients, sw
 
     optimizer._prepare_sub_group = prepare_then_widen
     optimizer._release_sub_group = release_then_free
+    _serve_resident_gradients(optimizer, resident)
+
+
+def _serve_resident_gradients(optimizer: ZeroOptimizer, resident: set[int]) -> None:
+    """DeepSpeed's gradient API (`safe_get_full_grad`, `safe_set_full_grad` and their local forms) reads a
+    sub-group's fp32 `.grad`, which a resident sub-group has only inside the update: outside it, serve an fp32
+    copy widened from the 16-bit flat buffer, and after a set, store the value back there (rounded to its dtype,
+    as for streamed sub-groups)."""
+    flat = optimizer.fp32_partitioned_groups_flat
+    views = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ds_id -> (fp32 copy served, 16-bit view)
+    get_partition = optimizer._get_fp32_grad_state_partition
+
+    def grad_state_partition(param: ZeroParam, release_swap_buffers: bool) -> tuple[torch.Tensor, int]:
+        group, _, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+        if group in resident and flat[group].grad is None:
+            view = views[param.ds_id].narrow(0, 0, numel)
+            copy = view.float()
+            handed[param.ds_id] = (copy, view)
+            return copy, group
+        return get_partition(param, release_swap_buffers)
+
+    def storing(setter: Callable[..., None]) -> Callable[..., None]:
+        def set_then_store(value: torch.Tensor, param: ZeroParam) -> None:
+            setter(value, param)
+            served = handed.pop(param.ds_id, None)
+            if served is not None:
+                served[1].copy_(served[0])
+
+        return set_then_store
+
+    optimizer._get_fp32_grad_state_partition = grad_state_partition
+    optimizer.set_fp32_grad_for_param = storing(optimizer.set_fp32_grad_for_param)
+    optimizer.set_local_grad_for_param = storing(optimizer.set_local_grad_for_param)

@@ -66,6 +66,9 @@ class ZeroOptimizer(Protocol):
                                                    dict[int, list[int]]], None]
     _prepare_sub_group: Callable[..., object]
     _release_sub_group: Callable[..., object]
+    _get_fp32_grad_state_partition: Callable[..., tuple[torch.Tensor, int]]
+    set_fp32_grad_for_param: Callable[..., None]
+    set_local_grad_for_param: Callable[..., None]
     fp16_partitioned_groups_flat_numel: list[int]
 
     # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.

@@ -179,6 +179,10 @@ SEAM: tuple[Dependency, ...] = (
                "in DRAM", params=("param", "grad_buffer", "offload_fp32_gradients", "offload_fp32_offsets")),
     Dependency(Kind.WRAPPED, _Z3, "_swappable_optimizer_subgroup", "which sub-groups live on NVMe: the plan's "
                "resident ones never do (rebound on the class while ZeRO-3 is built)", params=_SUBGROUP),
+    Dependency(Kind.WRAPPED, _Z3, "_get_fp32_grad_state_partition", "a resident sub-group's gradient outside the "
+               "update, served from the 16-bit flat buffer", params=("param", "release_swap_buffers")),
+    *[Dependency(Kind.WRAPPED, _Z3, n, "a gradient set on a resident sub-group is stored in the 16-bit flat "
+                 "buffer", params=("value", "param")) for n in ("set_fp32_grad_for_param", "set_local_grad_for_param")],
     Dependency(Kind.WRAPPED, _Z3, "_create_fp16_sub_groups", "replaced while ZeRO-3 is built: a big tensor forms a "
                "sub-group of its own (memstrata.plan.accounting.group_tensors)", params=("params_group",)),
     Dependency(Kind.ATTRIBUTE, _Z3, "sub_group_size", "the unit memstrata's sub-group rule cuts by",
