@@ -160,4 +160,6 @@ def test_families_load_train_and_reload(tmp_path: Path, smollm2_dir: Path, famil
     model = _small(tmp_path, family, smollm2_dir)
     if family == "qwen2":
         assert (model / "model.safetensors.index.json").exists(), "the Qwen2 checkpoint should be sharded"
-    check_round_trip(tmp_path, model, engine="memstrata", precision="fp32", lr=1e-3, dram_budget="40Mi")
+    # These small models are almost all embedding (one sub-group of its own): streaming it would need buffers of
+    # its size, so the plan keeps everything in DRAM - the memstrata engine's all-DRAM run, with no namespace.
+    check_round_trip(tmp_path, model, engine="memstrata", precision="fp32", lr=1e-3, dram_budget="128Mi")
