@@ -180,6 +180,10 @@ due = ck.due(1)
 found = ck.existing()
 chosen = agree(found, Group())
 print(json.dumps({"due": due, "own": found.manifest.step, "chosen": chosen.manifest.step, "skipped": chosen.skipped}))
+sys.stdout.flush()
+# Leave together: a rank whose peer has already closed its gloo pair can abort in the pair's destructor.
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
