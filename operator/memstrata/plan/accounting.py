@@ -181,15 +181,20 @@ def group_tensors(sizes: Sequence[int], unit: int) -> list[list[int]]:
 
 def subgroup_sizes(job: JobShape) -> list[int]:
     """One rank's optimizer sub-groups in elements, as memstrata's engine forms them: `group_tensors` over each
-    tensor's per-rank partition (ZeRO-3 gives each rank ceil(n / world) of every tensor)."""
-    parts = [-(-n // job.world_size) for n in tensor_sizes(job.model)]
+    tensor's per-rank partition."""
+    parts = _rank_partitions(job)
     return [sum(parts[i] for i in g) for g in group_tensors(parts, memstrata_subgroup_elements(job.model))]
 
 
 def big_subgroup_sizes(job: JobShape) -> list[int]:
     """The sub-groups a single tensor of at least the unit forms alone (the embedding, the LM head), per rank."""
     unit = memstrata_subgroup_elements(job.model)
-    return [n for n in (-(-t // job.world_size) for t in tensor_sizes(job.model)) if n >= unit]
+    return [n for n in _rank_partitions(job) if n >= unit]
+
+
+def _rank_partitions(job: JobShape) -> list[int]:
+    """Each tensor's per-rank partition, in order: ZeRO-3 gives each rank ceil(n / world) of every tensor."""
+    return [-(-n // job.world_size) for n in tensor_sizes(job.model)]
 
 
 def choose_resident(sizes: Sequence[int], budget_bytes: int | None,

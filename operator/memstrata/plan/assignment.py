@@ -43,7 +43,7 @@ MEMSTRATA_PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
     ("optimizer", ("dram", "nvme")),
 ]
 # A resident sub-group keeps its fp32 master and its two moments together: 4 of every 12 bytes are master.
-MASTER_SHARE = (4, 12)
+MASTER_SHARE = (4, STATE_BYTES_PER_ELEMENT)
 
 NVME_NOTE = "NVMe namespaces"
 
@@ -172,7 +172,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
     held = 0  # memstrata: DRAM held back for the big sub-groups' state until the weights are placed
     for name, preferred in (MEMSTRATA_PREFERENCES if job.engine == "memstrata" else PREFERENCES):
         if job.engine == "memstrata" and name == "weights":
-            held = _hold_for_big_subgroups(job, max(free["dram"], 0))
+            held = _hold_for_big_subgroups(job, max(free["dram"], 0), sizes)
             free["dram"] -= held
         elif held and name == "master":
             free["dram"], held = free["dram"] + held, 0
@@ -226,14 +226,12 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
     )
 
 
-def _hold_for_big_subgroups(job: JobShape, dram: int) -> int:
+def _hold_for_big_subgroups(job: JobShape, dram: int, sizes: dict[str, int]) -> int:
     """DRAM to keep for the optimizer state of the sub-groups a big tensor forms alone (the embedding, the LM
     head), before the weights take theirs: a big sub-group that streams needs locked buffers of its own size,
     which costs more DRAM than its state; so the ones `dram` can hold (largest first, as the runtime keeps them)
     come before the weights, and the weights spill first. 0 when nothing of the state would spill anyway."""
-    state = 12 * job.model.parameters() // job.world_size * job.ranks
-    weights = category_bytes(job)["weights"]
-    if dram >= state + weights:
+    if dram >= sizes["master"] + sizes["optimizer"] + sizes["weights"]:
         return 0
     big = big_subgroup_sizes(job)
     kept = choose_resident(big, dram // job.ranks)
