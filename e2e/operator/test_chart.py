@@ -29,7 +29,8 @@ def test_rendered_chart_passes_server_side_dry_run(memstrata_cluster):
     ns = "memstrata-chart-dry"
     cluster.create_namespace(ns)
     try:
-        for values in ((), ("--set", f"operator.watchNamespaces={{{ns}}}", "--set", "nodeAgent.enabled=false")):
+        for values in ((), ("--set", f"operator.watchNamespaces={{{ns}}}", "--set", "nodeAgent.enabled=false"),
+                       ("--set", "nodeAgent.loopNamespaces={loop3,loop4}")):
             docs = _template(cluster, ns, *values)
             kinds = sorted({d["kind"] for d in docs})
             assert {"Deployment", "ClusterRole", "ClusterRoleBinding", "ServiceAccount",

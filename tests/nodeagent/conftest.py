@@ -1,8 +1,11 @@
 """Fixtures for the node agent: sysfs cases, and the kubelet stub as a real gRPC peer."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from kubelet_stub import stub_binary  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))  # the loop-device helpers
+from native_helpers import _loop_unavailable, run, unavailable  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
 
@@ -42,3 +48,23 @@ def grpc_code() -> None:
     except ImportError as exc:
         pytest.skip(f"DEVICE-PLUGIN gRPC CODE UNAVAILABLE — {exc}: install memstrata[operator] "
                     "and build it (`make install`, or `python3 operator/build_proto.py` by hand)")
+
+
+@pytest.fixture
+def loop(tmp_path: Path) -> Iterator[Callable[[int], str]]:
+    """make(size) -> a fresh /dev/loopN with direct I/O over a file in the test's temp dir, detached after."""
+    why = _loop_unavailable()
+    if why:
+        unavailable(why)
+    made: list[str] = []
+
+    def make(size: int) -> str:
+        image = tmp_path / f"ns{len(made)}.img"
+        image.write_bytes(b"")
+        os.truncate(image, size)
+        made.append(run("losetup", "-f", "--show", "--direct-io=on", str(image)).strip())
+        return made[-1]
+
+    yield make
+    for dev in reversed(made):
+        subprocess.run(["losetup", "-d", dev], capture_output=True, timeout=60)

@@ -28,7 +28,7 @@ from kubelet_stub import REPO, KubeletStub
 from sysfs_cases import memstrata_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))  # the loop-device helpers
-from native_helpers import _loop_unavailable, run, unavailable  # noqa: E402
+
 from scrub_helpers import MiB, close_writer, kill_mid_write, read_all, start_writer, traces_of_a  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
@@ -135,26 +135,6 @@ def test_once_lists_a_dirty_namespace_unhealthy(cli, case_copy) -> None:
 
 
 # -- with a real device behind nvme1n2 ----------------------------------------------------------------
-@pytest.fixture
-def loop(tmp_path: Path) -> Iterator[Callable[[int], str]]:
-    """make(size) -> a fresh /dev/loopN with direct I/O over a file in the test's temp dir, detached after."""
-    why = _loop_unavailable()
-    if why:
-        unavailable(why)
-    made: list[str] = []
-
-    def make(size: int) -> str:
-        image = tmp_path / f"ns{len(made)}.img"
-        image.write_bytes(b"")
-        os.truncate(image, size)
-        made.append(run("losetup", "-f", "--show", "--direct-io=on", str(image)).strip())
-        return made[-1]
-
-    yield make
-    for dev in reversed(made):
-        subprocess.run(["losetup", "-d", dev], capture_output=True, timeout=60)
-
-
 def wire(root: Path, name: str, dev: str) -> str:
     """Make the case's namespace `name` the loop device `dev`: its sysfs entry carries dev's number (so the
     safety rule finds it by the device's own major:minor) and <dev root>/<name> is dev. Returns that path."""

@@ -22,6 +22,11 @@ LABEL_CXL_NODES = f"{PREFIX}/cxl-node-count"
 LABEL_NVME_FREE = f"{PREFIX}/nvme-free-count"
 LABEL_NVME_FREE_GIB = f"{PREFIX}/nvme-free-gib"
 LABEL_DRAM_GIB = f"{PREFIX}/dram-gib"
+# Set ("true") only on a node whose agent advertises loop devices as namespaces (--loop-namespaces, test and
+# development clusters), so that `kubectl get nodes -L` tells them from NVMe; absent everywhere else.
+LABEL_LOOP_NAMESPACES = f"{PREFIX}/loop-namespaces"
+# Labels render_node sets only on some nodes: the node agent's patch removes them where it no longer does.
+OPTIONAL_LABELS = (LABEL_LOOP_NAMESPACES,)
 ANNOTATION_INVENTORY = f"{PREFIX}/inventory"
 RESOURCE_NVME = f"{PREFIX}/nvme-ns"
 RESOURCE_CXL_GIB = f"{PREFIX}/cxl-gib"
@@ -91,8 +96,15 @@ class NvmeController(ApiModel):
     numa_node: int | None = None
 
 
+NamespaceKind = Literal["nvme", "loop"]
+
+
 class NvmeNamespace(ApiModel):
-    name: str = Field(description="Block device name, e.g. nvme0n1.")
+    name: str = Field(description="Block device name, e.g. nvme0n1 (loop3 for a loop device).")
+    kind: NamespaceKind = Field("nvme", description=(
+        "What the block device is: `nvme`, a namespace of an NVMe controller; `loop`, a loop device over a "
+        "file on the node's own filesystem, advertised only when the node agent was started with "
+        "--loop-namespaces (test and development clusters; it has no controller, NUMA node or WWID)."))
     controller: str = ""
     nsid: int = Field(1, ge=1)
     size_bytes: Bytes
@@ -156,6 +168,8 @@ def render_node(inventory: NodeInventory) -> dict[str, dict[str, str]]:
         LABEL_NVME_FREE_GIB: str(sum(ns.size_bytes for ns in free) // GiB),
         LABEL_DRAM_GIB: str(inventory.dram_bytes // GiB),
     }
+    if any(ns.kind == "loop" for ns in inventory.nvme_namespaces):
+        labels[LABEL_LOOP_NAMESPACES] = "true"
     annotations = {ANNOTATION_INVENTORY: inventory.model_dump_json(by_alias=True, exclude_none=True)}
     capacity = {RESOURCE_NVME: str(len(free)), RESOURCE_CXL_GIB: str(cxl_gib)}
     if inventory.gpus:

@@ -8,7 +8,8 @@ and the kernel's memory tiers. A CPU-less node is CXL when the memory that
 made it comes from a dax device onlined by kmem inside a CXL region; the
 region's targets lead to the CXL memdevs (serial, RAM size) behind it. Any
 other CPU-less node with memory is `memory-only` (HBM, firmware-onlined
-memory, an emulated node). NVMe lives in `memstrata.node.nvmescan`.
+memory, an emulated node). NVMe lives in `memstrata.node.nvmescan`; loop devices
+named by the caller (the node agent's --loop-namespaces) in `memstrata.node.loopscan`.
 
 Parsing only: the one thing read outside the sysfs root is the first blocks
 of each namespace, through the `heads` callable the caller passes in; the
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from memstrata.api.inventory import CxlMemdev, CxlNode, NodeInventory, NumaNode
 from memstrata.node import nvmescan
+from memstrata.node.loopscan import loop_namespaces
 from memstrata.node.nvmescan import HeadReader
 from memstrata.node.sysfs import SysfsError, SysfsTree
 from memstrata.node.safety import PROBE_BYTES, read_head, read_swaps
@@ -134,18 +137,22 @@ def numa_and_cxl(tree: SysfsTree) -> tuple[list[NumaNode], list[CxlNode]]:
 
 
 def discover(sysfs_root: str | Path = "/sys", *, heads: HeadReader, mounts_text: str, swaps_text: str,
-             hostname: str = "") -> NodeInventory:
+             hostname: str = "", loop_names: Sequence[str] = ()) -> NodeInventory:
     """The node's inventory; raises SysfsError naming the file when the tree is malformed or partial.
 
     `mounts_text` is a mount table (mountinfo or /proc/mounts format), `swaps_text`
-    /proc/swaps: a namespace mounted or swapped on is never free."""
+    /proc/swaps: a namespace mounted or swapped on is never free. `loop_names`
+    (`loop3`) are loop devices to list as namespaces after the NVMe ones (test and
+    development clusters only); none by default."""
     tree = SysfsTree(sysfs_root)
     if not tree.path("").is_dir():
         raise SysfsError(tree.root, "sysfs root is not a directory")
     numa, cxl = numa_and_cxl(tree)
     ctrls = nvmescan.controllers(tree)
+    namespaces = nvmescan.namespaces(tree, heads, mounts_text, swaps_text, ctrls)
+    namespaces += loop_namespaces(tree, loop_names, heads, mounts_text, swaps_text)
     return NodeInventory(hostname=hostname, numa_nodes=numa, cxl_nodes=cxl, nvme_controllers=ctrls,
-                         nvme_namespaces=nvmescan.namespaces(tree, heads, mounts_text, swaps_text, ctrls))
+                         nvme_namespaces=namespaces)
 
 
 def dev_heads(dev_root: str | Path = "/dev", nbytes: int = PROBE_BYTES) -> HeadReader:

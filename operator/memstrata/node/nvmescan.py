@@ -98,12 +98,9 @@ def problems(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequence[Mou
     return namespace_problems(head=head, block=block_state(tree, f"block/{name}"), mounts=mounts, swaps=swaps)
 
 
-def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequence[Mount], swaps: Sequence[str],
-              numa_of: dict[str, int | None]) -> NvmeNamespace:
+def geometry(tree: SysfsTree, name: str) -> tuple[int, int]:
+    """Block device `name`'s size in 512-byte sectors and its logical block size; SysfsError naming a bad one."""
     base = f"block/{name}"
-    nsid = tree.int(f"{base}/nsid")
-    if nsid is None or nsid < 1:
-        raise SysfsError(tree.path(f"{base}/nsid"), f"namespace id must be >= 1, found {nsid}")
     sectors = tree.int(f"{base}/size")
     lbs = tree.int(f"{base}/queue/logical_block_size")
     if sectors is None or sectors < 0:
@@ -111,6 +108,16 @@ def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequence[Mo
     if lbs is None or lbs <= 0 or lbs & (lbs - 1):
         raise SysfsError(tree.path(f"{base}/queue/logical_block_size"),
                          f"logical block size must be a power of two, found {lbs}")
+    return sectors, lbs
+
+
+def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequence[Mount], swaps: Sequence[str],
+              numa_of: dict[str, int | None]) -> NvmeNamespace:
+    base = f"block/{name}"
+    nsid = tree.int(f"{base}/nsid")
+    if nsid is None or nsid < 1:
+        raise SysfsError(tree.path(f"{base}/nsid"), f"namespace id must be >= 1, found {nsid}")
+    sectors, lbs = geometry(tree, name)
     found = problems(tree, name, heads, mounts, swaps)
     reasons = [describe(found)] if found else []
     if sectors == 0:

@@ -12,16 +12,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from memstrata.api.inventory import PREFIX, NodeInventory, render_node
+from memstrata.api.inventory import OPTIONAL_LABELS, PREFIX, NodeInventory, render_node
 
 NFD_FEATURES_DIR = Path("/etc/kubernetes/node-feature-discovery/features.d")
 NFD_FILE = "memstrata"
 
 
 def node_patch(inventory: NodeInventory) -> dict[str, Any]:
-    """The merge patch that puts the inventory's labels and annotation on a Node."""
+    """The merge patch that puts the inventory's labels and annotation on a Node.
+
+    A label render_node sets only on some nodes is null in the patch where it is not set, which removes
+    it: a node whose agent no longer advertises loop devices must stop saying it does."""
     rendered = render_node(inventory)
-    return {"metadata": {"labels": rendered["labels"], "annotations": rendered["annotations"]}}
+    labels: dict[str, str | None] = {**dict.fromkeys(OPTIONAL_LABELS), **rendered["labels"]}
+    return {"metadata": {"labels": labels, "annotations": rendered["annotations"]}}
 
 
 def nfd_features(inventory: NodeInventory) -> str:

@@ -2,6 +2,7 @@
 
     memstrata nodeagent                 # the DaemonSet's command (NODE_NAME from the downward API)
     memstrata nodeagent --once          # print the inventory, labels and plugin devices as JSON, exit
+    memstrata nodeagent --loop-namespaces loop3,loop4   # test clusters: these loop devices as namespaces
 
 The DaemonSet pod needs the host's /sys, /dev (hostPath) and mount table
 (hostPID, so /proc/1/mountinfo is the host's), and
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from memstrata.api.inventory import NodeInventory, render_node
 from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
+from memstrata.node.loopscan import LOOP_NAME
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
 from memstrata.nodeagent.scrubber import Scrubber
 
@@ -52,12 +54,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="NFD local feature directory; written only when it exists")
     p.add_argument("--rescan-seconds", type=float, default=5.0,
                    help="how often namespaces are re-checked (health) and labels refreshed")
+    p.add_argument("--loop-namespaces", type=loop_names, default=(), metavar="loopN[,loopN...]",
+                   help="also advertise these loop devices as namespaces (test and development clusters without "
+                        "NVMe: they are files on the node's filesystem); the node is labelled "
+                        "memstrata.dev/loop-namespaces=true. Default: none")
     p.add_argument("--once", action="store_true", help="discover, print JSON and exit")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.rescan_seconds <= 0:
         p.error(f"--rescan-seconds must be positive, got {args.rescan_seconds}")
     return args
+
+
+def loop_names(text: str) -> tuple[str, ...]:
+    """`loop3,loop4` as names; anything but loop<N> names is refused here, before the agent looks at a device."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if not LOOP_NAME.match(n)]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(repr, bad))}: not {'a loop device name' if len(bad) == 1 else 'loop device names'}; "
+            "give block device names like loop3 (no /dev/), comma-separated")
+    return names
 
 
 def read_inventory(args: argparse.Namespace) -> NodeInventory:
@@ -70,7 +87,7 @@ def read_inventory(args: argparse.Namespace) -> NodeInventory:
     except OSError as exc:
         raise SysfsError(args.swaps, f"cannot read the active swap areas: {exc.strerror}") from exc
     return discover(args.sysfs_root, heads=dev_heads(args.dev_root), mounts_text=mounts, swaps_text=swaps,
-                    hostname=args.node_name or socket.gethostname())
+                    hostname=args.node_name or socket.gethostname(), loop_names=args.loop_namespaces)
 
 
 def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: None) -> Scrubber:
