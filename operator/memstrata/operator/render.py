@@ -273,6 +273,9 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
         "volumeMounts": [*user_mounts(spec),
                          {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
         "securityContext": container_security_context(security),
+        # The runtime writes why it failed to /dev/termination-log; a crash that could not (a traceback, an
+        # image without memstrata, a spec.command of the user's) leaves its log's tail there instead.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if spec.command:
         container["command"] = list(spec.command)

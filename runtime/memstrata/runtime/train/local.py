@@ -102,7 +102,7 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
               on_report: Callable[[RuntimeReport], None] | None = None, sample_prompt: str | None = None,
               verbose: bool = False, resume: bool = False, job_uid: str = "",
               expected_checkpoint: int | None = None, worker: WorkerStatus | None = None,
-              node_rank: int | None = None) -> int:
+              node_rank: int | None = None, on_error: Callable[[str], None] | None = None) -> int:
     """Train `job` here, then save the model to spec.output.path; `on_report` (the pod's status patches) gets
     every step's RuntimeReport, one when initialization starts, and a final one (stage finished or failed).
     `sample_prompt`: show the model's answer to it before training and, from the saved output, after.
@@ -111,17 +111,23 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     newest checkpoint step the job's status reported, which must still be there. `worker` (this node's
     status.workers entry: its pod, node and ranks) and `node_rank`: a node's local rank 0 fills in the rest (step,
     stage, the node's tokens/s and peak memory) in every report it gives `on_report`.
-    One of several ranks (launched): only global rank 0 speaks; errors are said by the rank that has them."""
+    One of several ranks (launched): only global rank 0 speaks; errors are said by the rank that has them.
+    `on_error`: also gets the line that says why the run failed (a pod puts it in its termination message)."""
     report_to = on_report or (lambda _r: None)
     ranks = Ranks.from_env()
     who = f"rank {ranks.rank}: " if ranks.world > 1 else ""
+
+    def fail(why: str) -> None:
+        print(f"memstrata: {who}{why}", file=sys.stderr)
+        if on_error is not None:
+            on_error(f"{who}{why}")
     try:
         _check_report_path(report_json)
         recipe = FineTuneRecipe(job, plan, nvme_path, resume=resume, job_uid=job_uid,
                                 expected_checkpoint=expected_checkpoint)
         recipe.load_data()  # a bad dataset file fails here, before the swap directory exists
     except (RecipeError, DatasetError) as exc:
-        print(f"memstrata: {who}error: {exc}", file=sys.stderr)
+        fail(f"error: {exc}")
         return EXIT_USAGE
     if recipe.finished is not None:
         print(f"memstrata: {who}{job.metadata.name}: {recipe.finished.path} already holds this job's model after step "
@@ -215,11 +221,11 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
             last = last.model_copy(update={"output": recipe.output})
             report_to(last)
     except (RecipeError, DatasetError, ModelDirError, MetricsError) as exc:
-        print(f"memstrata: {who}error: {exc}", file=sys.stderr)
+        fail(f"error: {exc}")
         report_to(node.stage(last.model_copy(update={"stage": "failed", "message": str(exc)})))
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 — a failed run still reports what it measured, then fails
-        print(f"memstrata: {who}run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        fail(f"run failed: {type(exc).__name__}: {exc}")
         report_to(node.stage(last.model_copy(update={"stage": "failed",
                                                      "message": f"{type(exc).__name__}: {exc}"})))
         return EXIT_FAILED

@@ -163,8 +163,22 @@ def kubernetes_patcher(ref: JobRef) -> Callable[[dict[str, Any]], None]:
     return patch
 
 
-def _say_why(message: str) -> None:
+def _say_why(message: str, keep_reason: bool = False) -> None:
+    """Print `message` and make it the pod's termination message; `keep_reason`: unless a reason is
+    already there (a rank's own error, which says more than any summary)."""
     print(f"memstrata: {message}", file=sys.stderr)
+    if keep_reason:
+        try:
+            if TERMINATION_LOG.read_text().strip():
+                return
+        except OSError:
+            pass
+    _record_reason(message)
+
+
+def _record_reason(message: str) -> None:
+    """The termination message (the kubelet copies it into the pod's status, which the operator puts in the
+    job's Failed condition). At most 4 KiB: Kubernetes keeps no more."""
     try:
         TERMINATION_LOG.write_text(message[:4000])
     except OSError:
@@ -247,7 +261,8 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
             _say_why(f"error: {exc}")
             return EXIT_USAGE
     if rc != 0:
-        _say_why(f"{job.metadata.name}: training failed (exit {rc}); the lines above say why")
+        # Only when no rank said why: the reason, not this summary, is what the job's Failed condition shows.
+        _say_why(f"{job.metadata.name}: training failed (exit {rc}); the lines above say why", keep_reason=True)
     return rc
 
 
@@ -279,7 +294,8 @@ def _train(cfg: RuntimeConfig, job: FineTuneJob, plan: Plan, nvme_path: Path, ra
                               attempt=cfg.attempt)
     # Every attempt resumes from the newest intact checkpoint of this job, if there is one.
     rc = run_local(job, plan, nvme_path=nvme_path, on_report=reporter, resume=True, job_uid=cfg.job.uid,
-                   expected_checkpoint=cfg.checkpoint_step, worker=worker, node_rank=node_rank)
+                   expected_checkpoint=cfg.checkpoint_step, worker=worker, node_rank=node_rank,
+                   on_error=_record_reason)
     if reporter is not None:
         log.info("memstrata: %d status patches sent, %d failed", reporter.sent, reporter.failed)
     return rc
