@@ -85,8 +85,13 @@ def free_port() -> int:
 class ControlPlane:
     """One throwaway control plane; use start()/stop() or `with`."""
 
-    def __init__(self, bin_dir: Path, workdir: Path | None = None, startup_timeout_s: float = 90.0) -> None:
+    def __init__(self, bin_dir: Path, workdir: Path | None = None, startup_timeout_s: float = 90.0,
+                 advertise_address: str | None = None) -> None:
+        """`advertise_address`: the host address a real node's pods reach the API server at (through the
+        `kubernetes` Service and kube-proxy); the server then listens on every address. None: 127.0.0.1
+        only, for clusters whose nodes are all kwok's."""
         self.bin_dir = bin_dir
+        self.advertise_address = advertise_address
         self.share_dir = bin_dir.parent / "share" / "kwok"
         self._workdir_arg = workdir
         self.startup_timeout_s = startup_timeout_s
@@ -115,7 +120,7 @@ class ControlPlane:
             self.phase_seconds[name] = round(time.monotonic() - began, 2)
 
         try:
-            self._pki = make_pki(self.workdir / "pki")
+            self._pki = make_pki(self.workdir / "pki", extra_ips=(self.advertise_address,) if self.advertise_address else ())
             phase("pki")
             etcd_url = self._start_etcd()
             phase("etcd")
@@ -152,6 +157,12 @@ class ControlPlane:
             text = log.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"----- {log} (last {len(text)} lines)\n" + "\n".join(text))
         return "\n".join(out)
+
+    @property
+    def pki(self) -> Pki:
+        """The credentials of this cluster (a real node signs its kubelet's certificate with the CA)."""
+        assert self._pki is not None, "start() first"
+        return self._pki
 
     # -- helpers for tests ----------------------------------------------
     def kubectl(self, *args: str, input: str | None = None, timeout: float = 60, check: bool = True) -> str:
@@ -224,7 +235,11 @@ class ControlPlane:
         self.kubeconfig = self.workdir / "kubeconfig"
         self.kubeconfig.write_text(kubeconfig_yaml(self.server, pki))
         self._apiserver_args = [
-            f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--etcd-servers={etcd_url}",
+            f"--bind-address={'0.0.0.0' if self.advertise_address else '127.0.0.1'}",
+            f"--advertise-address={self.advertise_address or '127.0.0.1'}",
+            # Towards kubelets (kubectl logs/exec on a real node).
+            f"--kubelet-client-certificate={pki.kubelet_client_cert}", f"--kubelet-client-key={pki.kubelet_client_key}",
             f"--secure-port={port}", f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={pki.server_cert}", f"--tls-private-key-file={pki.server_key}",
             f"--client-ca-file={pki.ca_cert}", "--authorization-mode=Node,RBAC",

@@ -17,17 +17,15 @@ from pathlib import Path
 # address of the service range.
 SERVICE_CIDR = "10.0.0.0/24"
 KUBERNETES_SERVICE_IP = "10.0.0.1"
-_SERVER_SANS = ",".join(
-    [
-        "IP:127.0.0.1",
-        f"IP:{KUBERNETES_SERVICE_IP}",
-        "DNS:localhost",
-        "DNS:kubernetes",
-        "DNS:kubernetes.default",
-        "DNS:kubernetes.default.svc",
-        "DNS:kubernetes.default.svc.cluster.local",
-    ]
-)
+_SERVER_SANS = [
+    "IP:127.0.0.1",
+    f"IP:{KUBERNETES_SERVICE_IP}",
+    "DNS:localhost",
+    "DNS:kubernetes",
+    "DNS:kubernetes.default",
+    "DNS:kubernetes.default.svc",
+    "DNS:kubernetes.default.svc.cluster.local",
+]
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
 
@@ -43,6 +41,9 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+    # The API server's client certificate towards kubelets (logs, exec); system:masters.
+    kubelet_client_cert: Path
+    kubelet_client_key: Path
 
 
 def _openssl(*args: str) -> None:
@@ -64,8 +65,34 @@ def _signed(
     return cert, key
 
 
-def make_pki(directory: Path) -> Pki:
-    """Write a CA, serving and admin certificates and a service-account key pair."""
+def sign_client(pki: Pki, directory: Path, name: str, user: str, group: str) -> tuple[Path, Path]:
+    """A client certificate for `user` in `group`, signed by the cluster's CA (a kubelet is
+    system:node:<name> in system:nodes; kube-proxy is system:kube-proxy)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return _signed(directory, name, f"/O={group}/CN={user}", (pki.ca_cert, pki.ca_key),
+                   ["basicConstraints=CA:FALSE", "extendedKeyUsage=clientAuth"])
+
+
+def client_kubeconfig(server: str, ca_cert: Path, cert: Path, key: Path) -> str:
+    """A kubeconfig for one client certificate."""
+    return f"""apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster: {{server: {server}, certificate-authority: {ca_cert}}}
+users:
+- name: client
+  user: {{client-certificate: {cert}, client-key: {key}}}
+contexts:
+- name: e2e
+  context: {{cluster: e2e, user: client}}
+current-context: e2e
+"""
+
+
+def make_pki(directory: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
+    """Write a CA, serving and admin certificates and a service-account key pair. `extra_ips`: more
+    addresses the API server is reached at (a real node's pods reach it at the host's address)."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_cert, ca_key = directory / "ca.crt", directory / "ca.key"
     _openssl(
@@ -77,10 +104,15 @@ def make_pki(directory: Path) -> Pki:
     ca = (ca_cert, ca_key)
     server_cert, server_key = _signed(
         directory, "apiserver", "/CN=kube-apiserver", ca,
-        ["basicConstraints=CA:FALSE", "extendedKeyUsage=serverAuth", f"subjectAltName={_SERVER_SANS}"],
+        ["basicConstraints=CA:FALSE", "extendedKeyUsage=serverAuth",
+         "subjectAltName=" + ",".join([*_SERVER_SANS, *(f"IP:{ip}" for ip in extra_ips)])],
     )  # fmt: skip
     admin_cert, admin_key = _signed(
         directory, "admin", "/O=system:masters/CN=memstrata-e2e-admin", ca,
+        ["basicConstraints=CA:FALSE", "extendedKeyUsage=clientAuth"],
+    )  # fmt: skip
+    kubelet_client_cert, kubelet_client_key = _signed(
+        directory, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client", ca,
         ["basicConstraints=CA:FALSE", "extendedKeyUsage=clientAuth"],
     )  # fmt: skip
     # Service-account tokens are RS256 by default; the controller-manager's
@@ -88,7 +120,8 @@ def make_pki(directory: Path) -> Pki:
     sa_key, sa_pub = directory / "sa.key", directory / "sa.pub"
     _openssl("genrsa", "-out", str(sa_key), "2048")
     _openssl("rsa", "-in", str(sa_key), "-pubout", "-out", str(sa_pub))
-    return Pki(ca_cert, ca_key, server_cert, server_key, admin_cert, admin_key, sa_key, sa_pub)
+    return Pki(ca_cert, ca_key, server_cert, server_key, admin_cert, admin_key, sa_key, sa_pub,
+               kubelet_client_cert, kubelet_client_key)
 
 
 def kubeconfig_yaml(server: str, pki: Pki) -> str:

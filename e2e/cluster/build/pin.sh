@@ -29,7 +29,8 @@ pin_kubernetes() {
   go mod edit -require="k8s.io/kubernetes@$K8S_VERSION" \
     -require="sigs.k8s.io/kwok@$KWOK_VERSION" -require="helm.sh/helm/v3@$HELM_VERSION"
   for m in $staging; do go mod edit -replace="$m=$m@$staging_version"; done
-  for t in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  # kubelet and kube-proxy: the real node (mk/kubelet-node.mk) builds them from the same pins.
+  for t in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
     go mod edit -tool="k8s.io/kubernetes/cmd/$t"
   done
   go mod edit -tool=sigs.k8s.io/kwok/cmd/kwok -tool=helm.sh/helm/v3/cmd/helm
