@@ -4,6 +4,8 @@
 # extension. Runs privileged as root in a DaemonSet: it reads the host's /sys, the first sectors
 # of NVMe namespaces and the kubelet's device-plugin socket dir.
 #   docker build -f docker/node-agent.Dockerfile -t ghcr.io/memstrata/node-agent:0.1.0 .
+# Without Docker or a registry (the real-node tests): `python -m e2e.realnode.images build` makes
+# the same image from Debian's python3 and the CI venv; keep user, entrypoint and env in step.
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY operator/ operator/

@@ -2,6 +2,8 @@
 # The FineTuneJob operator: the operator floor (`memstrata`, from operator/) plus Kopf and the
 # Kubernetes client. No torch, no DeepSpeed, no native extension, no compiler.
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/memstrata/operator:0.1.0 .
+# Without Docker or a registry (the real-node tests): `python -m e2e.realnode.images build` makes
+# the same image from Debian's python3 and the CI venv; keep user, entrypoint and env in step.
 # (BuildKit reads docker/operator.Dockerfile.dockerignore for this build.)
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src

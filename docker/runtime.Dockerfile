@@ -2,6 +2,8 @@
 # The training runtime: torch, DeepSpeed with its async_io and cpu_adam ops compiled at build time
 # (so a pod never spends minutes JIT-compiling), and memstrata's native engine.
 #   docker build -f docker/runtime.Dockerfile -t ghcr.io/memstrata/runtime:0.1.0 .
+# Without Docker or a registry (the real-node tests): `python -m e2e.realnode.images build` makes
+# the same image from Debian's python3 and the CI venv; keep user, entrypoint and env in step.
 ARG TORCH_VERSION=2.13.0
 ARG DS_VERSION=0.19.8
 
