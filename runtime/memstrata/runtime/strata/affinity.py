@@ -36,9 +36,14 @@ def place(kind: TensorKind, *, dram_nodes: Sequence[int], cxl_nodes: Sequence[in
     dram, cxl = tuple(sorted(dram_nodes)), tuple(sorted(cxl_nodes))
     if set(dram) & set(cxl):
         raise ValueError(f"NUMA nodes {sorted(set(dram) & set(cxl))} are listed as both DRAM and CXL")
+    if not cxl and len(dram) <= 1:
+        # One memory node: nothing to choose, so no mbind. That matters in a container: the runtime's
+        # default seccomp profile refuses mbind without CAP_SYS_NICE, which PodSecurity `restricted` never grants.
+        return Placement((), Policy.BIND)
     if kind is TensorKind.OPTIMIZER or not cxl:
-        if len(dram) <= 1:
-            return Placement(dram, Policy.BIND) if dram else Placement((), Policy.BIND)
+        if len(dram) == 1:
+            # Beside CXL nodes: first-touch would put pages on a CXL node once DRAM runs short.
+            return Placement(dram, Policy.BIND)
         # Several DRAM nodes: the optimizer threads run everywhere, so spread its operands.
         return Placement(dram, Policy.INTERLEAVE)
     return Placement(cxl, Policy.INTERLEAVE)
