@@ -1,0 +1,189 @@
+"""Fixtures for the real node (marker `realnode`): a control plane that advertises the host's address,
+one node whose kubelet, containerd and runc run real containers, memstrata's images built here and
+imported, and the chart installed with `helm install` as a user installs it.
+
+    def test_x(real_cluster: RealCluster): real_cluster.cp.kubectl(...); real_cluster.node.restart_kubelet()
+
+One of each per session (the kubelet's paths are fixed): tests share the node, each in its own
+namespace. Missing pieces (kubelet not built, not root, no containerd) skip with the reason, and fail
+under CI=true: `make test` builds them.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
+from e2e.conftest import _say
+from e2e.realnode.images import ImageSet
+from e2e.realnode.node import NodeBins, RealNode, host_address
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "memstrata"
+RELEASE_NS = "memstrata-system"
+LOOP_BYTES = 2 << 30  # each "namespace": sparse, so only what a job writes takes disk
+LOOPS = 2
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CACHE", Path.home() / ".cache" / "memstrata"))
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"the real node is required under CI: {reason}")
+    pytest.skip(f"no real node: {reason}")
+
+
+@dataclass
+class RealCluster:
+    cp: ControlPlane
+    node: RealNode
+    images: ImageSet
+    loops: list[str] = field(default_factory=list)  # the loop devices the node agent offers (loopN)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def kubectl(self, *args: str, timeout: float = 60) -> str:
+        return self.cp.kubectl(*args, timeout=timeout)
+
+    def node_json(self) -> dict:
+        return self.cp.get_json("node", self.node.name)
+
+    def agent_pod(self) -> dict | None:
+        pods = self.cp.get_json("pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=node-agent")["items"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        return live[0] if live else None
+
+
+def _make_loops(workdir: Path) -> list[str]:
+    names = []
+    for i in range(LOOPS):
+        backing = workdir / f"ns{i}.img"
+        with open(backing, "wb") as f:
+            f.truncate(LOOP_BYTES)
+        dev = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(backing)],
+                             capture_output=True, text=True)
+        if dev.returncode != 0:
+            raise RuntimeError(f"losetup {backing}: {dev.stderr.strip()}")
+        names.append(Path(dev.stdout.strip()).name)
+    return names
+
+
+def _drop_loops(names: list[str]) -> None:
+    for name in names:
+        subprocess.run(["losetup", "--detach", f"/dev/{name}"], capture_output=True)
+
+
+def helm_install(cp: ControlPlane, images: ImageSet, loops: list[str], *extra: str) -> None:
+    """The chart, as a user installs it, with this machine's locally built images and its loop devices
+    as the namespaces (the chart's test-and-development opt-in)."""
+    cp.kubectl("create", "namespace", RELEASE_NS)
+    # The node agent needs host /dev, /sys and hostPID (the chart's README: `privileged`).
+    cp.kubectl("label", "namespace", RELEASE_NS, "pod-security.kubernetes.io/enforce=privileged")
+    sets = []
+    for key, ref in (("operator", images.operator), ("nodeAgent", images.node_agent)):
+        repo, tag = ref.rsplit(":", 1)
+        sets += ["--set", f"{key}.image.repository={repo}", "--set", f"{key}.image.tag={tag}",
+                 "--set", f"{key}.image.pullPolicy=Never"]
+    cp.helm("install", "memstrata", str(CHART), "--namespace", RELEASE_NS, *sets,
+            "--set", f"nodeAgent.loopNamespaces={{{','.join(loops)}}}", "--set", "nodeAgent.rescanSeconds=2",
+            "--set", "operator.reportIntervalSeconds=2", *extra, "--wait", "--timeout", "5m", timeout=330)
+
+
+@pytest.fixture(scope="session")
+def real_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    bin_dir, reason = bin_dir_from_env()
+    if bin_dir is None:
+        _unavailable(reason)
+    bins, reason = NodeBins.from_env()
+    if bins is None:
+        _unavailable(reason)
+    from e2e.realnode.images import build_images, import_images, unavailable_reason
+
+    why = unavailable_reason(cache_dir())
+    if why:
+        _unavailable(why)
+    began = time.monotonic()
+    timings: dict[str, float] = {}
+    images = build_images(cache_dir())
+    timings["images"] = time.monotonic() - began
+    cp = ControlPlane(bin_dir, advertise_address=host_address())
+    cp.start()
+    node = RealNode(cp, bins, cache_dir() / "containerd")
+    loops: list[str] = []
+    ok = False
+    try:
+        node.start_runtime(images.pause)
+        t = time.monotonic()
+        import_images(str(node.socket), images)
+        timings["import"] = time.monotonic() - t
+        t = time.monotonic()
+        node.start()
+        timings["node"] = time.monotonic() - t
+        loops = _make_loops(tmp_path_factory.mktemp("loops"))
+        t = time.monotonic()
+        helm_install(cp, images, loops)
+        timings["helm"] = time.monotonic() - t
+        rc = RealCluster(cp, node, images, loops, timings)
+        _say(request, f"[realnode] node {node.name} up with the chart installed in {time.monotonic() - began:.1f} s "
+                      f"({', '.join(f'{k} {v:.1f} s' for k, v in timings.items())})")
+        ok = True
+        yield rc
+    finally:
+        failed = not ok or request.session.testsfailed > 0
+        if failed:
+            _say(request, f"[realnode] logs kept in {cp.workdir}\n{node.logs_tail()}")
+        try:
+            node.stop()
+        finally:
+            _drop_loops(loops)
+            cp.stop(keep_workdir=failed)
+
+
+@pytest.fixture
+def job_ns(real_cluster: RealCluster) -> Iterator[str]:
+    """A namespace for one test's jobs, enforcing PodSecurity `restricted` (what the training pod must meet)."""
+    name = f"rn-{uuid.uuid4().hex[:6]}"
+    real_cluster.cp.create_namespace(name)
+    real_cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
+    try:
+        yield name
+    finally:
+        real_cluster.kubectl("delete", "finetunejobs", "--all", "-n", name, "--wait=false", timeout=120)
+        real_cluster.kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct directory `make model` builds."""
+    from tests.conftest import _smollm2_dir
+
+    path = _smollm2_dir()
+    if path is None:
+        _unavailable("the SmolLM2-135M-Instruct model is not built: run `make model` (make test does)")
+    assert path is not None
+    return path
+
+
+_stage_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "e2e/realnode/" in report.nodeid:
+        _stage_seconds[report.when] = _stage_seconds.get(report.when, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The real node's share of `make test` (issue budget: the whole suite under 45 min fresh, 15 warm)."""
+    if _stage_seconds:
+        total = sum(_stage_seconds.values())
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(_stage_seconds.items()))
+        terminalreporter.write_line(f"[realnode] stage time: {total:.0f} s ({parts}; setup includes the node, "
+                                    "the images' import and helm install)")

@@ -1,0 +1,108 @@
+"""What the real-node tests submit: storage as a cluster admin provides it (hostPath PersistentVolumes
+bound to the job's claims, the dataset in a ConfigMap) and FineTuneJobs of the real small model.
+
+    store = JobStorage(real_cluster, ns, tmp_path); store.create(model_dir, dataset_text)
+    real_cluster.cp.apply(smollm2_job("chat", ns, image, steps=6), namespace=ns)
+    body = wait_phase(real_cluster.cp, ns, "chat", {"Succeeded", "Failed"}, timeout=900)
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from e2e.cluster.controlplane import ControlPlane, ControlPlaneTimeout
+
+RUNTIME_UID = 1000  # the runtime image's user (memstrata.operator.render.RUNTIME_UID)
+MODEL_DIR = "smollm2"
+
+
+class JobStorage:
+    """A models volume (a copy of the model, readable by the runtime's uid) and an output volume, as
+    hostPath PersistentVolumes bound to claims `models` and `output` in `namespace`."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, root: Path) -> None:
+        self.cp, self.ns, self.root = cp, namespace, root
+        self.models, self.output = root / "models", root / "output"
+        self.pvs: list[str] = []
+
+    def create(self, model_dir: Path, dataset: str) -> None:
+        shutil.copytree(model_dir, self.models / MODEL_DIR)
+        self.output.mkdir(parents=True)
+        for path in (self.root, self.models, self.output):
+            path.chmod(0o755)
+        for f in (self.models / MODEL_DIR).iterdir():
+            f.chmod(0o644)  # what a user copying a model onto a volume gets; the cache keeps its own modes
+        # hostPath volumes have no fsGroup: the directory itself is the runtime user's, as on any NFS export.
+        shutil.chown(self.output, RUNTIME_UID, RUNTIME_UID)
+        for claim, path, mode in (("models", self.models, "ReadOnlyMany"), ("output", self.output, "ReadWriteOnce")):
+            pv = f"{self.ns}-{claim}"
+            self.cp.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                            "spec": {"capacity": {"storage": "10Gi"}, "accessModes": [mode], "storageClassName": "",
+                                     "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path)},
+                                     "claimRef": {"namespace": self.ns, "name": claim}}})
+            self.pvs.append(pv)
+            self.cp.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+                            "spec": {"accessModes": [mode], "storageClassName": "", "volumeName": pv,
+                                     "resources": {"requests": {"storage": "10Gi"}}}}, namespace=self.ns)
+        self.set_dataset(dataset)
+
+    def set_dataset(self, text: str, name: str = "dataset") -> None:
+        self.cp.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name},
+                       "data": {"chat.jsonl": text}}, namespace=self.ns)
+
+    def delete(self) -> None:
+        if self.pvs:
+            self.cp.kubectl("delete", "pv", "--wait=false", "--ignore-not-found", *self.pvs)
+
+
+def smollm2_job(name: str, image: str, *, steps: int = 6, dram_budget: str = "1200Mi",
+                dataset_configmap: str = "dataset", extra_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A full fine-tune of SmolLM2-135M-Instruct on the chat dataset, on the CPU, with part of its state
+    on the node's NVMe namespace (a loop device here), writing the model to the output volume."""
+    return {
+        "apiVersion": "memstrata.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": name},
+        "spec": {
+            "model": {"path": f"/models/{MODEL_DIR}"},
+            "dataset": {"path": "/data/chat.jsonl", "format": "messages"},
+            "training": {"sequenceLength": 128, "microBatch": 2, "steps": steps, "learningRate": 3.0e-4,
+                         "precision": "bf16", "activationCheckpointing": False},
+            "resources": {"gpus": 0},
+            "memory": {"engine": "memstrata", "dramBudget": dram_budget},
+            "output": {"path": f"/output/{name}"},
+            "image": image,
+            "volumes": [
+                {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+                {"name": "data", "configMap": {"name": dataset_configmap}},
+                {"name": "output", "persistentVolumeClaim": {"claimName": "output"}},
+            ],
+            "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
+                             {"name": "data", "mountPath": "/data", "readOnly": True},
+                             {"name": "output", "mountPath": "/output"}],
+            "runPolicy": {"backoffLimit": 0},
+            **(extra_spec or {}),
+        },
+    }
+
+
+def wait_phase(cp: ControlPlane, ns: str, name: str, phases: set[str], timeout: float,
+               on_poll: Any = None) -> dict[str, Any]:
+    """Poll the job until its phase is one of `phases`; `on_poll(body)` sees every poll (progress)."""
+    deadline = time.monotonic() + timeout
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        body = cp.get_json("finetunejob", name, "-n", ns)
+        if on_poll is not None:
+            on_poll(body)
+        if (body.get("status") or {}).get("phase") in phases:
+            return body
+        time.sleep(1)
+    raise ControlPlaneTimeout(f"job {ns}/{name} not in {sorted(phases)} after {timeout:.0f} s; status "
+                              f"{json.dumps(body.get('status'), indent=1)[-3000:]}")
+
+
+def events_of(cp: ControlPlane, ns: str, name: str) -> list[dict[str, Any]]:
+    items = cp.get_json("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
+    return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
