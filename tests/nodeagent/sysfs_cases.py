@@ -122,13 +122,31 @@ class Tree:
         self.write(f"{ndir}/ro", "1" if ro else "0")
         self.write(f"{ndir}/hidden", "0")
         self.write(f"{ndir}/dev", f"259:{c * 16 + nsid}")
+        return self.block(ndir, name, head=head, partitions=partitions, holders=holders,
+                          partition_minor=100 + c * 16 + nsid * 4)
+
+    def loop(self, n: int, size: int, *, lbs: int = 512, backing: str | None, ro: bool = False,
+             head: bytes = b"", partitions: int = 0, holders: tuple[str, ...] = ()) -> str:
+        """loop<n>, attached to the file `backing` (None: detached, as after a reboot: size 0, no loop/)."""
+        name, ldir = f"loop{n}", f"devices/virtual/block/loop{n}"
+        self.write(f"{ldir}/size", str(size // 512 if backing else 0))
+        self.write(f"{ldir}/queue/logical_block_size", str(lbs))
+        self.write(f"{ldir}/ro", "1" if ro else "0")
+        self.write(f"{ldir}/dev", f"7:{n}")
+        if backing:
+            self.write(f"{ldir}/loop/backing_file", backing)
+        return self.block(ldir, name, head=head, partitions=partitions, holders=holders, partition_minor=n * 4)
+
+    def block(self, ndir: str, name: str, *, head: bytes, partitions: int, holders: tuple[str, ...],
+              partition_minor: int) -> str:
+        """What every block device has: holders/, partitions, its block/ link and its first bytes."""
         (self.sys / ndir / "holders").mkdir(parents=True, exist_ok=True)
         for h in holders:
             self.link(f"{ndir}/holders/{h}", f"devices/virtual/block/{h}")
             self.write(f"devices/virtual/block/{h}/dm/name", "vg-lv")
         for p in range(1, partitions + 1):
             self.write(f"{ndir}/{name}p{p}/partition", str(p))
-            self.write(f"{ndir}/{name}p{p}/dev", f"259:{100 + c * 16 + nsid * 4 + p}")
+            self.write(f"{ndir}/{name}p{p}/dev", f"259:{partition_minor + p}")
         self.link(f"block/{name}", ndir)
         self.head(name, head)
         return name
