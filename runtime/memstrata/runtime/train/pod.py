@@ -176,6 +176,15 @@ def _say_why(message: str, keep_reason: bool = False) -> None:
     _record_reason(message)
 
 
+def _forget_reason() -> None:
+    """An earlier run's reason (the same file, rerun by hand) must not stand for this run's."""
+    if TERMINATION_LOG.is_file():
+        try:
+            TERMINATION_LOG.write_text("")
+        except OSError:
+            pass
+
+
 def _record_reason(message: str) -> None:
     """The termination message (the kubelet copies it into the pod's status, which the operator puts in the
     job's Failed condition). At most 4 KiB: Kubernetes keeps no more."""
@@ -229,6 +238,7 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
             patcher: Callable[[JobRef], Callable[[dict[str, Any]], None]] = kubernetes_patcher) -> int:
     """`patcher` makes the status patch function of a reporting process (in every rank that reports, so with
     several ranks it must be a module-level function, which the spawned workers import by name)."""
+    _forget_reason()
     try:
         path = config_path if config_path is not None else os.environ.get(ENV_RUNTIME_CONFIG)
         cfg = load_config(path)
