@@ -88,8 +88,9 @@ class ControlPlane:
     def __init__(self, bin_dir: Path, workdir: Path | None = None, startup_timeout_s: float = 90.0,
                  advertise_address: str | None = None) -> None:
         """`advertise_address`: the host address a real node's pods reach the API server at (through the
-        `kubernetes` Service and kube-proxy); the server then listens on every address. None: 127.0.0.1
-        only, for clusters whose nodes are all kwok's."""
+        `kubernetes` Service and kube-proxy); the server then listens on every address, because the tests'
+        kubeconfig keeps 127.0.0.1 and the pods need the host's address (every request still needs a client
+        certificate or a token). None: 127.0.0.1 only, for clusters whose nodes are all kwok's."""
         self.bin_dir = bin_dir
         self.advertise_address = advertise_address
         self.share_dir = bin_dir.parent / "share" / "kwok"
@@ -146,7 +147,7 @@ class ControlPlane:
         then delete the work dir unless asked to keep it (for its logs) or
         the caller chose it."""
         for name in reversed(list(self._procs)):
-            _terminate(self._procs[name], grace_s=10)
+            terminate(self._procs[name], grace_s=10)
         self._procs.clear()
         if not keep_workdir and self._workdir_arg is None and self.workdir.is_dir() and self.workdir != Path():
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -255,7 +256,7 @@ class ControlPlane:
         every watch to drain), keep it down for `down_seconds`, start it again on the same address; returns
         the seconds until it answered /readyz again. Every client's watches and in-flight requests break."""
         began = time.monotonic()
-        _terminate(self._procs["kube-apiserver"], grace_s=grace_s)
+        terminate(self._procs["kube-apiserver"], grace_s=grace_s)
         time.sleep(down_seconds)
         self._spawn("kube-apiserver", self._apiserver_args, append=True)
         self._wait_http("kube-apiserver /readyz", f"{self.server}/readyz", insecure=False, client_cert=True)
@@ -320,7 +321,7 @@ class ControlPlane:
             self._procs[name] = subprocess.Popen(
                 [str(self.bin_dir / name), *args], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir,
-                preexec_fn=_die_with_parent, env=env,
+                preexec_fn=die_with_parent, env=env,
             )  # fmt: skip
 
     def _check_alive(self) -> None:
@@ -347,7 +348,7 @@ class ControlPlane:
         self.wait_for(what, ok, timeout=self.startup_timeout_s, interval=0.1)
 
 
-def _terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM the process group, SIGKILL it after grace_s, and reap it."""
     if proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
@@ -358,7 +359,7 @@ def _terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     proc.wait()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Runs in the child before exec: if the test process is killed outright
     # (no finalizers run), the kernel kills the component too, so nothing is
     # left holding ports. PR_SET_PDEATHSIG = 1.

@@ -11,18 +11,19 @@ under CI=true: `make test` builds them.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
 from e2e.conftest import _say
 from e2e.realnode.images import ImageSet
+from e2e.realnode.jobs import JobStorage
 from e2e.realnode.node import NodeBins, RealNode, host_address
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,32 +54,13 @@ class RealCluster:
     def kubectl(self, *args: str, timeout: float = 60) -> str:
         return self.cp.kubectl(*args, timeout=timeout)
 
-    def node_json(self) -> dict:
+    def node_json(self) -> dict[str, Any]:
         return self.cp.get_json("node", self.node.name)
 
-    def agent_pod(self) -> dict | None:
+    def agent_pod(self) -> dict[str, Any] | None:
         pods = self.cp.get_json("pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=node-agent")["items"]
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         return live[0] if live else None
-
-
-def _make_loops(workdir: Path) -> list[str]:
-    names = []
-    for i in range(LOOPS):
-        backing = workdir / f"ns{i}.img"
-        with open(backing, "wb") as f:
-            f.truncate(LOOP_BYTES)
-        dev = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(backing)],
-                             capture_output=True, text=True)
-        if dev.returncode != 0:
-            raise RuntimeError(f"losetup {backing}: {dev.stderr.strip()}")
-        names.append(Path(dev.stdout.strip()).name)
-    return names
-
-
-def _drop_loops(names: list[str]) -> None:
-    for name in names:
-        subprocess.run(["losetup", "--detach", f"/dev/{name}"], capture_output=True)
 
 
 def helm_install(cp: ControlPlane, images: ImageSet, loops: list[str], *extra: str) -> None:
@@ -98,7 +80,7 @@ def helm_install(cp: ControlPlane, images: ImageSet, loops: list[str], *extra: s
 
 
 @pytest.fixture(scope="session")
-def real_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     bin_dir, reason = bin_dir_from_env()
     if bin_dir is None:
         _unavailable(reason)
@@ -117,7 +99,7 @@ def real_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     cp = ControlPlane(bin_dir, advertise_address=host_address())
     cp.start()
     node = RealNode(cp, bins, cache_dir() / "containerd")
-    loops: list[str] = []
+
     ok = False
     try:
         node.start_runtime(images.pause)
@@ -127,7 +109,7 @@ def real_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         t = time.monotonic()
         node.start()
         timings["node"] = time.monotonic() - t
-        loops = _make_loops(tmp_path_factory.mktemp("loops"))
+        loops = node.loop_files.make(LOOPS, LOOP_BYTES)
         t = time.monotonic()
         helm_install(cp, images, loops)
         timings["helm"] = time.monotonic() - t
@@ -141,9 +123,8 @@ def real_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         if failed:
             _say(request, f"[realnode] logs kept in {cp.workdir}\n{node.logs_tail()}")
         try:
-            node.stop()
+            node.stop()  # the loop devices too
         finally:
-            _drop_loops(loops)
             cp.stop(keep_workdir=failed)
 
 
@@ -187,3 +168,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         parts = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(_stage_seconds.items()))
         terminalreporter.write_line(f"[realnode] stage time: {total:.0f} s ({parts}; setup includes the node, "
                                     "the images' import and helm install)")
+
+
+@pytest.fixture
+def storage(real_cluster: RealCluster, job_ns: str, tmp_path: Path, smollm2_dir: Path) -> Iterator[JobStorage]:
+    """One test's volumes in `job_ns`: the model (a copy of SmolLM2-135M-Instruct), the chat dataset in a
+    ConfigMap (`storage.set_dataset` replaces it) and an empty output directory."""
+    store = JobStorage(real_cluster.cp, job_ns, tmp_path / "volumes")
+    store.create(smollm2_dir, (REPO / "examples" / "chat-skill.jsonl").read_text())
+    try:
+        yield store
+    finally:
+        store.delete()

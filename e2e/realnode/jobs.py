@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from e2e.cluster.controlplane import ControlPlane, ControlPlaneTimeout
+from e2e.realnode.hoststate import KUBELET_ROOT
+from e2e.realnode.node import RealNode
 
 RUNTIME_UID = 1000  # the runtime image's user (memstrata.operator.render.RUNTIME_UID)
 MODEL_DIR = "smollm2"
@@ -106,3 +108,60 @@ def wait_phase(cp: ControlPlane, ns: str, name: str, phases: set[str], timeout: 
 def events_of(cp: ControlPlane, ns: str, name: str) -> list[dict[str, Any]]:
     items = cp.get_json("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
     return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+
+def training_pod(cp: ControlPlane, ns: str, image: str) -> dict[str, Any]:
+    """The one training pod of the namespace's job (not the model inspection pod)."""
+    pods = [p for p in cp.get_json("pods", "-n", ns)["items"]
+            if p["spec"]["containers"][0]["image"] == image
+            and p["metadata"].get("labels", {}).get("memstrata.dev/role") is None]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+def wait_step_past(cp: ControlPlane, ns: str, name: str, steps: int, step: int, timeout: float = 300) -> int:
+    """Training goes on: job `name`'s reported step moves past `step`, still short of its `steps` (so
+    whatever the caller does next lands mid-flight); returns the step seen."""
+    now = {"step": step}
+
+    def moved() -> bool:
+        status = cp.get_json("finetunejob", name, "-n", ns).get("status") or {}
+        now["step"] = int((status.get("progress") or {}).get("step") or 0)
+        return now["step"] > step
+
+    cp.wait_for(f"job {name} to go past step {step}", moved, timeout=timeout, interval=1)
+    assert now["step"] < steps, f"job {name} finished before the fault could land mid-flight; raise its steps"
+    return now["step"]
+
+
+def container_env(node: RealNode, pod: dict[str, Any]) -> dict[str, str] | None:
+    """The environment the pod's first container's process runs with (what the kubelet and the device
+    plugin gave it), read from /proc; None while it is not running."""
+    statuses = pod.get("status", {}).get("containerStatuses") or []
+    if not statuses or "running" not in statuses[0].get("state", {}):
+        return None
+    cid = statuses[0]["containerID"].split("://", 1)[1]
+    for line in node.ctr("tasks", "ls").stdout.decode().splitlines()[1:]:
+        task, pid, _status = (line.split() + ["", "", ""])[:3]
+        if task == cid:
+            try:
+                raw = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                return None
+            return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+    return None
+
+
+def allocated_devices(pod_uid: str) -> list[str]:
+    """The device IDs the kubelet's device manager recorded for a pod (its checkpoint file)."""
+    doc = json.loads((KUBELET_ROOT / "device-plugins" / "kubelet_internal_checkpoint").read_text())
+    return [d for e in doc["Data"]["PodDeviceEntries"] if e["PodUID"] == pod_uid
+            for ids in e["DeviceIDs"].values() for d in ids]
+
+
+def explain(cp: ControlPlane, node: RealNode, ns: str, name: str) -> str:
+    """What a failed assertion about job `name` should show: its events, its pods and their logs."""
+    pods = cp.get_json("pods", "-n", ns)["items"]
+    logs = "\n".join(node.container_logs(ns, p["metadata"]["name"]) for p in pods)
+    return (f"events: {[(e['reason'], e['message']) for e in events_of(cp, ns, name)]}\n"
+            f"pods: {[(p['metadata']['name'], p['status'].get('phase')) for p in pods]}\n{logs[-8000:]}")

@@ -23,14 +23,18 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.cluster.controlplane import ControlPlane, ControlPlaneError, _die_with_parent, _terminate, free_port
+from e2e.cluster.controlplane import ControlPlane, ControlPlaneError, die_with_parent, free_port, terminate
 from e2e.cluster.pki import client_kubeconfig, sign_client
+from e2e.realnode.hoststate import (
+    KUBELET_ROOT, HostSettings, LoopFiles, claim_kubelet_root, foreign_node_reason, kill_pod_processes, kill_shims,
+    remove_kubelet_iptables, remove_tree,
+)
 
 NODE_NAME = "memstrata-e2e-node"
-KUBELET_ROOT = Path("/var/lib/kubelet")
 STATE = Path("/run/memstrata-node")
 POD_CIDR = "10.244.0.0/24"
 BRIDGE = "mse2e0"
@@ -64,6 +68,9 @@ class NodeBins:
             return None, f"host packages missing: {tools}; run `make node-bins` (it apt-installs them)"
         if os.geteuid() != 0:
             return None, "a real node needs root (containerd, iptables, mounts)"
+        foreign = foreign_node_reason()
+        if foreign:
+            return None, foreign
         return NodeBins(path / "kubelet", path / "kube-proxy"), ""
 
 
@@ -88,6 +95,9 @@ class RealNode:
         self.name = name
         self.address = cluster.advertise_address
         self.containerd_root = containerd_root
+        # Beside containerd's root, so a killed run's leftovers are found by the next one.
+        self.host_settings = HostSettings(containerd_root.parent / "realnode-sysctls.json")
+        self.loop_files = LoopFiles(containerd_root.parent / "realnode-loops")
         self.workdir = cluster.workdir / "node"
         self.state = state
         self.socket = state / "containerd" / "containerd.sock"
@@ -108,7 +118,8 @@ class RealNode:
         previous run that died without stop() left behind."""
         self.pause_image = pause_image
         self.workdir.mkdir(parents=True, exist_ok=True)
-        _clear_leftovers(self.socket, self.state)
+        self._clear_leftovers()
+        claim_kubelet_root()
         self._write_configs()
         self._spawn("containerd", ["containerd", "--config", str(self.workdir / "containerd.toml")])
         self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 30)
@@ -116,6 +127,7 @@ class RealNode:
     def start(self) -> None:
         """The kubelet and kube-proxy (containerd must be up: start_runtime); returns once the Node is
         Ready."""
+        self.host_settings.save()
         self._spawn("kubelet", [str(self.bins.kubelet), f"--config={self.workdir / 'kubelet.yaml'}",
                                 f"--kubeconfig={self.workdir / 'kubelet.kubeconfig'}",
                                 f"--hostname-override={self.name}", f"--node-ip={self.address}",
@@ -128,30 +140,38 @@ class RealNode:
         the bridge and the pods' mounts removed. Safe after a failed start."""
         for name in ("kube-proxy", "kubelet"):
             if name in self._procs:
-                _terminate(self._procs.pop(name), grace_s=10)
+                terminate(self._procs.pop(name), grace_s=10)
         if "containerd" in self._procs:
             containerd = self._procs.pop("containerd")
             if containerd.poll() is None:
                 _kill_tasks(self.socket)
-            _terminate(containerd, grace_s=10)
-        # Whatever containerd could not stop (it died, or a task would not go): shims and pod processes.
-        _kill_shims(self.socket)
-        _kill_pod_processes()
+            terminate(containerd, grace_s=10)
+        self._clear_leftovers()
+
+    def _clear_leftovers(self) -> None:
+        """Everything the node made, whether this run's stop() or a killed run left it: shims and pods'
+        processes, iptables rules, the bridge, the pods' mounts and network namespaces (under our state
+        directory), the kubelet's state and sysctls, the loop devices."""
+        kill_shims(self.socket)
+        kill_pod_processes()
         subprocess.run([str(self.bins.kube_proxy), "--cleanup"], capture_output=True, timeout=60)
+        remove_kubelet_iptables()
         subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
-        _unmount_under(KUBELET_ROOT)
-        _unmount_under(self.state)
+        self.host_settings.restore()
+        for path in (KUBELET_ROOT, self.state, Path("/var/log/pods")):
+            remove_tree(path)
+        self.loop_files.clear()
 
     def restart_kubelet(self, down_seconds: float = 1.0) -> None:
         """SIGTERM the kubelet and start it again: running pods keep running, device plugins must
         register again (the kubelet re-creates kubelet.sock)."""
-        _terminate(self._procs.pop("kubelet"), grace_s=10)
+        terminate(self._procs.pop("kubelet"), grace_s=10)
         time.sleep(down_seconds)
         self._spawn("kubelet", self._args["kubelet"], append=True)
 
     def restart_containerd(self, down_seconds: float = 1.0) -> None:
         """SIGTERM containerd and start it again: containers keep running under their shims."""
-        _terminate(self._procs.pop("containerd"), grace_s=10)
+        terminate(self._procs.pop("containerd"), grace_s=10)
         time.sleep(down_seconds)
         self._spawn("containerd", self._args["containerd"], append=True)
         self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 30)
@@ -203,7 +223,9 @@ class RealNode:
         cni.mkdir(exist_ok=True)
         (cni / "10-memstrata-e2e.conflist").write_text(json.dumps({
             "cniVersion": "0.4.0", "name": "memstrata-e2e", "plugins": [
-                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": True, "hairpinMode": True,
+                # No masquerade: pods reach only the host's own address (the API server), which needs
+                # none, and ipMasq adds per-pod NAT rules that only a CNI DEL would remove.
+                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False, "hairpinMode": True,
                  "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR}]], "routes": [{"dst": "0.0.0.0/0"}],
                           "dataDir": str(self.state / "cni-ipam")}},
                 {"type": "portmap", "capabilities": {"portMappings": True}}]}, indent=1))
@@ -218,6 +240,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   sandbox_image = "{self.pause_image}"
   # No CAP_SYS_RESOURCE here: a negative oom_score_adj would make runc fail every container.
   restrict_oom_score_adj = true
+  # Pods' network namespaces under our state directory: unmounting it frees them (and their veths) even
+  # when no CNI DEL ran (containers killed without the CRI).
+  netns_mounts_under_state_dir = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -262,10 +287,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         with open(self.workdir / f"{name}.log", "ab" if append else "wb") as log:
             self._procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                  start_new_session=True, cwd=self.workdir,
-                                                 preexec_fn=_die_with_parent)
+                                                 preexec_fn=die_with_parent)
 
-    def _wait(self, what: str, predicate: object, timeout: float) -> None:
-        assert callable(predicate)
+    def _wait(self, what: str, predicate: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
             dead = [n for n, p in self._procs.items() if p.poll() is not None]
@@ -287,48 +311,3 @@ def _kill_tasks(socket: Path) -> None:
     containers = subprocess.run([*base, "containers", "ls", "-q"], capture_output=True, text=True, timeout=60).stdout.split()
     if containers:
         subprocess.run([*base, "containers", "delete", *containers], capture_output=True, timeout=60)
-
-
-def _kill_pod_processes() -> None:
-    """SIGKILL every process in the kubelet's pod cgroups (cgroupfs driver: <hierarchy>/kubepods/...):
-    a container survives its shim and containerd, and would keep a device or port."""
-    for procs in Path("/sys/fs/cgroup/pids/kubepods").rglob("cgroup.procs"):
-        try:
-            pids = procs.read_text().split()
-        except OSError:
-            continue
-        for pid in pids:
-            try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _kill_shims(socket: Path) -> None:
-    shims = subprocess.run(["pgrep", "-f", f"containerd-shim.*-address {socket}"], capture_output=True, text=True)
-    for pid in shims.stdout.split():
-        try:
-            os.kill(int(pid), 9)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _clear_leftovers(socket: Path, state: Path) -> None:
-    """What a run killed before stop() left: shims of our containerd and the pods' processes, the
-    pods' mounts, the kubelet's state (its device-plugin checkpoint names devices of that run)."""
-    _kill_shims(socket)
-    _kill_pod_processes()
-    _unmount_under(KUBELET_ROOT)
-    _unmount_under(state)
-    for path in (state, KUBELET_ROOT, Path("/var/log/pods")):
-        shutil.rmtree(path, ignore_errors=True)
-    subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
-    KUBELET_ROOT.joinpath("device-plugins").mkdir(parents=True, exist_ok=True)
-
-
-def _unmount_under(root: Path) -> None:
-    """Lazily unmount every mount below `root`, deepest first."""
-    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-    prefix = str(root).rstrip("/") + "/"
-    for target in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", target], capture_output=True)
