@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,9 +65,12 @@ def check_scratch(path: Path) -> int:
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".memstrata-write-probe"
-        probe.write_bytes(b"x")
-        probe.unlink()
+        # A name of its own: the ranks of one job probe the same directory at the same moment, and a shared
+        # name let one rank's unlink fail another's probe ("not writable: No such file or directory").
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".memstrata-write-probe-")
+        os.write(fd, b"x")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
         if created:
             with contextlib.suppress(OSError):
