@@ -103,10 +103,14 @@ def test_trim_gives_back_idle_locked_regions_only() -> None:
 
 def test_deepspeeds_locked_buffers_come_exactly_from_the_swap_layers_pools(loopdev, tmp_path: Path) -> None:
     """What DeepSpeed's swappers ask the handle for is carved from the pools SwapLayer builds: exact, locked,
-    optimizer operands bound to DRAM."""
-    optimizer_pool, param_pool = locked_pools(SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0]))
+    optimizer operands bound to DRAM beside CXL, and no binding at all on a node with one memory node."""
+    optimizer_pool, param_pool = locked_pools(SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0], cxl_nodes=[1]))
     assert optimizer_pool.placement is not None and optimizer_pool.placement.nodes == (0,)
-    assert param_pool.placement is not None and param_pool.placement.nodes == (0,)  # no CXL: DRAM too
+    assert param_pool.placement is not None and param_pool.placement.nodes == (1,)  # DMA-only: on CXL
+    optimizer_pool, param_pool = locked_pools(SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0]))
+    # One memory node: nothing to choose, so no mbind (a container's default seccomp profile refuses it).
+    assert optimizer_pool.placement is not None and optimizer_pool.placement.nodes == ()
+    assert param_pool.placement is not None and param_pool.placement.nodes == ()
     before = vm_locked_bytes()
     with NvmeEngine.open([loopdev(16 << 20)], job="test-swap") as engine:
         h = ExtentSwapHandle(engine, optimizer_pool, SwapCounters(), kind="optimizer")
