@@ -29,7 +29,7 @@ from memstrata.node import nvmescan
 from memstrata.node.loopscan import loop_namespaces
 from memstrata.node.nvmescan import HeadReader
 from memstrata.node.sysfs import SysfsError, SysfsTree
-from memstrata.node.safety import PROBE_BYTES, read_head, read_swaps
+from memstrata.node.safety import PROBE_BYTES, parse_mounts, parse_swaps, read_head, read_swaps
 
 __all__ = ["SysfsError", "discover", "dev_heads", "read_swaps"]
 
@@ -149,8 +149,9 @@ def discover(sysfs_root: str | Path = "/sys", *, heads: HeadReader, mounts_text:
         raise SysfsError(tree.root, "sysfs root is not a directory")
     numa, cxl = numa_and_cxl(tree)
     ctrls = nvmescan.controllers(tree)
-    namespaces = nvmescan.namespaces(tree, heads, mounts_text, swaps_text, ctrls)
-    namespaces += loop_namespaces(tree, loop_names, heads, mounts_text, swaps_text)
+    mounts, swaps = parse_mounts(mounts_text), parse_swaps(swaps_text)
+    namespaces = nvmescan.namespaces(tree, heads, mounts, swaps, ctrls)
+    namespaces += loop_namespaces(tree, loop_names, heads, mounts, swaps)
     return NodeInventory(hostname=hostname, numa_nodes=numa, cxl_nodes=cxl, nvme_controllers=ctrls,
                          nvme_namespaces=namespaces)
 

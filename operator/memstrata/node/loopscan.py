@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 from memstrata.api.inventory import NvmeNamespace
 from memstrata.node.nvmescan import SECTOR, HeadReader, geometry, problems
-from memstrata.node.safety import Mount, describe, parse_mounts, parse_swaps
+from memstrata.node.safety import Mount, describe
 from memstrata.node.sysfs import SysfsError, SysfsTree
 
 LOOP_NAME = re.compile(r"^loop[0-9]+$")
@@ -81,9 +81,8 @@ def loop_namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequen
                          free=not reasons, reason="; ".join(reasons) or None)
 
 
-def loop_namespaces(tree: SysfsTree, names: Sequence[str], heads: HeadReader, mounts_text: str,
-                    swaps_text: str) -> list[NvmeNamespace]:
+def loop_namespaces(tree: SysfsTree, names: Sequence[str], heads: HeadReader, mounts: Sequence[Mount],
+                    swaps: Sequence[str]) -> list[NvmeNamespace]:
     """The named loop devices, in the order named (each once)."""
-    mounts, swaps = parse_mounts(mounts_text), parse_swaps(swaps_text)
     backings = backing_files(tree)
     return [loop_namespace(tree, name, heads, mounts, swaps, backings) for name in dict.fromkeys(names)]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from memstrata.api.inventory import NvmeController, NvmeNamespace
 from memstrata.node.safety import (
-    Mount, Problem, block_state, describe, namespace_problems, parse_mounts, parse_swaps,
+    Mount, Problem, block_state, describe, namespace_problems,
 )
 from memstrata.node.sysfs import SysfsError, SysfsTree
 
@@ -130,8 +130,7 @@ def namespace(tree: SysfsTree, name: str, heads: HeadReader, mounts: Sequence[Mo
     )
 
 
-def namespaces(tree: SysfsTree, heads: HeadReader, mounts_text: str, swaps_text: str,
+def namespaces(tree: SysfsTree, heads: HeadReader, mounts: Sequence[Mount], swaps: Sequence[str],
                ctrls: list[NvmeController]) -> list[NvmeNamespace]:
-    mounts, swaps = parse_mounts(mounts_text), parse_swaps(swaps_text)
     numa_of = {c.name: c.numa_node for c in ctrls}
     return [namespace(tree, name, heads, mounts, swaps, numa_of) for name in namespace_names(tree)]
