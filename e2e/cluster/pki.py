@@ -65,27 +65,35 @@ def _signed(
     return cert, key
 
 
+def _client(directory: Path, name: str, user: str, group: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
+    return _signed(directory, name, f"/O={group}/CN={user}", ca,
+                   ["basicConstraints=CA:FALSE", "extendedKeyUsage=clientAuth"])
+
+
 def sign_client(pki: Pki, directory: Path, name: str, user: str, group: str) -> tuple[Path, Path]:
     """A client certificate for `user` in `group`, signed by the cluster's CA (a kubelet is
     system:node:<name> in system:nodes; kube-proxy is system:kube-proxy)."""
     directory.mkdir(parents=True, exist_ok=True)
-    return _signed(directory, name, f"/O={group}/CN={user}", (pki.ca_cert, pki.ca_key),
-                   ["basicConstraints=CA:FALSE", "extendedKeyUsage=clientAuth"])
+    return _client(directory, name, user, group, (pki.ca_cert, pki.ca_key))
 
 
-def client_kubeconfig(server: str, ca_cert: Path, cert: Path, key: Path) -> str:
+def client_kubeconfig(server: str, ca_cert: Path, cert: Path, key: Path, user: str = "client") -> str:
     """A kubeconfig for one client certificate."""
     return f"""apiVersion: v1
 kind: Config
 clusters:
 - name: e2e
-  cluster: {{server: {server}, certificate-authority: {ca_cert}}}
+  cluster:
+    server: {server}
+    certificate-authority: {ca_cert}
 users:
-- name: client
-  user: {{client-certificate: {cert}, client-key: {key}}}
+- name: {user}
+  user:
+    client-certificate: {cert}
+    client-key: {key}
 contexts:
 - name: e2e
-  context: {{cluster: e2e, user: client}}
+  context: {{cluster: e2e, user: {user}}}
 current-context: e2e
 """
 
@@ -107,14 +115,9 @@ def make_pki(directory: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
         ["basicConstraints=CA:FALSE", "extendedKeyUsage=serverAuth",
          "subjectAltName=" + ",".join([*_SERVER_SANS, *(f"IP:{ip}" for ip in extra_ips)])],
     )  # fmt: skip
-    admin_cert, admin_key = _signed(
-        directory, "admin", "/O=system:masters/CN=memstrata-e2e-admin", ca,
-        ["basicConstraints=CA:FALSE", "extendedKeyUsage=clientAuth"],
-    )  # fmt: skip
-    kubelet_client_cert, kubelet_client_key = _signed(
-        directory, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client", ca,
-        ["basicConstraints=CA:FALSE", "extendedKeyUsage=clientAuth"],
-    )  # fmt: skip
+    admin_cert, admin_key = _client(directory, "admin", "memstrata-e2e-admin", "system:masters", ca)
+    kubelet_client_cert, kubelet_client_key = _client(
+        directory, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters", ca)
     # Service-account tokens are RS256 by default; the controller-manager's
     # token controller signs with the private half, the API server verifies.
     sa_key, sa_pub = directory / "sa.key", directory / "sa.pub"
@@ -126,20 +129,4 @@ def make_pki(directory: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
 
 def kubeconfig_yaml(server: str, pki: Pki) -> str:
     """A kubeconfig that authenticates as the admin certificate."""
-    return f"""apiVersion: v1
-kind: Config
-clusters:
-- name: e2e
-  cluster:
-    server: {server}
-    certificate-authority: {pki.ca_cert}
-users:
-- name: admin
-  user:
-    client-certificate: {pki.admin_cert}
-    client-key: {pki.admin_key}
-contexts:
-- name: e2e
-  context: {{cluster: e2e, user: admin}}
-current-context: e2e
-"""
+    return client_kubeconfig(server, pki.ca_cert, pki.admin_cert, pki.admin_key, user="admin")
