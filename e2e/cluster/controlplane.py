@@ -43,6 +43,17 @@ class ControlPlaneTimeout(ControlPlaneError, TimeoutError):
     """A condition waited for by wait_for() did not come true in time."""
 
 
+def cache_root() -> Path:
+    """Where `make` caches the real peers it builds ($CACHE, exported by the Makefile)."""
+    return Path(os.environ.get("CACHE", Path.home() / ".cache" / "memstrata"))
+
+
+def cluster_versions() -> dict[str, str]:
+    """The pinned versions (K8S_VERSION, ETCD_VERSION, ...) as mk/cluster.mk, their one home, states them."""
+    mk = (_REPO / "mk" / "cluster.mk").read_text()
+    return dict(re.findall(r"^(\w+_VERSION)\s*:=\s*(\S+)", mk, re.M))
+
+
 def bin_dir_from_env() -> tuple[Path | None, str]:
     """Where `make cluster-bins` put the binaries, and why not if they are absent.
 
@@ -53,10 +64,8 @@ def bin_dir_from_env() -> tuple[Path | None, str]:
     if env:
         path = Path(env)
     else:
-        mk = (_REPO / "mk" / "cluster.mk").read_text()
-        v = dict(re.findall(r"^(\w+_VERSION)\s*:=\s*(\S+)", mk, re.M))
-        cache = Path(os.environ.get("CACHE", Path.home() / ".cache" / "memstrata"))
-        path = cache / (
+        v = cluster_versions()
+        path = cache_root() / (
             f"k8s-{v['K8S_VERSION']}-etcd{v['ETCD_VERSION']}"
             f"-kwok{v['KWOK_VERSION']}-helm{v['HELM_VERSION']}"
         ) / "bin"

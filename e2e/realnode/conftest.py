@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
+from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env, cache_root
 from e2e.conftest import _say
 from e2e.realnode.images import ImageSet
 from e2e.realnode.jobs import JobStorage
@@ -31,10 +31,6 @@ CHART = REPO / "charts" / "memstrata"
 RELEASE_NS = "memstrata-system"
 LOOP_BYTES = 2 << 30  # each "namespace": sparse, so only what a job writes takes disk
 LOOPS = 2
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CACHE", Path.home() / ".cache" / "memstrata"))
 
 
 def _unavailable(reason: str) -> None:
@@ -89,16 +85,16 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
         _unavailable(reason)
     from e2e.realnode.images import build_images, import_images, unavailable_reason
 
-    why = unavailable_reason(cache_dir())
+    why = unavailable_reason(cache_root())
     if why:
         _unavailable(why)
     began = time.monotonic()
     timings: dict[str, float] = {}
-    images = build_images(cache_dir())
+    images = build_images(cache_root())
     timings["images"] = time.monotonic() - began
     cp = ControlPlane(bin_dir, advertise_address=host_address())
     cp.start()
-    node = RealNode(cp, bins, cache_dir() / "containerd")
+    node = RealNode(cp, bins, cache_root() / "containerd")
 
     ok = False
     try:

@@ -37,13 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO, Callable, Sequence, cast
 
+from e2e.cluster.controlplane import cache_root
+
 from . import imagebuild
 from .imagebuild import REPO, cached_layer, deps_entries, log, measure_deps
 from .ociarchive import Blob, ImageConfig, manifest_digest, stream_archive
 
 REGISTRY = "memstrata.local"
 OUR_TAG = re.compile(rf"{re.escape(REGISTRY)}/(pause|operator|node-agent|runtime):[0-9a-f]{{12}}")
-DEFAULT_CACHE = Path(os.environ.get("CACHE", Path.home() / ".cache" / "memstrata"))
+DEFAULT_CACHE = cache_root()
 BASE_ENV = ["PATH=/opt/memstrata/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1"]
 # As docker/*.Dockerfile set them.

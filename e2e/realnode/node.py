@@ -27,7 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.cluster.controlplane import ControlPlane, ControlPlaneError, die_with_parent, free_port, terminate
+from e2e.cluster.controlplane import (
+    ControlPlane, ControlPlaneError, cache_root, cluster_versions, die_with_parent, free_port, terminate,
+)
 from e2e.cluster.pki import client_kubeconfig, sign_client
 from e2e.realnode.hoststate import (
     KUBELET_ROOT, HostSettings, LoopFiles, claim_kubelet_root, foreign_node_reason, kill_pod_processes, kill_shims,
@@ -40,7 +42,6 @@ POD_CIDR = "10.244.0.0/24"
 BRIDGE = "mse2e0"
 CNI_BIN = Path("/usr/lib/cni")
 HOST_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "conntrack")
-_REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,7 @@ class NodeBins:
         if env:
             path = Path(env)
         else:
-            mk = (_REPO / "mk" / "cluster.mk").read_text()
-            version = re.search(r"^K8S_VERSION\s*:=\s*(\S+)", mk, re.M)
-            cache = Path(os.environ.get("CACHE", Path.home() / ".cache" / "memstrata"))
-            path = cache / f"node-{version.group(1) if version else '?'}" / "bin"
+            path = cache_root() / f"node-{cluster_versions()['K8S_VERSION']}" / "bin"
         missing = [b for b in ("kubelet", "kube-proxy") if not (path / b).is_file()]
         if missing:
             return None, f"kubelet/kube-proxy not built in {path} (missing {missing}); run `make node-bins`"
@@ -144,7 +142,7 @@ class RealNode:
         if "containerd" in self._procs:
             containerd = self._procs.pop("containerd")
             if containerd.poll() is None:
-                _kill_tasks(self.socket)
+                self._kill_tasks()
             terminate(containerd, grace_s=10)
         self._clear_leftovers()
 
@@ -211,6 +209,16 @@ class RealNode:
         for f in sorted(Path("/var/log/pods").glob(f"{namespace}_{pod}_*/*/*.log")):
             out.append(f"--- {f}\n" + f.read_text(errors="replace")[-6000:])
         return "\n".join(out)
+
+    def _kill_tasks(self) -> None:
+        """Kill and remove every container of the kubelet's namespace: containers outlive containerd (their
+        shims keep them), so stopping containerd alone would leave training processes running."""
+        for task in self.ctr("tasks", "ls", "-q", check=False, timeout=60).stdout.decode().split():
+            # --force kills a task that is still running and waits for it.
+            self.ctr("tasks", "delete", "--force", task, check=False, timeout=60)
+        containers = self.ctr("containers", "ls", "-q", check=False, timeout=60).stdout.decode().split()
+        if containers:
+            self.ctr("containers", "delete", *containers, check=False, timeout=60)
 
     # -- configuration --------------------------------------------------------
     def _write_configs(self) -> None:
@@ -298,16 +306,3 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             if time.monotonic() > deadline:
                 raise ControlPlaneError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs_tail()}")
             time.sleep(0.5)
-
-
-def _kill_tasks(socket: Path) -> None:
-    """Kill and remove every container of the kubelet's namespace: containers outlive containerd (their
-    shims keep them), so stopping containerd alone would leave training processes running."""
-    base = ["ctr", "--address", str(socket), "--namespace", "k8s.io"]
-    tasks = subprocess.run([*base, "tasks", "ls", "-q"], capture_output=True, text=True, timeout=60).stdout.split()
-    for task in tasks:
-        # --force kills a task that is still running and waits for it.
-        subprocess.run([*base, "tasks", "delete", "--force", task], capture_output=True, timeout=60)
-    containers = subprocess.run([*base, "containers", "ls", "-q"], capture_output=True, text=True, timeout=60).stdout.split()
-    if containers:
-        subprocess.run([*base, "containers", "delete", *containers], capture_output=True, timeout=60)
