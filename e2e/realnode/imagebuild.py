@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from .ociarchive import Entry, Layer, TreeLayer, sha256_file, tar_layer
+from .ociarchive import Entry, Layer, TreeLayer, tar_layer
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -249,4 +249,4 @@ def measure_deps(cache: Path, image: str, key: str, entries: list[Entry]) -> tup
 
 
 __all__ = ["build_app", "build_base", "build_pause", "cached_layer", "deps_entries", "install_wheel",
-           "measure_deps", "sha256_file"]
+           "measure_deps"]

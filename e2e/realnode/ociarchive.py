@@ -1,12 +1,8 @@
 """OCI image archives from local root filesystems, for `ctr images import` (no registry, no builder).
 
-    layer = tar_layer(rootfs_dir, out / "base.tar")          # one uncompressed layer, as a file
-    write_archive(out / "img.tar", "memstrata.local/x:1", [layer], ImageConfig(cmd=["/pause"]))
-
-or, without any archive or layer file on disk (a multi-GiB layer is then never copied outside
-containerd):
-
-    layer = TreeLayer.measure(entries)                       # digest and size: one read of the files
+    base = tar_layer(rootfs_dir, out / "base.tar")           # an uncompressed layer, as a file
+    layer = TreeLayer.measure(entries)                       # or only its digest and size: one read of
+                                                             # the files, never a copy outside containerd
     with subprocess.Popen(["ctr", ..., "images", "import", "-"], stdin=PIPE) as ctr:
         stream_archive(ctr.stdin, "memstrata.local/x:1", [base, layer], config)
 
@@ -230,12 +226,6 @@ def stream_archive(out: BinaryIO, ref: str, layers: Sequence[Blob], config: Imag
         _member(out, name, len(data), _writer(data))
     out.write(b"\0" * (2 * _BLOCK))
     return _digest(man_bytes)
-
-
-def write_archive(out: Path, ref: str, layers: list[Layer], config: ImageConfig) -> str:
-    """stream_archive into a file; returns the manifest digest."""
-    with open(out, "wb") as f:
-        return stream_archive(f, ref, layers, config)
 
 
 def _digest(data: bytes) -> str:
