@@ -14,7 +14,7 @@ transformers model built on the meta device, so no weights are allocated):
   the largest sub-group (stage 3's own packing rule) of fp32. Both for the
   whole run, from construction on.
 - memstrata: the two LockedPools SwapLayer builds
-  (memstrata.runtime.swap.layer.locked_pools, default SwapSettings), replayed
+  (memstrata.runtime.swap.layer.locked_pool, default SwapSettings), replayed
   through two training steps of one rank the way memstrata's swappers call
   them (`replay` below): init (per sub-group the optimizer swapper's two
   spare buffers of the largest sub-group), forward and backward (one exact buffer per swapped parameter, the
@@ -122,10 +122,11 @@ def replay(preset: str, params: list[tuple[str, int]], *, lock: bool) -> dict[st
     """Drive the swap layer's pools through fast init and two steps the way memstrata's swappers do."""
     import torch
 
-    from memstrata.runtime.swap.layer import SwapSettings, locked_pools
+    from memstrata.runtime.strata.affinity import TensorKind
+    from memstrata.runtime.swap.layer import SwapSettings, locked_pool
 
     settings = SwapSettings(lock_memory=lock)
-    opt_pool, param_pool = locked_pools(settings)
+    opt_pool, param_pool = locked_pool(settings, TensorKind.OPTIMIZER), locked_pool(settings, TensorKind.PARAM_STAGING)
     peak = Peak((opt_pool, param_pool), measure=lock)
     half, fp32 = torch.bfloat16, torch.float32
 
@@ -253,7 +254,7 @@ def main() -> None:
             "stock run and buffer_size = largest parameter numel, offload_optimizer nvme) with every other value its "
             "default (optimizer buffer_count 4, sub_group_size 1e9); param pool = buffer_count x aligned buffer_size "
             "x 2 B, optimizer pool = buffer_count x largest sub-group (stage 3 packing) x 4 B, locked from "
-            "construction on. memstrata: the two LockedPools SwapLayer builds (swap.layer.locked_pools, default "
+            "construction on. memstrata: the two LockedPools SwapLayer builds (swap.layer.locked_pool, default "
             "SwapSettings: 32 MiB chunks, 256 MiB parameter staging, 1 cached sub-group), replayed through init "
             "(2 spare fp32 buffers of the largest sub-group) and two steps the way the swappers call them (exact "
             "4 KiB-aligned buffer per swapped parameter with prefetch inside the staging budget; per sub-group of "

@@ -1,6 +1,6 @@
 """The native engine on a real kernel: inside the QEMU guest, the raw-NVMe engine round-trips
 data on the free namespace and refuses the three that hold data, and a NUMA arena bound to the
-CPU-less CXL node really has its pages there (move_pages). Run with `make test-guest`.
+CPU-less CXL node (and the activation-checkpoint pool) really has its pages there (move_pages). Run with `make test-guest`.
 
 Namespaces are found by nsid (device names follow probe order): 1 free, 2 ext4,
 3 GPT-partitioned, 4 held by device-mapper (see guest-init.sh).
@@ -47,6 +47,12 @@ with numa.NumaArena.allocate(4 * 4096, nodes=[cxl[0]]) as arena:   # a few pages
     out["bound_pages"] = arena.node_of_pages()
 with numa.NumaArena.allocate(8 * 4096, nodes=[0, cxl[0]], policy=numa.Policy.INTERLEAVE) as arena:
     out["interleaved_pages"] = arena.node_of_pages()
+# The swap layer's activation-checkpoint pool, placed by the same rule the runtime uses (DMA-only data on CXL).
+from memstrata.runtime.strata.affinity import TensorKind, place
+from memstrata.runtime.strata.pinned import LockedPool
+pool = LockedPool(4 * 4096, placement=place(TensorKind.ACTIVATIONS, dram_nodes=[0], cxl_nodes=cxl))
+checkpoint = pool.take(3 * 4096)
+out["activation_pages"] = pool.node_of_pages(checkpoint)
 try:
     numa.NumaArena.allocate(4096, nodes=[7])
     out["missing_node_error"] = None
@@ -87,6 +93,12 @@ def test_interleave_spreads_pages_over_dram_and_cxl(native: dict) -> None:
     pages = native["interleaved_pages"]
     assert sorted(set(pages)) == [0, cxl], pages
     assert pages.count(0) == pages.count(cxl) == 4
+
+
+def test_activation_checkpoints_land_on_the_cxl_node(native: dict) -> None:
+    """The pool memstrata.runtime.swap.activations copies each checkpoint into, on a node with DRAM and CXL."""
+    (cxl,) = native["cxl_nodes"]
+    assert native["activation_pages"] == [cxl] * 3
 
 
 def test_binding_to_a_missing_node_names_it(native: dict) -> None:

@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch", reason="torch is needed for the swap layer 
 from memstrata.runtime.strata.nvme import NvmeEngine  # noqa: E402
 from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes  # noqa: E402
 from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters, SwapError  # noqa: E402
-from memstrata.runtime.swap.layer import SwapSettings, locked_pools  # noqa: E402
+from memstrata.runtime.strata.affinity import TensorKind  # noqa: E402
+from memstrata.runtime.swap.layer import SwapSettings, locked_pool  # noqa: E402
 from memstrata.runtime.swap.tokens import IoTokens  # noqa: E402
 
 pytestmark = pytest.mark.loopdev
@@ -104,10 +105,13 @@ def test_trim_gives_back_idle_locked_regions_only() -> None:
 def test_deepspeeds_locked_buffers_come_exactly_from_the_swap_layers_pools(loopdev, tmp_path: Path) -> None:
     """What DeepSpeed's swappers ask the handle for is carved from the pools SwapLayer builds: exact, locked,
     optimizer operands bound to DRAM beside CXL, and no binding at all on a node with one memory node."""
-    optimizer_pool, param_pool = locked_pools(SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0], cxl_nodes=[1]))
+    beside_cxl = SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0], cxl_nodes=[1])
+    optimizer_pool, param_pool, activation_pool = (locked_pool(beside_cxl, kind) for kind in TensorKind)
     assert optimizer_pool.placement is not None and optimizer_pool.placement.nodes == (0,)
     assert param_pool.placement is not None and param_pool.placement.nodes == (1,)  # DMA-only: on CXL
-    optimizer_pool, param_pool = locked_pools(SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0]))
+    assert activation_pool.placement is not None and activation_pool.placement.nodes == (1,)
+    alone = SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0])
+    optimizer_pool, param_pool = locked_pool(alone, TensorKind.OPTIMIZER), locked_pool(alone, TensorKind.PARAM_STAGING)
     # One memory node: nothing to choose, so no mbind (a container's default seccomp profile refuses it).
     assert optimizer_pool.placement is not None and optimizer_pool.placement.nodes == ()
     assert param_pool.placement is not None and param_pool.placement.nodes == ()

@@ -85,12 +85,15 @@ class LockedPool:
     allocates nothing."""
 
     def __init__(self, chunk_bytes: int = 64 << 20, lock: bool = True, placement: Placement | None = None,
-                 lock_fallback: bool = False) -> None:
+                 lock_fallback: bool = False, cuda_register: bool = False) -> None:
         if chunk_bytes < ALIGN:
             raise ValueError(f"chunk_bytes must be at least {ALIGN}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.lock = lock
         self.lock_fallback = lock_fallback  # an mlock refused by the limit: warn, go on unlocked
+        # Registered with CUDA (cudaHostRegister), so copies to and from the GPU are true asynchronous DMA;
+        # an mlock'ed page the driver does not know is copied through a staging buffer, synchronously.
+        self.cuda_register = cuda_register
         self.unlocked_reason: str | None = None  # set when that happened
         self.placement = placement
         self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
@@ -172,6 +175,8 @@ class LockedPool:
                     region.close()
                     raise error from None
                 self._go_unlocked(str(error))
+        if self.cuda_register:
+            _cuda_host_register(region)
         alloc = ExtentAllocator(0, size, ALIGN)
         idx, self._next_region = self._next_region, self._next_region + 1
         self._regions[idx], self._region_use[idx] = (region, alloc), 0
@@ -218,16 +223,31 @@ class LockedPool:
         for idx in [i for i, used in self._region_use.items() if used == 0 and which(i, self._regions[i][0])]:
             region, _ = self._regions.pop(idx)
             del self._region_use[idx]
+            if self.cuda_register:
+                _torch().cuda.cudart().cudaHostUnregister(region.address)
             released += region.size
         self.locked_bytes -= released
         self.released_bytes += released
         return released
 
     def close(self) -> None:
+        if self.cuda_register:
+            for region, _ in self._regions.values():
+                _torch().cuda.cudart().cudaHostUnregister(region.address)
         self._owner.clear()
         self._regions.clear()  # regions unmap (and unlock) when their last view is gone
         self._region_use.clear()
         self.locked_bytes = 0
+
+
+def _cuda_host_register(region: Any) -> None:
+    torch = _torch()
+    err = torch.cuda.cudart().cudaHostRegister(region.address, region.size, 0)
+    if int(err) != 0:
+        region.close()
+        raise PinnedMemoryError(f"cannot register {region.size} bytes of the locked pool with CUDA "
+                                f"(cudaHostRegister error {int(err)})", needed_bytes=region.size, limit_bytes=None,
+                                errno=0)
 
 
 def _address(buffer: Any) -> int:

@@ -23,7 +23,7 @@ from memstrata.runtime.strata.numa import cpu_nodes
 from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes
 from memstrata.runtime.strata.affinity import TensorKind, place
 from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters
-from memstrata.runtime.swap.status import DramStatus, MovedBytes, NvmeStatus, SwapStatus
+from memstrata.runtime.swap.status import ActivationStatus, DramStatus, MovedBytes, NvmeStatus, SwapStatus
 from memstrata.runtime.swap.tokens import IoTokens
 
 __all__ = ["SwapSettings", "SwapLayer", "active", "activate", "release_free_heap"]
@@ -138,19 +138,15 @@ def release_free_heap() -> None:
 _malloc_trim: Any = None
 
 
-def locked_pools(settings: SwapSettings) -> tuple[LockedPool, LockedPool]:
-    """A rank's two locked pools, (optimizer, parameter staging); they allocate nothing until asked.
+def locked_pool(settings: SwapSettings, kind: TensorKind, *, cuda_register: bool = False) -> LockedPool:
+    """A locked pool for buffers of `kind`; it allocates nothing until asked.
 
-    Optimizer operands are bound to DRAM; parameter staging (DMA only) is
+    Optimizer operands are bound to DRAM; DMA-only data (parameter staging, activation checkpoints) is
     interleaved over the CXL nodes when there are any (memstrata.runtime.strata.affinity)."""
-    dram = settings.dram_nodes or cpu_nodes()
-
-    def pool(kind: TensorKind) -> LockedPool:
-        return LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory,
-                          lock_fallback=not settings.lock_required,
-                          placement=place(kind, dram_nodes=dram, cxl_nodes=settings.cxl_nodes))
-
-    return pool(TensorKind.OPTIMIZER), pool(TensorKind.PARAM_STAGING)
+    return LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory, lock_fallback=not settings.lock_required,
+                      placement=place(kind, dram_nodes=settings.dram_nodes or cpu_nodes(),
+                                      cxl_nodes=settings.cxl_nodes),
+                      cuda_register=cuda_register)
 
 
 class SwapLayer:
@@ -160,7 +156,9 @@ class SwapLayer:
         self.engine = engine
         self.rank, self.local_rank = rank, local_rank
         self.created_files = created_files
-        self.pool, self.param_pool = locked_pools(settings)
+        self.pool = locked_pool(settings, TensorKind.OPTIMIZER)
+        self.param_pool = locked_pool(settings, TensorKind.PARAM_STAGING)
+        self.activations: Any = None  # memstrata.runtime.swap.activations.ActivationOffload, once asked for
         self.counters = SwapCounters()
         self.tokens = IoTokens(f"nvme.{settings.io_token_scope}" if settings.io_token_scope else "nvme",
                                settings.io_token_limit, rank=local_rank)
@@ -214,6 +212,26 @@ class SwapLayer:
         self.handles.append(h)
         return h
 
+    def activation_offload(self, device: Any) -> Any:
+        """The gradient-checkpointing function that keeps this rank's activation checkpoints in a pool of
+        their own (memstrata.runtime.swap.activations), made once; registered with CUDA on a GPU."""
+        if self.activations is None:
+            from memstrata.runtime.swap.activations import ActivationOffload
+
+            pool = locked_pool(self.settings, TensorKind.ACTIVATIONS, cuda_register=device.type == "cuda")
+            self.activations = ActivationOffload(pool)
+        return self.activations
+
+    def _activation_status(self) -> ActivationStatus | None:
+        offload = self.activations
+        if offload is None or not offload.stats.tensors:
+            return None
+        s, placement = offload.stats, offload.pool.placement
+        return ActivationStatus(stratum="cxl" if self.settings.cxl_nodes else "dram",
+                                numa_nodes=list(placement.nodes) if placement is not None else [],
+                                live_peak_bytes=s.live_peak_bytes, offloaded_bytes=s.offloaded_bytes,
+                                prefetched=s.prefetched, tensors=s.tensors, locked_bytes=offload.pool.locked_bytes)
+
     def trim(self) -> int:
         """Unmap every optimizer-pool region nothing is using (after an optimizer step); the bytes given back.
 
@@ -254,9 +272,13 @@ class SwapLayer:
                 gradients=self.dram_gradients.status() if self.dram_gradients is not None else None,
                 vm_locked_bytes=vm_locked_bytes(),
             ),
+            activations=self._activation_status(),
         )
 
     def close(self) -> None:
+        if self.activations is not None:
+            self.activations.drop()
+            self.activations.pool.close()
         try:
             if self.engine is not None:
                 self.engine.close()

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from memstrata.api.base import ApiModel
 
-__all__ = ["DramStatus", "GradientStatus", "MovedBytes", "NvmeStatus", "SwapStatus"]
+__all__ = ["ActivationStatus", "DramStatus", "GradientStatus", "MovedBytes", "NvmeStatus", "SwapStatus"]
 
 
 class _Status(ApiModel):
@@ -64,6 +64,19 @@ class DramStatus(_Status):
     vm_locked_bytes: int = Field(description="The kernel's VmLck for this process.")
 
 
+class ActivationStatus(_Status):
+    """Activation checkpoints offloaded by memstrata.runtime.swap.activations."""
+
+    stratum: str = Field(description="cxl: interleaved over the plan's CXL nodes; dram otherwise.")
+    numa_nodes: list[int] = Field(description="The nodes their pages are placed on (empty: the process's policy).")
+    live_peak_bytes: int = Field(description="The most checkpoint bytes held at once: the plan's `checkpoints`.")
+    offloaded_bytes: int = Field(description="Copied off the compute device, in all.")
+    prefetched: int = Field(description="Checkpoints already on their way back when backward reached them.")
+    tensors: int = Field(description="Checkpoints offloaded, in all.")
+    locked_bytes: int = Field(description="The activation pool's regions now.")
+
+
 class SwapStatus(_Status):
     nvme: NvmeStatus
     dram: DramStatus
+    activations: ActivationStatus | None = Field(None, description="None: no activation was offloaded.")
