@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,11 +161,13 @@ def _no_random_init() -> Iterator[None]:
 
 
 def build_model(config: "PretrainedConfig", ds_config: dict[str, Any], dtype: "torch.dtype", *,
-                checkpointing: bool, seed: int, pretrained: ModelDir | None = None) -> "PreTrainedModel":
+                checkpointing: bool, seed: int, pretrained: ModelDir | None = None,
+                checkpoint_function: Callable[..., Any] | None = None) -> "PreTrainedModel":
     """The model under ZeRO-3, constructed partition by partition; random weights unless `pretrained` (whose
     weights `load_weights` then streams in, and whose generation config the model takes). The caller keeps
     the returned model's `hf_deepspeed_config` alive: `transformers` checks it (through a weak reference)
-    whenever it touches parameters."""
+    whenever it touches parameters. `checkpoint_function`: what each checkpointed layer runs through instead
+    of torch's checkpoint (memstrata.runtime.swap.activations: the checkpoints leave the device)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.integrations import HfDeepSpeedConfig
@@ -174,7 +176,8 @@ def build_model(config: "PretrainedConfig", ds_config: dict[str, Any], dtype: "t
     torch.manual_seed(seed)
     config.use_cache = False  # no KV cache in training; it only costs memory
     with _no_random_init() if pretrained is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # sdpa: memory-efficient attention (no s x s score matrix), on the GPU and on the CPU alike.
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     if pretrained is not None and (pretrained.path / "generation_config.json").is_file():
         # The source's stop tokens and sampling defaults (e.g. Llama-3-Instruct's <|eot_id|>), which a
         # generation config derived from config.json would lose.
@@ -186,7 +189,9 @@ def build_model(config: "PretrainedConfig", ds_config: dict[str, Any], dtype: "t
         swapper.forget_except({p.ds_id for p in model.parameters()})
     if checkpointing:
         # Non-reentrant: the reentrant variant drops gradients of inputs that do not require them.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if checkpoint_function is not None:
+            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_function)
     return model
 
 

@@ -304,13 +304,19 @@ def _answer(model_dir: Path, prompt: str) -> str | None:
 
 def _strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounters]:
     """Per stratum. Stock: the process tree's block I/O and the swap folder's size, watched from outside.
-    memstrata: its NVMe engine's own counters (bytes through its namespaces, state live on them)."""
+    memstrata: its NVMe engine's own counters (bytes through its namespaces, state live on them), and the
+    activation checkpoints' pool when the plan put them on CXL."""
     if swap is not None:
-        nvme = swap.nvme
+        nvme, act = swap.nvme, swap.activations
+        # Activation checkpoints on CXL nodes are that stratum's use (on DRAM they are inside the RSS already).
+        cxl = ({"cxl": StratumCounters(peak_bytes=act.live_peak_bytes, bytes_written=act.offloaded_bytes,
+                                       bytes_read=act.offloaded_bytes)}
+               if act is not None and act.stratum == "cxl" else {})
         return {
             "dram": StratumCounters(peak_bytes=watch.peak_rss),
             "nvme": StratumCounters(peak_bytes=nvme.bytes_live_peak, bytes_written=nvme.bytes_written,
                                     bytes_read=nvme.bytes_read),
+            **cxl,
         }
     io = watch.io()
     return {
