@@ -76,3 +76,13 @@ def test_tiny_example_on_the_memstrata_engine(deepspeed_ready: None, tmp_path: P
     # The report's nvme stratum is memstrata's engine, not block I/O guessed from outside.
     assert r["strata"]["nvme"]["bytes_written"] == ms["nvme"]["bytesWritten"]
     assert "memstrata swap layer" in out and "optimizer state written / read" in out
+    # Activation checkpoints went through the activation pool, exactly the bytes the plan counts for them.
+    from memstrata.api import load_job
+    from memstrata.plan import category_bytes, job_shape
+
+    planned = category_bytes(job_shape(load_job(job).spec))["checkpoints"]
+    assert planned == 2 * 128 * 8 * 128 * 2  # layers x tokens x micro-batch x hidden x bf16
+    act = ms["activations"]
+    assert act["stratum"] == "dram" and act["livePeakBytes"] == planned, act
+    assert act["offloadedBytes"] == 30 * planned  # one forward per step, every checkpoint moved
+    assert "activation checkpoints, peak held" in out

@@ -118,3 +118,31 @@ def test_bad_plans_and_env_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"plan.nvme_namespaces is empty but plan.categories place 3.0 MiB on nvme"):
         swap_settings(_plan([], categories=on_nvme), ARCH, job="j", run_dir=tmp_path, env={})
     assert not list(tmp_path.iterdir()), "a refused plan leaves nothing behind"
+
+
+def _checkpoints_on(*where: tuple[str, int]) -> list[CategoryPlan]:
+    return [CategoryPlan(category="checkpoints", description="", bytes=sum(b for _, b in where),
+                         placement=[Allocation(stratum=s, bytes=b) for s, b in where])]
+
+
+def test_the_activation_pool_goes_where_the_plan_put_the_checkpoints(tmp_path: Path) -> None:
+    plan = plan_job(load_job(REPO / "examples/finetune.yaml").spec, load_node_example())
+    assert plan.category("checkpoints").on("cxl") == plan.category("checkpoints").bytes > 0
+    settings = swap_settings(plan, plan_arch(), job="j", run_dir=tmp_path, env={}).settings
+    assert settings.cxl_nodes == [1] and settings.activations_on_cxl
+    # CXL full (or refused): the plan put them in DRAM, and so does the runtime although the node has CXL.
+    in_dram = _plan([], cxl=[1], categories=_checkpoints_on(("dram", 8 * MiB)))
+    assert not swap_settings(in_dram, ARCH, job="j", run_dir=tmp_path, env={}).settings.activations_on_cxl
+    # Split: the pool follows the larger share.
+    split = _plan([], cxl=[1], categories=_checkpoints_on(("cxl", 6 * MiB), ("dram", 2 * MiB)))
+    assert swap_settings(split, ARCH, job="j", run_dir=tmp_path, env={}).settings.activations_on_cxl
+
+
+def load_node_example() -> NodeInventory:
+    from memstrata.api.manifest import load_node
+
+    return load_node(REPO / "examples/node-cxl.yaml")
+
+
+def plan_arch() -> ModelArchitecture:
+    return load_job(REPO / "examples/finetune.yaml").spec.model.shape()

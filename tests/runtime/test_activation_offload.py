@@ -116,6 +116,18 @@ def test_the_swap_layer_reports_where_the_checkpoints_were(tmp_path) -> None:
         layer.close()
 
 
+@pytest.mark.parametrize("on_cxl,nodes", [(True, (1,)), (False, (0,))])
+def test_the_pool_is_on_cxl_or_bound_to_dram_as_the_plan_said(tmp_path, on_cxl: bool, nodes: tuple) -> None:
+    settings = SwapSettings(no_nvme=True, lock_memory=False, dram_nodes=[0], cxl_nodes=[1],
+                            activations_on_cxl=on_cxl)
+    layer = SwapLayer.open(settings, rank=0, local_rank=0, local_world=1, fallback_dir=tmp_path, needed_bytes=0)
+    try:
+        placement = layer.activation_offload(torch.device("cpu")).pool.placement
+        assert placement is not None and placement.nodes == nodes
+    finally:
+        layer.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: copies on a side stream, prefetch")
 def test_on_a_gpu_checkpoints_leave_the_device_and_come_back_ahead_of_use() -> None:
     device = torch.device("cuda")

@@ -87,6 +87,9 @@ class SwapSettings(BaseModel):
     force: bool = Field(False, description="Override only the foreign-signature check of a namespace.")
     dram_nodes: list[int] = Field(default_factory=list, description="DRAM NUMA nodes; empty: every node with CPUs.")
     cxl_nodes: list[int] = Field(default_factory=list, description="CPU-less CXL NUMA nodes (the plan's cxl_nodes).")
+    activations_on_cxl: bool = Field(
+        True, description="Activation checkpoints interleaved over `cxl_nodes` (when there are any); false keeps them "
+                          "in DRAM, where a plan that found no room for them on CXL put them.")
     one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
     trim_after_step: bool = Field(
         True, description="Give back the locked regions the update no longer uses before the next forward, so the "
@@ -218,7 +221,10 @@ class SwapLayer:
         if self.activations is None:
             from memstrata.runtime.swap.activations import ActivationOffload
 
-            pool = locked_pool(self.settings, TensorKind.ACTIVATIONS, cuda_register=device.type == "cuda")
+            # Kept off CXL by the plan, they are placed as the optimizer's operands are: bound to DRAM, so
+            # first touch cannot put them on a CXL node once DRAM runs short.
+            kind = TensorKind.ACTIVATIONS if self.settings.activations_on_cxl else TensorKind.OPTIMIZER
+            pool = locked_pool(self.settings, kind, cuda_register=device.type == "cuda")
             self.activations = ActivationOffload(pool)
         return self.activations
 
@@ -227,7 +233,8 @@ class SwapLayer:
         if offload is None or not offload.stats.tensors:
             return None
         s, placement = offload.stats, offload.pool.placement
-        return ActivationStatus(stratum="cxl" if self.settings.cxl_nodes else "dram",
+        on_cxl = bool(self.settings.cxl_nodes) and self.settings.activations_on_cxl
+        return ActivationStatus(stratum="cxl" if on_cxl else "dram",
                                 numa_nodes=list(placement.nodes) if placement is not None else [],
                                 live_peak_bytes=s.live_peak_bytes, offloaded_bytes=s.offloaded_bytes,
                                 prefetched=s.prefetched, tensors=s.tensors, locked_bytes=offload.pool.locked_bytes)

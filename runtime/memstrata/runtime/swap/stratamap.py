@@ -163,7 +163,9 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
     # One I/O token for the node's ranks of this run (the update's I/O, one rank at a time, as MLP-Offload
     # found best); memstrata.runtime.swap.handle keeps it from ever deadlocking ranks that meet in collectives.
     spills_weights = _bytes(plan, ("weights",), "nvme") > 0
-    base = SwapSettings(job=job, cxl_nodes=cxl, cache_subgroups=MIN_CACHE_SUBGROUPS,
+    # The activation pool goes where the plan put most of the checkpoints (one placement per pool).
+    on_cxl = _bytes(plan, ("checkpoints",), "cxl") >= _bytes(plan, ("checkpoints",), "dram")
+    base = SwapSettings(job=job, cxl_nodes=cxl, activations_on_cxl=on_cxl, cache_subgroups=MIN_CACHE_SUBGROUPS,
                         resident_state_bytes=resident_state_bytes(plan, ranks),
                         prefetch_subgroups=plan.optimizer_read_ahead,
                         resident_weight_bytes=resident_weight_bytes(plan, ranks) if spills_weights else None,

@@ -200,4 +200,10 @@ def render_memstrata(status: SwapStatus, console: Console) -> None:
     t.add_row("dram", "locked (mlock'ed pool)", format_bytes(dram.locked_bytes))
     t.add_row("dram", "optimizer sub-groups cached", f"{format_bytes(dram.optimizer_cache_bytes)}, "
               f"{dram.optimizer_cache_hits} hits")
+    act = status.activations
+    if act is not None:
+        nodes = f" (NUMA {','.join(map(str, act.numa_nodes))})" if act.numa_nodes else ""
+        t.add_row(act.stratum, f"activation checkpoints, peak held{nodes}", format_bytes(act.live_peak_bytes))
+        t.add_row(act.stratum, f"activation checkpoints moved, {act.prefetched} prefetched",
+                  format_bytes(act.offloaded_bytes))
     console.print(t)
