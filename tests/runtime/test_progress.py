@@ -103,6 +103,8 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                  "residentWeightBytes": 4 << 20, "prefetchHits": 5, "optimizerCacheHits": 7,
                  "subGroupOrders": [[0, 1], [1, 0]],
                  "gradients": None, "vmLockedBytes": 96 << 20},
+        "activations": {"stratum": "cxl", "numaNodes": [2, 3], "livePeakBytes": 24 << 20,
+                        "offloadedBytes": 120 << 20, "prefetched": 19, "tensors": 20, "lockedBytes": 32 << 20},
     }
     losses = [5.0, 4.0, 3.0, 2.0, 1.0]
     report = RunReport(
@@ -120,3 +122,5 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
     assert "memstrata swap layer" in text and "written through 1 namespace(s)" in text
     assert "optimizer state written / read" in text and "500.0 MiB / 450.0 MiB" in text
     assert "12.0 MiB, 7 hits" in text
+    assert "activation checkpoints, peak held (NUMA 2,3)" in text and "24.0 MiB" in text
+    assert "activation checkpoints moved, 19 prefetched" in text and "120.0 MiB" in text
