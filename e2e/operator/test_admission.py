@@ -26,6 +26,11 @@ INVALID = [
     (lambda s: s.update(output={"path": "/out/m", "metricsPath": "/out/m/logs"}),
      "output.metricsPath must not be output.path or inside it"),
     (lambda s: s["training"].update(optimizer={"beta2": 1.0}), "spec.training.optimizer.beta2"),
+    (lambda s: s["training"].update(lora={"rank": 4}), "training.lora is only for training.method: lora"),
+    (lambda s: s["training"].update(method="lora", lora={"rank": 0}), "spec.training.lora.rank"),
+    (lambda s: s["training"].update(method="lora", lora={"dropout": 1.0}), "spec.training.lora.dropout"),
+    (lambda s: s["training"].update(method="lora", lora={"targetModules": ["q_proj", "q_proj"]}),
+     "spec.training.lora.targetModules[1]: Duplicate value"),
     (lambda s: s["training"].update(steps=0), "spec.training.steps"),
     (lambda s: s["model"].update(path="/models/x"), "set exactly one of model.preset or model.path"),
     (lambda s: s["training"].update(sequenceLength=1 << 16), "training.sequenceLength"),
@@ -107,7 +112,7 @@ def test_waits_unschedulable_and_is_scheduled_when_capacity_frees(memstrata_clus
 
 def test_examples_apply_cleanly(memstrata_cluster, ns):
     cluster = memstrata_cluster
-    for name in ("finetune.yaml", "finetune-tiny.yaml"):
+    for name in ("finetune.yaml", "finetune-tiny.yaml", "finetune-chat-lora.yaml"):
         doc = example(name)
         doc["spec"]["runPolicy"] = {**doc["spec"].get("runPolicy", {}), "suspend": True}  # accepted, not run
         out = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input=json.dumps(doc))

@@ -44,6 +44,15 @@ CASES = {
     "bad-quantity": (GOOD + "  memory: {pinnedMemoryCap: lots}\n",
                      "spec.memory.pinnedMemoryCap: Value error, expected a byte quantity like 512Gi"),
     "empty-file": ("", "empty file"),
+    "lora-block-with-method-full": (GOOD.replace("steps: 4,", "steps: 4, lora: {rank: 4},"),
+                                    "spec.training: training.lora is only for training.method: lora"),
+    "lora-rank-zero": (GOOD.replace("steps: 4,", "steps: 4, method: lora, lora: {rank: 0},"),
+                       "spec.training.lora.rank: Input should be greater than 0 (got 0)"),
+    "lora-dropout-one": (GOOD.replace("steps: 4,", "steps: 4, method: lora, lora: {dropout: 1},"),
+                         "spec.training.lora.dropout: Input should be less than 1 (got 1)"),
+    "lora-unknown-target": (GOOD.replace("steps: 4,", "steps: 4, method: lora, lora: {targetModules: [q_proj]},"),
+                            "training.lora.targetModules: q_proj: not a linear module of a GPT-2 model's layers "
+                            "(those that take adapters: c_attn, c_proj, c_fc)"),
 }
 
 

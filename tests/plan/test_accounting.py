@@ -26,7 +26,8 @@ def test_parameter_counts(preset: str, params: int) -> None:
 
 
 def test_llama3_8b_bf16_categories() -> None:
-    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=32768, micro_batch=1, precision="bf16", gpus=1)
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=32768, micro_batch=1, precision="bf16", gpus=1,
+                   engine="memstrata")
     b = category_bytes(job)
     assert b["optimizer"] == 64_242_089_984      # 2 moments x 4 B x 8,030,261,248
     assert b["master"] == 32_121_044_992         # 4 B
@@ -44,8 +45,9 @@ def test_fp32_still_has_zero3s_own_master_copy() -> None:
 
 
 def test_checkpoints_scale_with_ranks_and_state_does_not() -> None:
-    one = category_bytes(JobShape(model=PRESETS["mistral-7b"], sequence_length=4096, micro_batch=2, gpus=1))
-    eight = category_bytes(JobShape(model=PRESETS["mistral-7b"], sequence_length=4096, micro_batch=2, gpus=8))
+    shape = dict(model=PRESETS["mistral-7b"], sequence_length=4096, micro_batch=2, engine="memstrata")
+    one = category_bytes(JobShape(**shape, gpus=1))
+    eight = category_bytes(JobShape(**shape, gpus=8))
     assert eight["checkpoints"] == 8 * one["checkpoints"] == 8 * 2_147_483_648   # 32*4096*2*4096*2 B
     assert eight["optimizer"] == one["optimizer"]
 

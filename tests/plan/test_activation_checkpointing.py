@@ -24,7 +24,7 @@ from memstrata.plan import JobShape, category_bytes, job_shape, plan_job, workin
 
 def _llama_32k(checkpointing: bool, precision: str = "bf16", sequence_length: int = 32768) -> JobShape:
     return JobShape(model=PRESETS["llama3-8b"], sequence_length=sequence_length, micro_batch=1, gpus=1,
-                    precision=precision, activation_checkpointing=checkpointing)
+                    precision=precision, activation_checkpointing=checkpointing, engine="memstrata")
 
 
 def _example_spec(repo: Path, checkpointing: bool) -> FineTuneJobSpec:
@@ -70,11 +70,29 @@ def test_llama3_8b_32k_fits_on_80gib_only_with_checkpointing(repo: Path) -> None
     node = load_node(repo / "examples/node-cxl.yaml")
     on = plan_job(_example_spec(repo, True), node)
     assert on.feasible, on.verdict()
-    assert on.category("working").on("hbm") == 33_648_869_376
+    # The example chunks its loss by 4096 tokens: 4096·128256·6 B of logits instead of 32768·128256·6 B.
+    assert on.category("working").on("hbm") == 33_648_869_376 - 25_216_155_648 + 3_152_019_456
     assert on.category("checkpoints").bytes == 8_589_934_592
 
     off = plan_job(_example_spec(repo, False), node)
     assert not off.feasible
-    assert [(s.stratum, s.category, s.missing_bytes) for s in off.shortfalls] == [("hbm", "working", 89_215_008_768)]
-    assert "each GPU needs 163.1 GiB for its working set and has 80.0 GiB" in off.verdict()
+    assert [(s.stratum, s.category, s.missing_bytes) for s in off.shortfalls] == [("hbm", "working", 67_150_872_576)]
+    assert "each GPU needs 142.5 GiB for its working set and has 80.0 GiB" in off.verdict()
     assert off.category("checkpoints").bytes == 0
+
+
+def test_stock_keeps_the_checkpoints_beside_the_compute() -> None:
+    """Hugging Face's checkpointing keeps each layer's hidden state on the GPU; only memstrata's engine moves them
+    to a host stratum, so a stock plan counts them in the working set and has no `checkpoints` category."""
+    ours = _llama_32k(True)
+    stock = ours.model_copy(update={"engine": "deepspeed"})
+    assert category_bytes(stock)["checkpoints"] == 0
+    assert working_set(stock) - working_set(ours) == 8_589_934_592
+
+
+def test_a_chunked_loss_counts_one_chunk_of_logits() -> None:
+    whole = _llama_32k(True)
+    chunked = whole.model_copy(update={"loss_chunk_tokens": 2048})
+    assert working_set(whole) - working_set(chunked) == (32768 - 2048) * 128256 * 6
+    # A chunk longer than the sequence is the whole sequence.
+    assert working_set(whole.model_copy(update={"loss_chunk_tokens": 65536})) == working_set(whole)

@@ -102,7 +102,9 @@ PRESETS: dict[str, ModelArchitecture] = {
     "gpt-tiny": _gpt(layers=2, hidden=128, heads=4, vocab=512, positions=512),
     "gpt-125m": _gpt(layers=12, hidden=768, heads=12),
     "gpt-350m": _gpt(layers=24, hidden=1024, heads=16),
-    # Shapes only: for planning real jobs.
+    # Shapes only: for planning real jobs (random weights build too: the long-context benchmark on a GPU).
+    "llama3.2-1b": ModelArchitecture(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256,
+                                     tied=True),
     "llama3-8b": ModelArchitecture(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256),
     "llama3-70b": ModelArchitecture(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=128256),
     "qwen2.5-14b": ModelArchitecture(
@@ -111,4 +113,4 @@ PRESETS: dict[str, ModelArchitecture] = {
     "mistral-7b": ModelArchitecture(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000),
 }
 
-PresetName = Literal["gpt-tiny", "gpt-125m", "gpt-350m", "llama3-8b", "llama3-70b", "qwen2.5-14b", "mistral-7b"]
+PresetName = Literal["gpt-tiny", "gpt-125m", "gpt-350m", "llama3.2-1b", "llama3-8b", "llama3-70b", "qwen2.5-14b", "mistral-7b"]

@@ -72,8 +72,9 @@ class Identity(ApiModel):
         "checkpoints of one rank written before ranks were recorded: sub_groups is then the only layout)."))
     job_uid: str = Field("", description="The FineTuneJob's uid; empty for a local run.")
     job: str = Field("", description="The FineTuneJob's name.")
-    training: dict[str, Any] = Field(default_factory=dict, description="What decides which data a step sees and "
-                                                                       "how it is batched (not the step count).")
+    training: dict[str, Any] = Field(default_factory=dict, description="What decides which data a step sees, "
+                                                                       "how it is batched and what trains (not the "
+                                                                       "step count): run_fingerprint.")
 
 
 class Manifest(ApiModel):
@@ -93,6 +94,10 @@ class Manifest(ApiModel):
     @property
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files.values())
+
+
+# What a checkpoint written before these fingerprint keys existed was trained with: a full fine-tune.
+FINGERPRINT_DEFAULTS: Final[dict[str, Any]] = {"training.method": "full", "training.lora": None}
 
 
 def identity_mismatches(saved: Identity, current: Identity) -> list[str]:
@@ -125,16 +130,22 @@ def identity_mismatches(saved: Identity, current: Identity) -> list[str]:
     elif saved.job and current.job and saved.job != current.job:
         out.append(f"job: the checkpoint belongs to job {saved.job!r}, this one is {current.job!r}")
     for key in sorted(set(saved.training) | set(current.training)):
-        if saved.training.get(key) != current.training.get(key):
-            out.append(f"{key}: the checkpoint has {saved.training.get(key)!r}, this job "
-                       f"{current.training.get(key)!r} (the data position and schedule would not carry over)")
+        was = saved.training.get(key, FINGERPRINT_DEFAULTS.get(key))
+        if was != current.training.get(key):
+            why = ("another set of parameters would train, with other optimizer state" if key in FINGERPRINT_DEFAULTS
+                   else "the data position and schedule would not carry over")
+            out.append(f"{key}: the checkpoint has {was!r}, this job {current.training.get(key)!r} ({why})")
     return out
 
 
 def run_fingerprint(training: Any, dataset: Any) -> dict[str, Any]:
     """The settings a resumed run must share with the one that saved: batching, sequence, seed, data, schedule
-    and rate (a FineTuneJob's spec.training and spec.dataset). `steps` may change: it is how a run is extended."""
+    and rate, and what trains - the method and LoRA's adapter shape (a FineTuneJob's spec.training and
+    spec.dataset). `steps` may change: it is how a run is extended; so may lora.mergeOnSave, which only decides
+    what is written at the end."""
     t = training.model_dump(mode="json", by_alias=True)
-    keep = ("sequenceLength", "microBatch", "gradientAccumulation", "seed", "learningRate", "schedule")
-    return {**{f"training.{k}": t[k] for k in keep if k in t},
+    keep = ("sequenceLength", "microBatch", "gradientAccumulation", "seed", "learningRate", "schedule", "method")
+    adapter = training.adapter()
+    lora = adapter.model_dump(mode="json", by_alias=True, exclude={"merge_on_save"}) if adapter is not None else None
+    return {**{f"training.{k}": t[k] for k in keep if k in t}, "training.lora": lora,
             **{f"dataset.{k}": v for k, v in dataset.model_dump(mode="json", by_alias=True).items()}}

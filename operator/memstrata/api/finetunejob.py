@@ -14,6 +14,7 @@ from pydantic.json_schema import JsonDict
 
 from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
 from memstrata.api.base import ApiModel
+from memstrata.api.lora import Lora, check_targets
 from memstrata.api.units import Bytes, GiB
 
 GROUP = "memstrata.dev"
@@ -26,6 +27,7 @@ SHORT_NAMES = ["ftj"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Engine = Literal["memstrata", "deepspeed"]
+Method = Literal["full", "lora"]
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
@@ -125,7 +127,8 @@ class Dataset(ApiModel):
 
 
 class Output(ApiModel):
-    """Where the fine-tuned model goes: a Hugging Face directory, written atomically at the end."""
+    """Where the fine-tuned model goes: a Hugging Face directory, written atomically at the end (with
+    training.method lora: the adapter in PEFT format, and the merged model in `merged/` with lora.mergeOnSave)."""
 
     path: str = Field(min_length=1, description="A directory that must not exist yet, on a writable volume.")
     shard_size: Bytes = Field(2 * GiB, description="Largest safetensors shard (default 2Gi).")
@@ -253,9 +256,13 @@ class Optimizer(ApiModel):
 class Training(ApiModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("!has(self.schedule) || !has(self.schedule.warmupSteps) || self.schedule.warmupSteps <= self.steps",
-            "schedule.warmupSteps must not exceed training.steps")]})
+            "schedule.warmupSteps must not exceed training.steps"),
+        cel("!has(self.lora) || (has(self.method) && self.method == 'lora')",
+            "training.lora is only for training.method: lora", ".lora")]})
 
-    method: Literal["full"] = Field("full", description="Full fine-tune (every parameter trains).")
+    method: Method = Field("full", description="full: every parameter trains; lora: low-rank adapters train and "
+                                               "the base weights stay frozen (settings in `lora`).")
+    lora: Lora | None = Field(None, description="LoRA's settings, for method: lora (defaults when absent).")
     sequence_length: int = Field(2048, gt=0, le=1 << 20)
     micro_batch: int = Field(1, gt=0)
     gradient_accumulation: int = Field(1, gt=0)
@@ -266,6 +273,11 @@ class Training(ApiModel):
     activation_checkpointing: bool = Field(
         True, description="Keep one hidden state per layer and recompute the rest in backward (the planner "
                           "counts activations this way); false keeps every activation.")
+    loss_chunk_tokens: int = Field(
+        4096, ge=0, le=1 << 20,
+        description="The loss is taken over this many tokens at a time, each chunk's logits recomputed in backward, so "
+                    "the sequence x vocabulary logits never exist whole (a 32K sequence of a 128K vocabulary would be "
+                    "16 GiB in fp32); 0 computes them whole, as Hugging Face does.")
     eval_interval: int = Field(0, ge=0, description="Validation loss every this many steps (0: at the end only).")
     schedule: LearningRateSchedule = LearningRateSchedule()
     optimizer: Optimizer = Optimizer()
@@ -278,6 +290,19 @@ class Training(ApiModel):
             raise ValueError(f"schedule.warmupSteps: {self.schedule.warmup_steps} is more than training.steps "
                              f"({self.steps})")
         return self
+
+    @model_validator(mode="after")
+    def _lora_only_with_lora(self) -> "Training":
+        if self.lora is not None and self.method != "lora":
+            raise ValueError(f"training.lora is only for training.method: lora (method is {self.method}): set "
+                             "method: lora, or remove training.lora")
+        return self
+
+    def adapter(self) -> Lora | None:
+        """LoRA's settings when the method is lora (the defaults when training.lora is absent), else None."""
+        if self.method != "lora":
+            return None
+        return self.lora if self.lora is not None else Lora()
 
 
 class Resources(ApiModel):
@@ -379,6 +404,9 @@ class FineTuneJobSpec(ApiModel):
                 and _under(self.checkpoint.path.rstrip("/"), self.output.path.rstrip("/"))):
             raise ValueError("checkpoint.path must not be output.path or inside it: the model directory is created "
                              "whole at the end")
+        adapter = self.training.adapter()
+        if shape is not None and adapter is not None:
+            check_targets(adapter, shape)  # a model directory's own modules are checked again by the runtime
         if shape is not None and shape.family == "gpt" and self.training.sequence_length > shape.max_positions:
             raise ValueError(
                 f"training.sequenceLength ({self.training.sequence_length}) exceeds the model's "

@@ -47,6 +47,9 @@ class StratumUse(BaseModel):
 
 class Plan(BaseModel):
     parameters: int
+    trainable_parameters: int | None = Field(
+        None, description="Parameters that train, when not all do (training.method lora: the adapters'); their "
+                          "gradients, fp32 master weights and Adam moments are all the optimizer state there is.")
     engine: str
     activation_checkpointing: bool = Field(
         True, description="Whether the runtime must turn on gradient checkpointing: the working set was "

@@ -4,14 +4,17 @@
 """
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.inventory import NodeInventory
+from memstrata.api.lora import adapter_tensor_sizes
 from memstrata.plan.accounting import JobShape, build_transient, category_bytes, pinned_buffers, working_set
 from memstrata.api.strataplan import STRATA, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.plan.assignment import plan_for_node
 
 
 def job_shape(spec: FineTuneJobSpec) -> JobShape:
+    model, adapter = spec.model.shape(), spec.training.adapter()
     return JobShape(
-        model=spec.model.shape(),
+        model=model,
+        adapter_tensors=tuple(adapter_tensor_sizes(model, adapter)) if adapter is not None else None,
         sequence_length=spec.training.sequence_length,
         micro_batch=spec.training.micro_batch,
         precision=spec.training.precision,
@@ -21,6 +24,7 @@ def job_shape(spec: FineTuneJobSpec) -> JobShape:
         gradient_accumulation=spec.training.gradient_accumulation,
         engine=spec.memory.engine,
         activation_checkpointing=spec.training.activation_checkpointing,
+        loss_chunk_tokens=spec.training.loss_chunk_tokens,
     )
 
 

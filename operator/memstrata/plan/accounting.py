@@ -62,6 +62,11 @@ class JobShape(BaseModel):
     # spec.training.activationCheckpointing: the runtime turns on Hugging Face gradient checkpointing
     # exactly when this is true, so the working set below must follow it or a "fits" is false.
     activation_checkpointing: bool = True
+    # spec.training.lossChunkTokens: the logits exist this many tokens at a time (0: whole).
+    loss_chunk_tokens: int = Field(0, ge=0)
+    # spec.training.method lora: the adapter tensors' elements in parameter order (memstrata.api.lora.
+    # adapter_tensor_sizes), the only ones that train; None: a full fine-tune, where every tensor trains.
+    adapter_tensors: tuple[int, ...] | None = None
 
     @model_validator(mode="after")
     def _one_rank_per_gpu(self) -> "JobShape":
@@ -103,7 +108,10 @@ def working_set(job: JobShape) -> int:
         with activation checkpointing, one layer's (A): the layer being recomputed in backward;
         the per-layer hidden states it keeps are the `checkpoints` category, off the GPU;
         without it, every layer's (layers·A), all held from forward until backward
-    + logits: s·b·vocab in 16-bit plus an fp32 copy for the loss
+    + logits: s·b·vocab in 16-bit plus an fp32 copy for the loss, or only lossChunkTokens of them when
+      the loss is chunked (each chunk's logits are recomputed in backward, never kept)
+    + on the stock engine, the activation checkpoints: Hugging Face keeps them on the compute device, where
+      memstrata's engine moves them to the `checkpoints` category's stratum
     + a fixed 1 GiB for the CUDA runtime when on a GPU.
 
     Llama-3-8B at s = 32768, b = 1, bf16: A = 34·32768·1·4096 = 4,563,402,752 B (4.25 GiB), so the
@@ -115,9 +123,19 @@ def working_set(job: JobShape) -> int:
     layers = 2 * m.layer_params() * w * 2
     largest = m.largest_tensor() * w
     activations = activation_layers(job) * ACTIVATION_FACTOR * tokens * m.hidden * (w // 2)
-    logits = tokens * m.vocab * (w + 4)
+    logit_tokens = min(tokens, job.loss_chunk_tokens) if job.loss_chunk_tokens else tokens
+    logits = logit_tokens * m.vocab * (w + 4)
+    on_device = 0 if job.engine == "memstrata" else checkpoint_bytes(job) // job.ranks
     runtime = GPU_RUNTIME_OVERHEAD if job.gpus else 0
-    return layers + largest + activations + logits + runtime
+    return layers + largest + activations + logits + on_device + runtime
+
+
+def checkpoint_bytes(job: JobShape) -> int:
+    """One hidden state per layer per rank of the node (layers·s·b·h in the training precision, x ranks):
+    what activation checkpointing keeps from forward to backward; 0 without checkpointing."""
+    m = job.model
+    kept = m.layers if job.activation_checkpointing else 0
+    return kept * job.sequence_length * job.micro_batch * m.hidden * job.weight_bytes * job.ranks
 
 
 def activation_layers(job: JobShape) -> int:
@@ -193,8 +211,19 @@ def big_subgroup_sizes(job: JobShape) -> list[int]:
 
 
 def _rank_partitions(job: JobShape) -> list[int]:
-    """Each tensor's per-rank partition, in order: ZeRO-3 gives each rank ceil(n / world) of every tensor."""
-    return [-(-n // job.world_size) for n in tensor_sizes(job.model)]
+    """Each trained tensor's per-rank partition, in order: ZeRO-3 gives each rank ceil(n / world) of every tensor,
+    and builds optimizer sub-groups from the trained ones only (with LoRA, the adapters)."""
+    return [-(-n // job.world_size) for n in trained_tensor_sizes(job)]
+
+
+def trained_tensor_sizes(job: JobShape) -> list[int]:
+    """Elements of every tensor that trains, in parameter order: all of the model's, or LoRA's adapters."""
+    return list(job.adapter_tensors) if job.adapter_tensors is not None else tensor_sizes(job.model)
+
+
+def trained_parameters(job: JobShape) -> int:
+    """Elements that train (have gradients, fp32 master weights and Adam moments)."""
+    return sum(job.adapter_tensors) if job.adapter_tensors is not None else job.model.parameters()
 
 
 def choose_resident(sizes: Sequence[int], budget_bytes: int | None,
@@ -267,14 +296,16 @@ def category_bytes(job: JobShape) -> dict[str, int]:
     Adam moments 8P. In fp32 training weights and gradients are 4P each, and the master is
     still 4P: ZeRO-3 keeps its own flat fp32 partitions (stage3 `_create_fp32_partitions`)
     beside the parameters in every precision. A node holds `partition` of each: x ranks / world_size.
-    Activation checkpoints keep one hidden-state tensor per layer per rank: layers·s·b·h in the training
-    precision, x ranks on the node; 0 without activation checkpointing, whose activations all count in
-    `working_set` instead.
+    With LoRA only the A adapter elements train: weights (P + A)·w, gradients A·w, master 4A, moments 8A; the
+    frozen base weights have no gradient and no optimizer state (ZeRO-3 builds both for trainable tensors only).
+    Activation checkpoints (`checkpoint_bytes`) are a category of their own only on memstrata's engine,
+    which offloads them to the host (memstrata.runtime.swap.activations); stock DeepSpeed keeps them
+    beside the compute, in `working_set`.
     """
-    p, m, w = job.model.parameters(), job.model, job.weight_bytes
-    kept = m.layers if job.activation_checkpointing else 0
-    whole = {"weights": p * w, "gradients": p * w, "master": 4 * p, "optimizer": 8 * p}
+    p, w, t = job.model.parameters(), job.weight_bytes, trained_parameters(job)
+    adapters = t if job.adapter_tensors is not None else 0  # LoRA's A and B are weights beside the frozen base
+    whole = {"weights": (p + adapters) * w, "gradients": t * w, "master": 4 * t, "optimizer": 8 * t}
     return {
         **{name: partition(total, job) for name, total in whole.items()},
-        "checkpoints": kept * job.sequence_length * job.micro_batch * m.hidden * w * job.ranks,
+        "checkpoints": checkpoint_bytes(job) if job.engine == "memstrata" else 0,
     }

@@ -19,7 +19,7 @@ from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, Category
 from memstrata.api.units import GiB, format_bytes
 from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, big_subgroup_sizes,
                                       build_transient, category_bytes, choose_resident, pinned_buffers,
-                                      streamed_subgroup_bytes, subgroup_sizes, working_set)
+                                      streamed_subgroup_bytes, subgroup_sizes, trained_parameters, working_set)
 
 # Placement order and each category's allowed strata, fastest first.
 PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
@@ -206,6 +206,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
                 "memstrata.dev/cxl-gib": -(-sum(c.on("cxl") for c in categories.values()) // GiB)}
     return Plan(
         parameters=job.model.parameters(),
+        trainable_parameters=trained_parameters(job) if job.adapter_tensors is not None else None,
         engine=job.engine,
         activation_checkpointing=job.activation_checkpointing,
         feasible=not any(s.missing_bytes or s.message for s in shortfalls),

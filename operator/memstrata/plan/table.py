@@ -25,7 +25,9 @@ def render_plan(plan: Plan, title: str) -> str:
     def fmt(r: tuple[str, ...]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
-    out = [title, f"parameters: {plan.parameters:,}   engine: {plan.engine}", world_line(plan)]
+    trainable = (f"   trainable: {plan.trainable_parameters:,} (LoRA adapters)"
+                 if plan.trainable_parameters is not None else "")
+    out = [title, f"parameters: {plan.parameters:,}{trainable}   engine: {plan.engine}", world_line(plan)]
     if spread:
         out.append(f"per rank: one training process; per node: its {_ranks(plan.ranks_per_node)} on this node")
     out += ["", fmt(rows[0]), line]

@@ -8,11 +8,12 @@ directory, which nothing reads).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-__all__ = ["OutputPathError", "check_output_path", "finished_output", "save_model"]
+__all__ = ["OutputPathError", "atomic_output", "check_output_path", "finished_output", "module_tensors", "save_model",
+           "write_hf_model", "write_run_file"]
 
 RUN_FILE = "memstrata-run.json"  # which job and step wrote the model: lets a retry recognise its own finished work
 
@@ -54,6 +56,23 @@ class _Shard:
     size: int = 0
 
 
+def module_tensors(prefix: str, module: Any, seen: set[int],
+                   persistent: set[str]) -> list[tuple[str, "torch.Tensor"]]:
+    """`module`'s own parameters and persistent buffers (`persistent`: the state dict's names) under their
+    state-dict names, each tensor not yet in `seen` (ids, updated): a shared tensor goes under its first name."""
+    own: list[tuple[str, torch.Tensor]] = []
+    for name, p in module.named_parameters(recurse=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            own.append((f"{prefix}.{name}" if prefix else name, p))
+    for name, b in module.named_buffers(recurse=False):
+        full = f"{prefix}.{name}" if prefix else name
+        if b is not None and full in persistent and id(b) not in seen:
+            seen.add(id(b))
+            own.append((full, b))
+    return own
+
+
 def _state(model: "PreTrainedModel") -> Iterator[tuple[Any, list[tuple[str, "torch.Tensor"]]]]:
     """(module, [(state-dict name, tensor)]) for every module that owns parameters or persistent buffers,
     each shared tensor under its first name only (as `save_pretrained` writes tied embeddings)."""
@@ -61,22 +80,15 @@ def _state(model: "PreTrainedModel") -> Iterator[tuple[Any, list[tuple[str, "tor
     # The state dict's names: parameters and persistent buffers (references only, nothing is copied).
     persistent = set(model.state_dict(keep_vars=True))
     for prefix, module in model.named_modules():
-        own: list[tuple[str, torch.Tensor]] = []
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                own.append((f"{prefix}.{name}" if prefix else name, p))
-        for name, b in module.named_buffers(recurse=False):
-            full = f"{prefix}.{name}" if prefix else name
-            if b is not None and full in persistent and id(b) not in seen:
-                seen.add(id(b))
-                own.append((full, b))
+        own = module_tensors(prefix, module, seen, persistent)
         if own:
             yield module, own
 
 
-def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int:
-    """Gather, copy, release - module by module; returns the bytes written."""
+def write_tensors(groups: Iterable[list[tuple[str, "torch.Tensor"]]], into: Path, shard_size: int) -> int:
+    """Write each group's tensors (valid while the caller's iterator holds them: gathered, then released before
+    the next group) into `model*.safetensors` shards of at most `shard_size` bytes, with an index when there are
+    several; returns the bytes written."""
     from safetensors.torch import save_file
 
     current = _Shard({})
@@ -89,7 +101,7 @@ def _write_weights(model: "PreTrainedModel", into: Path, shard_size: int) -> int
         save_file(current.tensors, str(path), metadata={"format": "pt"})
         written.append(path)
 
-    for own in _gathered(model):
+    for own in groups:
         for name, tensor in own:
             size = tensor.numel() * tensor.element_size()
             if current.tensors and current.size + size > shard_size:
@@ -144,6 +156,9 @@ def fsync_dir(path: Path) -> None:
 
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
+        if f.is_dir():
+            _fsync_tree(f)  # a LoRA output's merged model
+            continue
         with f.open("rb") as handle:
             os.fsync(handle.fileno())
     fsync_dir(path)
@@ -158,35 +173,21 @@ def finished_output(path: Path, *, job: str, job_uid: str, steps: int) -> Output
         return None
     if not isinstance(run, dict) or (run.get("job"), run.get("jobUid"), run.get("step")) != (job, job_uid, steps):
         return None
-    files = [f for f in path.iterdir() if f.is_file()]
+    files = [f for f in path.rglob("*") if f.is_file()]  # a LoRA output's merged model included
     return OutputStatus(path=str(path), step=steps, files=len(files),
                         bytes=sum(f.stat().st_size for f in files if f.suffix == ".safetensors"),
                         validation_loss=run.get("validationLoss"))
 
 
-def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, shard_size: int, step: int,
-               dtype: "torch.dtype", validation_loss: float | None = None, job: str = "",
-               job_uid: str = "") -> OutputStatus:
-    """Write `model` (ZeRO-3 partitioned or not) with its config, generation config and tokenizer to `path`,
-    atomically."""
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """A temporary directory beside `path` to write the output into; renamed to `path` when the block completes,
+    removed when it fails. `path` holds a whole output or nothing."""
     check_output_path(path)
     # A name of its own: two jobs given the same output path never write into each other's files.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        size = _write_weights(model, tmp, shard_size)
-        config = model.config
-        use_cache, config.use_cache = config.use_cache, True  # training turned the KV cache off; inference wants it
-        config.dtype = dtype
-        try:
-            config.save_pretrained(tmp)
-        finally:
-            config.use_cache = use_cache
-        if model.can_generate() and model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp)
-        (tmp / RUN_FILE).write_text(json.dumps({"job": job, "jobUid": job_uid, "step": step,
-                                                "validationLoss": validation_loss}, indent=1) + "\n")
+        yield tmp
         _fsync_tree(tmp)
         # rename(2) would silently replace an empty directory made meanwhile: check once more, then rename
         # (atomic: the output path holds a whole model or nothing) and make the rename itself durable.
@@ -196,5 +197,41 @@ def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_run_file(into: Path, *, job: str, job_uid: str, step: int, validation_loss: float | None) -> None:
+    """Which job and step wrote the output (`finished_output` reads it back); written last, just before the rename."""
+    (into / RUN_FILE).write_text(json.dumps({"job": job, "jobUid": job_uid, "step": step,
+                                             "validationLoss": validation_loss}, indent=1) + "\n")
+
+
+def write_hf_model(model: "PreTrainedModel", into: Path, *, groups: Iterable[list[tuple[str, "torch.Tensor"]]],
+                   tokenizer: Any | None, shard_size: int, dtype: "torch.dtype") -> int:
+    """A Hugging Face model directory in `into`: the tensors of `groups` (see write_tensors), `model`'s config and
+    generation config, the tokenizer; returns the weights' bytes."""
+    size = write_tensors(groups, into, shard_size)
+    config = model.config
+    use_cache, config.use_cache = config.use_cache, True  # training turned the KV cache off; inference wants it
+    config.dtype = dtype
+    try:
+        config.save_pretrained(into)
+    finally:
+        config.use_cache = use_cache
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(into)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(into)
+    return size
+
+
+def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, shard_size: int, step: int,
+               dtype: "torch.dtype", validation_loss: float | None = None, job: str = "",
+               job_uid: str = "") -> OutputStatus:
+    """Write `model` (ZeRO-3 partitioned or not) with its config, generation config and tokenizer to `path`,
+    atomically."""
+    with atomic_output(path) as tmp:
+        size = write_hf_model(model, tmp, groups=_gathered(model), tokenizer=tokenizer, shard_size=shard_size,
+                              dtype=dtype)
+        write_run_file(tmp, job=job, job_uid=job_uid, step=step, validation_loss=validation_loss)
     count = sum(1 for _ in path.iterdir())
     return OutputStatus(path=str(path), step=step, files=count, bytes=size, validation_loss=validation_loss)

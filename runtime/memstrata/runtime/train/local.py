@@ -351,6 +351,7 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         validation_losses=result.validation_losses,
         output=recipe.output,
         parameters=plan.parameters,
+        trainable_parameters=plan.trainable_parameters,
         precision=spec.training.precision,
         engine=spec.memory.engine,
         offload={"param": ds.offload_param, "optimizer": ds.offload_optimizer},

@@ -15,6 +15,7 @@ before. Without labels the head and the model behave as Hugging Face's
 """
 from __future__ import annotations
 
+import functools
 import types
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +54,11 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     return total / (y != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def _head_forward(self: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+def _head_forward(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None, *,
+                  chunk_tokens: int) -> torch.Tensor:
     if labels is None:
-        return F.linear(hidden, self.weight, self.bias)
-    return chunked_cross_entropy(hidden, self.weight, self.bias, labels, self.memstrata_chunk_tokens)
+        return F.linear(hidden, head.weight, head.bias)
+    return chunked_cross_entropy(hidden, head.weight, head.bias, labels, chunk_tokens)
 
 
 def _model_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -78,6 +80,6 @@ def install_chunked_loss(model: "PreTrainedModel", chunk_tokens: int) -> None:
     if type(head) is not torch.nn.Linear:
         raise ValueError(f"spec.training.lossChunkTokens: {type(model).__name__}'s output layer is a "
                          f"{type(head).__name__}, not a plain linear head; set lossChunkTokens: 0")
-    head.memstrata_chunk_tokens = chunk_tokens
-    head.forward = types.MethodType(_head_forward, head)
-    model.forward = types.MethodType(_model_forward, model)
+    # Instance attributes: the class and every other model stay as they are.
+    setattr(head, "forward", functools.partial(_head_forward, head, chunk_tokens=chunk_tokens))
+    setattr(model, "forward", types.MethodType(_model_forward, model))

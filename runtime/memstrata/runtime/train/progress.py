@@ -96,6 +96,8 @@ class RunReport(BaseModel):
     job: str
     model: str
     parameters: int
+    trainable_parameters: int | None = Field(None, description="Parameters that trained, when not all did "
+                                                               "(training.method lora: the adapters').")
     precision: str
     engine: str
     offload: dict[str, str]
@@ -139,7 +141,8 @@ def render_report(r: RunReport, console: Console | None = None, *, verbose: bool
     console = console or Console(width=WIDTH)
     line = lambda label, text: console.print(f"{label:<11}{text}", highlight=False, soft_wrap=False)  # noqa: E731
     console.print(f"\n[bold]memstrata run: {r.job}[/bold]", highlight=False)
-    line("model", f"{r.model} ({r.parameters:,} parameters, {r.precision})")
+    lora = f", LoRA {r.trainable_parameters:,}" if r.trainable_parameters is not None else ""  # what trained
+    line("model", f"{r.model} ({r.parameters:,} parameters{lora}, {r.precision})")
     line("engine", f"{r.engine}: weights -> {r.offload['param']}, optimizer state -> {r.offload['optimizer']}")
     if r.loss is None:
         line("loss", f"- (resumed at step {r.resumed_from}, the last: nothing left to train)")

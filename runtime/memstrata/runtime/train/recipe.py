@@ -158,6 +158,16 @@ class FineTuneRecipe:
             except (ValueError, KeyError, OSError) as exc:  # an unknown model_type, a config transformers refuses
                 raise RecipeError(f"{self.model_dir.path / 'config.json'}: transformers cannot build this model: "
                                   f"{exc}") from None
+        self.adapter = spec.training.adapter()  # LoRA's settings (None: a full fine-tune)
+        if self.adapter is not None:
+            from memstrata.runtime.train.hfmodel import preset_config
+            from memstrata.runtime.train.lora import LoraError, check_lora
+
+            try:
+                check_lora(self.hf_config or preset_config(self.arch, spec.training.sequence_length), self.adapter,
+                           self.arch, preset=self.model_dir is None, output=spec.output is not None)
+            except LoraError as exc:
+                raise RecipeError(str(exc)) from None
         self.tokenizer = (load_tokenizer(self.model_dir.path, self.arch.vocab) if self.model_dir is not None
                           else ByteTokenizer())
         if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
@@ -269,6 +279,8 @@ class FineTuneRecipe:
         import deepspeed
 
         from memstrata.runtime.train.hfmodel import build_model, load_weights, preset_config
+        from memstrata.runtime.train.lora import add_adapters, trainable
+        from memstrata.runtime.train.loss import install_chunked_loss
 
         t = self.spec.training
         dtype = self._dtype()
@@ -281,28 +293,40 @@ class FineTuneRecipe:
             layer = open_layer(ds.config, self.strata.settings, numel=self.arch.parameters())
         try:
             with constructing(layer) if layer is not None else contextlib.nullcontext():
+                # memstrata's engine moves each activation checkpoint to the stratum the plan gave them.
+                offload = (layer.activation_offload(self._device()).checkpoint
+                           if layer is not None and t.activation_checkpointing else None)
                 model = build_model(config, ds.config, dtype, checkpointing=t.activation_checkpointing, seed=t.seed,
-                                    pretrained=self.model_dir)
+                                    pretrained=self.model_dir, checkpoint_function=offload)
                 if self.model_dir is not None:
                     load_weights(model, self.model_dir)
+            if t.loss_chunk_tokens:
+                install_chunked_loss(model, t.loss_chunk_tokens)
+            if self.adapter is not None:
+                model = add_adapters(model, self.adapter, self.arch.family, seed=t.seed)
             self.model = model
             # DeepSpeed calls this with its basic optimizer, steps the scheduler after every applied optimizer
             # step and keeps it as engine.lr_scheduler (saved in its checkpoints).
             scheduler = functools.partial(build_scheduler, training=t)
             if layer is None:
-                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model),
                                                        config=ds.config, lr_scheduler=scheduler)
                 return engine
             from memstrata.runtime.swap.integration import initialize
 
             handed = True  # from here on, initialize closes the layer if it fails
-            engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds.config,
+            engine, _, _, _ = initialize(model=model, model_parameters=trainable(model), config=ds.config,
                                          lr_scheduler=scheduler, layer=layer)
             return engine
         except BaseException:
             if layer is not None and not handed:
                 layer.close()
             raise
+
+    def _device(self) -> "torch.device":
+        import torch
+
+        return torch.device("cuda", self.ranks.local_rank) if self.on_gpu else torch.device("cpu")
 
     def memstrata_status(self) -> SwapStatus | None:
         """memstrata's own per-stratum counters (None on the stock engine); live while the engine is."""
@@ -421,11 +445,22 @@ class FineTuneRecipe:
             raise RuntimeError("FineTuneRecipe.save() called before setup()")
         # Parameters the last forward prefetched are still in flight; gathering one of them would assert.
         self.engine.empty_partition_cache()
+        dtype = self._dtype()
+        tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
+        if self.adapter is not None:
+            from memstrata.runtime.train import lora
+
+            if not self.ranks.leader:
+                lora.join_save(self.engine.module, self.adapter)
+                return None
+            self.output = lora.save_adapter(self.engine.module, Path(out.path), lora=self.adapter, tokenizer=tokenizer,
+                                            shard_size=out.shard_size, step=step, dtype=dtype,
+                                            validation_loss=validation_loss, job=self.job.metadata.name,
+                                            job_uid=self.job_uid)
+            return self.output
         if not self.ranks.leader:
             join_save(self.engine.module)
             return None
-        dtype = self._dtype()
-        tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
         self.output = save_model(self.engine.module, Path(out.path), tokenizer=tokenizer, shard_size=out.shard_size,
                                  step=step, dtype=dtype, validation_loss=validation_loss, job=self.job.metadata.name,
                                  job_uid=self.job_uid)

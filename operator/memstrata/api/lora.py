@@ -1,0 +1,96 @@
+"""LoRA (`training.method: lora`): the adapter settings, and the adapter's shape for the planner.
+
+Low-rank adaptation (Hu et al., 2021), as PEFT implements it: every targeted linear module keeps its
+weight W frozen and learns W + (alpha / rank)·B·A, where A (rank x in) and B (out x rank) are the only
+tensors that train. So the optimizer state, the fp32 master weights and the gradients exist for the
+adapters alone; the frozen base weights are only read.
+
+Pure: the shapes here are what `transformers` builds for a family (memstrata.plan.stock.tensor_sizes is the
+same model's full tensor list), so the planner counts the adapters without the model directory, and a target
+module the family does not have is refused with the module names it does have.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+from pydantic import Field, model_validator
+
+from memstrata.api.architecture import Family, ModelArchitecture
+from memstrata.api.base import ApiModel
+
+# PEFT's own defaults for these model types (peft.utils.constants, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+DEFAULT_TARGETS: Final[dict[Family, tuple[str, ...]]] = {"gpt": ("c_attn",), "llama": ("q_proj", "v_proj")}
+
+ModuleName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
+class Lora(ApiModel):
+    """Low-rank adapters on the named linear modules of every layer; the base weights stay frozen (no gradients,
+    no optimizer state) on whatever stratum the plan puts them. The output is the adapter in PEFT format
+    (`adapter_config.json`, `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained(base, path)`
+    loads over the base model."""
+
+    rank: int = Field(16, gt=0, le=4096, description="r: the adapters' inner width (A is rank x in, B out x rank).")
+    alpha: float = Field(32.0, gt=0, le=1e6, description="lora_alpha: the update B x A is scaled by alpha / rank.")
+    target_modules: list[ModuleName] | None = Field(
+        None, min_length=1, max_length=64,
+        description="The transformer layers' linear modules that get adapters, by name (every layer's module of "
+                    "that name): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Llama-family "
+                    "models: Llama, Qwen2, Mistral, SmolLM2) or c_attn, c_proj, c_fc (GPT-2); default: q_proj and "
+                    "v_proj, or c_attn.",
+        json_schema_extra={"x-kubernetes-list-type": "set"})
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    merge_on_save: bool = Field(
+        False, description="Also write the base model with the adapters merged in (W + alpha / rank x B x A), a plain "
+                           "Hugging Face model, to `<output.path>/merged`.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "Lora":
+        names = self.target_modules or []
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"training.lora.targetModules: {', '.join(twice)} given twice")
+        return self
+
+    def targets(self, family: Family) -> list[str]:
+        """The target modules, the family's default when none are named."""
+        return list(self.target_modules) if self.target_modules else list(DEFAULT_TARGETS[family])
+
+
+def layer_linears(arch: ModelArchitecture) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of one transformer layer's linear modules, in `model.parameters()`
+    order. GPT-2 has two modules named c_proj (attention output and MLP output): a target name takes both."""
+    h, i, kv = arch.hidden, arch.intermediate, arch.kv_dim
+    if arch.family == "gpt":
+        return [("c_attn", h, 3 * h), ("c_proj", h, h), ("c_fc", h, i), ("c_proj", i, h)]
+    return [("q_proj", h, h), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", h, h),
+            ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+
+
+def linear_names(arch: ModelArchitecture) -> list[str]:
+    """Every module name a target may be, for `arch`'s family. Not the LM head: it is tied to the embedding in
+    many models (a merged model could not keep both), and the chunked loss replaces its forward."""
+    return list(dict.fromkeys(name for name, _, _ in layer_linears(arch)))
+
+
+def unknown_targets(lora: Lora, arch: ModelArchitecture) -> list[str]:
+    known = set(linear_names(arch))
+    return [t for t in lora.targets(arch.family) if t not in known]
+
+
+def check_targets(lora: Lora, arch: ModelArchitecture) -> None:
+    """ValueError naming training.lora.targetModules when a target is not a linear module of `arch`'s family."""
+    unknown = unknown_targets(lora, arch)
+    if unknown:
+        model = "GPT-2" if arch.family == "gpt" else "Llama-family"
+        raise ValueError(f"training.lora.targetModules: {', '.join(unknown)}: not a linear module of a {model} "
+                         f"model's layers (those that take adapters: {', '.join(linear_names(arch))})")
+
+
+def adapter_tensor_sizes(arch: ModelArchitecture, lora: Lora) -> list[int]:
+    """Elements of every adapter tensor, in `model.parameters()` order (A before B in each module): what trains
+    under LoRA. A module with in and out features gets rank·in + out·rank."""
+    check_targets(lora, arch)
+    wanted, r = set(lora.targets(arch.family)), lora.rank
+    layer = [n for name, fan_in, fan_out in layer_linears(arch) if name in wanted for n in (r * fan_in, fan_out * r)]
+    return layer * arch.layers

@@ -1,0 +1,175 @@
+"""LoRA (`training.method: lora`) on a real pretrained model: SmolLM2-135M-Instruct fine-tuned through memstrata's
+swap layer, with the frozen base weights partly on the NVMe stratum. The validation loss falls; the adapter the run
+wrote loads with `peft` over the untouched base model and gives the trained engine's logits; the merged model
+loads with plain `transformers` and gives them too; every tensor no adapter touches is the base's, bit for bit,
+and every targeted weight is the base's plus exactly scaling·B·A."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: run `make install`")
+pytest.importorskip("peft", reason="peft is not installed: run `make install`")
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("hf_worker.py")
+DATA, VALIDATION = REPO / "examples/chat-skill.jsonl", REPO / "examples/chat-skill-val.jsonl"
+RANK, ALPHA, STEPS = 8, 16.0, 3
+
+pytestmark = pytest.mark.usefixtures("deepspeed_ready")
+
+
+def job_yaml(model: Path, out: Path, validation: Path) -> str:
+    # fp32, so the reloaded logits can be held to the engine's within 1e-4; a budget below the 538 MB of fp32
+    # weights puts part of the frozen base on NVMe.
+    return f"""apiVersion: memstrata.dev/v1alpha1
+kind: FineTuneJob
+metadata: {{name: lora-smollm2}}
+spec:
+  model: {{path: {model}}}
+  dataset: {{path: {DATA}, format: messages, validationPath: {validation}}}
+  training:
+    method: lora
+    lora: {{rank: {RANK}, alpha: {ALPHA}, targetModules: [q_proj, v_proj, down_proj], dropout: 0.0,
+            mergeOnSave: true}}
+    sequenceLength: 64
+    microBatch: 2
+    steps: {STEPS}
+    learningRate: 2.0e-3
+    precision: fp32
+    seed: 7
+  resources: {{gpus: 0}}
+  memory: {{engine: memstrata, dramBudget: 256Mi}}
+  output: {{path: {out}, shardSize: 64Mi}}
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Any]:
+    """One LoRA run (about a minute on 2 cores), shared by the checks below."""
+    tmp = tmp_path_factory.mktemp("lora")
+    work, nvme, out = tmp / "work", tmp / "nvme", tmp / "output"
+    work.mkdir()
+    nvme.mkdir()
+    validation = tmp / "validation.jsonl"  # 8 conversations: every evaluation streams the whole model
+    validation.write_text("".join(VALIDATION.read_text().splitlines(keepends=True)[:8]))
+    (work / "job.yaml").write_text(job_yaml(smollm2_dir, out, validation))
+    probe = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
+    torch.save(probe, work / "probe.pt")
+    proc = subprocess.run([sys.executable, str(WORKER), str(work / "job.yaml"), str(nvme), str(work)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((work / "result.json").read_text())
+    return {"result": result, "logits": torch.load(work / "logits.pt"), "probe": probe, "out": out,
+            "base": smollm2_dir, "validation": validation}
+
+
+def _logits(model: Any, probe: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=probe).logits.float()
+
+
+def test_lora_lowers_the_validation_loss(trained: dict[str, Any]) -> None:
+    result = trained["result"]
+    before, after = result["validation"]["0"], result["validation"][str(STEPS)]
+    assert after < before - 0.05, f"validation loss did not fall: {before:.4f} -> {after:.4f}"
+    # The base weights streamed through memstrata's NVMe stratum (the budget is below the fp32 model), written
+    # when the model was built and again when its weights were loaded, and never after: nothing updates them.
+    # (A full fine-tune writes its spilled weights back at every step.)
+    written = result["param_bytes_written"]
+    assert 0 < written <= 2 * 134_515_008 * 4, f"{written} bytes of parameters written: frozen weights were written"
+
+
+def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """The same LoRA fine-tune in plain PyTorch + PEFT, no DeepSpeed: memstrata's data pipeline, torch's AdamW with
+    the job's hyperparameters and clipping; (step losses, logits on `probe` after the last step)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memstrata.api.finetunejob import Dataset, Training
+    from memstrata.runtime.train.data import build_data, load_tokenizer
+
+    training = Training(sequence_length=64, micro_batch=2, steps=STEPS, seed=7)
+    data = build_data(Dataset(path=str(DATA), format="messages", validation_path=str(validation)), training,
+                      load_tokenizer(base, 49152))
+    torch.manual_seed(7)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                      target_modules=["q_proj", "v_proj", "down_proj"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    batches, losses = data.batches(2, start=0, rank=0, world=1), []
+    for _ in range(STEPS):
+        inputs, labels = next(batches)
+        loss = model(input_ids=inputs, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, _logits(model, probe)
+
+
+def test_the_steps_are_those_of_plain_peft_training(trained: dict[str, Any]) -> None:
+    # Only the adapters train, from the same initial A (seeded) and B (zero): the losses are the reference's.
+    losses, logits = reference_run(trained["base"], trained["validation"], trained["probe"])
+    assert trained["result"]["losses"] == pytest.approx(losses, rel=1e-4)
+    print(f"largest logit difference from the reference: {(logits - trained['logits']).abs().max():.2e}")
+    assert torch.allclose(logits, trained["logits"], atol=1e-3, rtol=1e-4), "the last update differs"
+
+
+def test_the_adapter_loads_with_peft_and_reproduces_the_trained_logits(trained: dict[str, Any]) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out: Path = trained["out"]
+    names = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "memstrata-run.json",
+            "merged"} <= names, names
+    assert not list(out.parent.glob(f".{out.name}.partial*")), "the temporary directory was left behind"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
+    assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == str(trained["base"])
+    status = trained["result"]["output"]
+    assert status["path"] == str(out) and status["step"] == STEPS
+
+    base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32)
+    untrained = _logits(base, trained["probe"])
+    model = PeftModel.from_pretrained(base, out)
+    logits = _logits(model, trained["probe"])
+    assert not torch.allclose(logits, untrained, atol=1e-3), "the adapter changes nothing: it did not train"
+    assert torch.allclose(logits, trained["logits"], atol=1e-4, rtol=1e-4), \
+        "base + saved adapter does not reproduce the trained engine's logits"
+
+
+def test_the_merged_model_is_the_base_plus_exactly_the_adapter(trained: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out: Path = trained["out"]
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
+    assert torch.allclose(_logits(merged, trained["probe"]), trained["logits"], atol=1e-4, rtol=1e-4), \
+        "the merged model does not reproduce the trained engine's logits"
+    base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32).state_dict()
+    adapter = load_file(out / "adapter_model.safetensors")
+    scaling = ALPHA / RANK
+    targeted = 0
+    for name, weight in merged.state_dict().items():
+        module = name.removesuffix(".weight")
+        a = adapter.get(f"base_model.model.{module}.lora_A.weight")
+        if a is None:
+            # Frozen and untargeted: the base's tensor, not a bit changed by training.
+            assert torch.equal(weight, base[name]), f"{name} changed although nothing trains it"
+            continue
+        b = adapter[f"base_model.model.{module}.lora_B.weight"]
+        assert torch.allclose(weight, base[name] + scaling * b @ a, atol=1e-6), name
+        targeted += 1
+    assert targeted == 30 * 3  # every layer's q_proj, v_proj and down_proj

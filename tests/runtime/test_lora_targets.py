@@ -1,0 +1,54 @@
+"""LoRA settings a model cannot take are refused before anything is built, naming the field: a target module the
+model does not have (found on the meta device, from the model's own config), and an adapter of a preset's random
+base weights that nothing could ever load."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed: run `make install`")
+
+from memstrata.api.lora import Lora  # noqa: E402
+from memstrata.runtime.train.lora import LoraError, check_target_modules, linear_module_names  # noqa: E402
+
+GOOD = """apiVersion: memstrata.dev/v1alpha1
+kind: FineTuneJob
+metadata: {{name: t}}
+spec:
+  model: {{preset: gpt-tiny}}
+  dataset: {{synthetic: copy}}
+  training: {{steps: 2, sequenceLength: 64, method: lora, lora: {lora}}}
+  resources: {{gpus: 0}}
+  output: {{path: {out}}}
+"""
+
+
+def test_a_module_the_model_lacks_is_refused_with_those_it_has() -> None:
+    from transformers import Phi3Config
+
+    # Phi-3 plans as a Llama-family model, but fuses Q/K/V and gate/up: the default targets do not exist in it.
+    config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=256, pad_token_id=0)
+    assert linear_module_names(config) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    with pytest.raises(LoraError, match=r"^spec\.training\.lora\.targetModules: q_proj, v_proj: the model has no such "
+                                        r"linear module \(its linear modules: down_proj, gate_up_proj, o_proj, "
+                                        r"qkv_proj\)$"):
+        check_target_modules(config, Lora(), "llama")
+    check_target_modules(config, Lora(target_modules=["qkv_proj"]), "llama")
+
+
+def test_gpt2s_conv1d_modules_take_adapters() -> None:
+    from transformers import GPT2Config
+
+    assert linear_module_names(GPT2Config(n_embd=64, n_layer=2, n_head=4)) == ["c_attn", "c_fc", "c_proj"]
+
+
+def test_an_adapter_of_a_presets_random_weights_alone_is_refused(cli, tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(GOOD.format(lora="{rank: 4}", out=tmp_path / "out"))
+    result = cli("run", str(job), "--nvme-path", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert "spec.training.lora.mergeOnSave: a model.preset's base weights are random and saved nowhere" in \
+        result.stderr
+    assert not (tmp_path / "out").exists()
