@@ -68,7 +68,7 @@ def _run(contender: str, seq: int, *, capped: bool, ok: bool, oom: bool = False,
     return {"contender": contender, "seq": seq, "capped": capped, "ok": ok, "oom_killed": oom,
             "tokens_per_second": tps if ok else None, "peak_rss_bytes": rss, "step_tokens_per_second": [tps, tps],
             "cpu_seconds_per_step": 2000 / tps if ok else None,
-            "losses": [5.0, 4.0 + (0.001 if contender == "stock" else 0.0)],
+            "losses": [5.0, 4.0 + (0.001 if contender == "stock" else 0.0)],  # step 1 the same: a new order only
             **({} if ok else {"error": "killed by the OOM killer under the cap" if oom else "boom"})}
 
 
@@ -88,7 +88,8 @@ RUNS = [
     _run("stock", 2048, capped=True, ok=False, oom=True),
     _run("stock", 2048, capped=False, ok=True, tps=100, rss=8 * G),  # the rerun without the cap
     _run("memstrata", 4096, capped=True, ok=True, tps=50, rss=5 * G),
-    {"contender": "stock", "seq": 4096, "capped": True, "ok": False, "skipped": True, "error": "not tried"},
+    {"contender": "stock", "seq": 4096, "capped": True, "ok": False, "skipped": True,
+     "error": "not tried under the cap: OOM there at 2048"},
     _run("stock", 4096, capped=False, ok=False),
 ]
 
@@ -116,6 +117,7 @@ def test_summary_ratios_are_memstrata_over_each_contender_per_length() -> None:
     assert s["memstrata_over"]["2048"]["stock"]["peak_rss"] == pytest.approx(0.5)  # against the uncapped rerun
     assert s["memstrata_over"]["4096"] == {}  # stock has no measurement there
     assert s["memstrata_over"]["1024"]["stock"]["loss_max_abs_diff"] == pytest.approx(0.001)
+    assert s["memstrata_over"]["1024"]["stock"]["loss_first_abs_diff"] == 0.0
     assert s["longest_under_cap"] == {"memstrata": 4096, "stock": 1024}  # memstrata-cxl was skipped
     assert sweep.summarize(_results(list(RUNS), enforced=False))["summary"]["longest_under_cap"] == {}
 
@@ -128,7 +130,8 @@ def test_the_table_has_a_row_per_length_and_contender_and_says_why_one_is_missin
     assert all(r.count("|") == 14 for r in rows), rows  # 13 columns each
     stock_2k = next(r for r in rows if r.startswith("| 2048 | stock"))
     assert "| OOM | no cap |" in stock_2k and "0.50" in stock_2k
-    assert "failed: boom" in next(r for r in rows if r.startswith("| 4096 | stock"))
+    stock_4k = next(r for r in rows if r.startswith("| 4096 | stock"))
+    assert "| not tried (OOM there at 2048) | failed: boom |" in stock_4k
     assert "memstrata-cxl: skipped: no CXL node" in md
-    assert "largest difference 1.00e-03" in md
+    assert "largest difference at step 1 0.00e+00, at any step 1.00e-03" in md
     assert "| stock | 1024 |" in md and "| memstrata | 4096 |" in md

@@ -5,9 +5,10 @@ GPU; off keeps every layer's activations on the GPU and no checkpoints. Numbers 
 Llama-3-8B at s = 32768, b = 1, bf16 (see test_accounting for the parameter counts):
   one layer's activations A = 34·32768·4096 = 4,563,402,752 B (4.25 GiB)
   working set with checkpointing = 2·218,112,000·2·2 (two gathered layers and their gradients)
-      + 525,336,576·2 (largest tensor) + A + 32768·128256·(2+4) (logits) + 2^30 (CUDA runtime)
-    = 1,744,896,000 + 1,050,673,152 + 4,563,402,752 + 25,216,155,648 + 1,073,741,824 = 33,648,869,376
-  without: + 31·A = 141,465,485,312 -> 175,114,354,688 B (163.1 GiB), past an 80 GiB GPU by 89,215,008,768
+      + 525,336,576·2 (largest tensor) + A + 32768·128256·(2·2+8) (whole logits) + 2^30 (CUDA runtime)
+    = 1,744,896,000 + 1,050,673,152 + 4,563,402,752 + 50,432,311,296 + 1,073,741,824 = 58,865,025,024
+  without: + 31·A = 141,465,485,312 -> 200,330,510,336 B
+  With the loss in chunks of 4096 tokens (the example's) the logits are 4096·128256·12 = 6,304,038,912 B.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def _example_spec(repo: Path, checkpointing: bool) -> FineTuneJobSpec:
 
 
 def test_working_set_with_and_without_checkpointing_llama3_8b_32k() -> None:
-    assert working_set(_llama_32k(True)) == 33_648_869_376
-    assert working_set(_llama_32k(False)) == 175_114_354_688
+    assert working_set(_llama_32k(True)) == 58_865_025_024
+    assert working_set(_llama_32k(False)) == 200_330_510_336
     assert working_set(_llama_32k(False)) - working_set(_llama_32k(True)) == 31 * 4_563_402_752
 
 
@@ -70,14 +71,14 @@ def test_llama3_8b_32k_fits_on_80gib_only_with_checkpointing(repo: Path) -> None
     node = load_node(repo / "examples/node-cxl.yaml")
     on = plan_job(_example_spec(repo, True), node)
     assert on.feasible, on.verdict()
-    # The example chunks its loss by 4096 tokens: 4096·128256·6 B of logits instead of 32768·128256·6 B.
-    assert on.category("working").on("hbm") == 33_648_869_376 - 25_216_155_648 + 3_152_019_456
+    # The example chunks its loss by 4096 tokens: 4096·128256·12 B of logits instead of 32768·128256·12 B.
+    assert on.category("working").on("hbm") == 58_865_025_024 - 50_432_311_296 + 6_304_038_912
     assert on.category("checkpoints").bytes == 8_589_934_592
 
     off = plan_job(_example_spec(repo, False), node)
     assert not off.feasible
-    assert [(s.stratum, s.category, s.missing_bytes) for s in off.shortfalls] == [("hbm", "working", 67_150_872_576)]
-    assert "each GPU needs 142.5 GiB for its working set and has 80.0 GiB" in off.verdict()
+    assert [(s.stratum, s.category, s.missing_bytes) for s in off.shortfalls] == [("hbm", "working", 70_302_892_032)]
+    assert "each GPU needs 145.5 GiB for its working set and has 80.0 GiB" in off.verdict()
     assert off.category("checkpoints").bytes == 0
 
 
@@ -93,6 +94,17 @@ def test_stock_keeps_the_checkpoints_beside_the_compute() -> None:
 def test_a_chunked_loss_counts_one_chunk_of_logits() -> None:
     whole = _llama_32k(True)
     chunked = whole.model_copy(update={"loss_chunk_tokens": 2048})
-    assert working_set(whole) - working_set(chunked) == (32768 - 2048) * 128256 * 6
+    assert working_set(whole) - working_set(chunked) == (32768 - 2048) * 128256 * 12
     # A chunk longer than the sequence is the whole sequence.
     assert working_set(whole.model_copy(update={"loss_chunk_tokens": 65536})) == working_set(whole)
+
+
+def test_checkpoints_go_whole_to_dram_when_cxl_cannot_hold_them_all(repo: Path) -> None:
+    """One pool, one placement: CXL with room for part of them does not get that part."""
+    node = load_node(repo / "examples/node-cxl.yaml")
+    need = plan_job(_example_spec(repo, True), node).category("checkpoints").bytes
+    small = node.model_copy(update={"cxl_nodes": [c.model_copy(update={"memory_bytes": need // 2})
+                                                  for c in node.cxl_nodes]})
+    plan = plan_job(_example_spec(repo, True), small)
+    assert plan.feasible, plan.verdict()
+    assert plan.category("checkpoints").on("dram") == need and plan.category("checkpoints").on("cxl") == 0

@@ -89,7 +89,7 @@ def test_without_labels_the_model_still_gives_logits() -> None:
 def test_nothing_scored_is_zero_not_nan() -> None:
     hidden = torch.randn(1, 5, 4, requires_grad=True)
     loss = chunked_cross_entropy(hidden, torch.randn(10, 4), None, torch.full((1, 5), IGNORE_INDEX), 2)
-    assert float(loss) == 0.0
+    assert float(loss.detach()) == 0.0
 
 
 def test_a_head_that_is_not_a_plain_linear_layer_is_refused() -> None:
@@ -117,3 +117,44 @@ def test_logits_are_made_a_chunk_at_a_time_in_forward_and_again_in_backward(monk
     chunks = -(-2 * (SEQ - 1) // 16)
     assert len(rows) == 2 * chunks  # each chunk once in forward, once recomputed in backward
     assert max(rows) == 16 and sum(rows) == 2 * 2 * (SEQ - 1)
+
+
+def test_models_whose_own_loss_is_more_than_the_heads_are_refused() -> None:
+    from transformers import CohereConfig, GPT2Config, GraniteConfig, LlamaConfig, MixtralConfig
+
+    from memstrata.runtime.train.loss import chunked_loss_refusal
+
+    assert chunked_loss_refusal(LlamaConfig()) is None
+    assert chunked_loss_refusal(GPT2Config()) is None
+    assert chunked_loss_refusal(GraniteConfig(logits_scaling=1.0)) is None
+    assert chunked_loss_refusal(MixtralConfig()) is None  # no router loss unless asked for
+    assert "logits_scaling=8.0" in chunked_loss_refusal(GraniteConfig(logits_scaling=8.0))
+    assert "logit_scale=0.0625" in chunked_loss_refusal(CohereConfig())
+    assert "output_router_logits=True" in chunked_loss_refusal(MixtralConfig(output_router_logits=True))
+
+
+GRANITE_JOB = """apiVersion: memstrata.dev/v1alpha1
+kind: FineTuneJob
+metadata: {{name: t}}
+spec:
+  model: {{path: {model}}}
+  dataset: {{synthetic: copy}}
+  training: {{steps: 1, sequenceLength: 32{chunk}}}
+  resources: {{gpus: 0}}
+"""
+
+
+def test_a_set_chunk_on_such_a_model_fails_before_training_naming_the_field(cli, tmp_path) -> None:
+    from transformers import GraniteConfig
+
+    torch.manual_seed(0)
+    config = GraniteConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, logits_scaling=8.0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "granite")
+    job = tmp_path / "job.yaml"
+    job.write_text(GRANITE_JOB.format(model=tmp_path / "granite", chunk=", lossChunkTokens: 16"))
+    result = cli("run", str(job), "--nvme-path", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert ("spec.training.lossChunkTokens: GraniteConfig changes its logits or its loss beyond the LM head "
+            "(logits_scaling=8.0)") in result.stderr
+    assert "set lossChunkTokens: 0" in result.stderr

@@ -27,15 +27,25 @@ spec:
 def test_a_module_the_model_lacks_is_refused_with_those_it_has() -> None:
     from transformers import Phi3Config
 
-    # Phi-3 plans as a Llama-family model, but fuses Q/K/V and gate/up: the default targets do not exist in it.
+    # Phi-3 plans as a Llama-family model, but fuses Q/K/V and gate/up: neither the default targets nor its own
+    # fused modules can be counted, so one message says so (not a module list the next check would refuse).
     config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=4, vocab_size=256, pad_token_id=0)
     assert linear_module_names(config) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    with pytest.raises(LoraError, match=r"^spec\.training\.lora\.targetModules: q_proj, v_proj: the model has no such "
-                                        r"linear module \(its linear modules: down_proj, gate_up_proj, o_proj, "
-                                        r"qkv_proj\)$"):
-        check_target_modules(config, Lora(), "llama")
-    check_target_modules(config, Lora(target_modules=["qkv_proj"]), "llama")
+    for lora in (Lora(), Lora(target_modules=["qkv_proj"])):
+        with pytest.raises(LoraError, match=r"^spec\.training\.lora: Phi3Config fuses its projections \(gate_up_proj, "
+                                            r"qkv_proj\); .*use training\.method: full for this model$"):
+            check_target_modules(config, lora, "llama")
+    # A Llama has the separate projections: a module it lacks is named with those it has.
+    from transformers import LlamaConfig
+
+    llama = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=256)
+    with pytest.raises(LoraError, match=r"^spec\.training\.lora\.targetModules: c_attn: the model has no such linear "
+                                        r"module \(its linear modules: down_proj, gate_proj, k_proj, o_proj, q_proj, "
+                                        r"up_proj, v_proj\)$"):
+        check_target_modules(llama, Lora(target_modules=["c_attn"]), "llama")
+    check_target_modules(llama, Lora(), "llama")
 
 
 def test_gpt2s_conv1d_modules_take_adapters() -> None:

@@ -104,7 +104,7 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                  "subGroupOrders": [[0, 1], [1, 0]],
                  "gradients": None, "vmLockedBytes": 96 << 20},
         "activations": {"stratum": "cxl", "numaNodes": [2, 3], "livePeakBytes": 24 << 20,
-                        "offloadedBytes": 120 << 20, "prefetched": 19, "tensors": 20, "lockedBytes": 32 << 20},
+                        "offloadedBytes": 120 << 20, "returnedBytes": 120 << 20, "prefetched": 19, "tensors": 20, "lockedBytes": 32 << 20},
     }
     losses = [5.0, 4.0, 3.0, 2.0, 1.0]
     report = RunReport(

@@ -108,8 +108,9 @@ def working_set(job: JobShape) -> int:
         with activation checkpointing, one layer's (A): the layer being recomputed in backward;
         the per-layer hidden states it keeps are the `checkpoints` category, off the GPU;
         without it, every layer's (layers·A), all held from forward until backward
-    + logits: s·b·vocab in 16-bit plus an fp32 copy for the loss, or only lossChunkTokens of them when
-      the loss is chunked (each chunk's logits are recomputed in backward, never kept)
+    + logits: s·b·vocab elements, each 2w + 8 B at the peak in backward (the 16-bit logits, their fp32 copy,
+      the fp32 gradient of the loss and its cast into the head; measured: 11.9 B in bf16), or only
+      lossChunkTokens of them when the loss is chunked (each chunk's logits are recomputed in backward)
     + on the stock engine, the activation checkpoints: Hugging Face keeps them on the compute device, where
       memstrata's engine moves them to the `checkpoints` category's stratum
     + a fixed 1 GiB for the CUDA runtime when on a GPU.
@@ -124,7 +125,7 @@ def working_set(job: JobShape) -> int:
     largest = m.largest_tensor() * w
     activations = activation_layers(job) * ACTIVATION_FACTOR * tokens * m.hidden * (w // 2)
     logit_tokens = min(tokens, job.loss_chunk_tokens) if job.loss_chunk_tokens else tokens
-    logits = logit_tokens * m.vocab * (w + 4)
+    logits = logit_tokens * m.vocab * (2 * w + 8)
     on_device = 0 if job.engine == "memstrata" else checkpoint_bytes(job) // job.ranks
     runtime = GPU_RUNTIME_OVERHEAD if job.gpus else 0
     return layers + largest + activations + logits + on_device + runtime

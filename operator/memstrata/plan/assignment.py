@@ -180,6 +180,12 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         if job.engine == "deepspeed" and name in STOCK_GROUPS:
             allowed = _stock_stratum(name, preferred, sizes, categories, free)
         need, placed = sizes[name], []
+        if name == "checkpoints":
+            # The runtime keeps them in one pool with one NUMA placement (memstrata.runtime.swap.activations):
+            # the first stratum that holds them whole, split only where none does (the pool then follows the
+            # larger share).
+            whole = [s for s in allowed if free[s] >= need]
+            allowed = (whole[0],) if whole else allowed
         for stratum in allowed:
             take = min(need, max(free[stratum], 0))
             if take:

@@ -48,6 +48,7 @@ class ActivationStats:
     live_bytes: int = 0
     live_peak_bytes: int = 0
     offloaded_bytes: int = 0  # copied off the device, all steps
+    returned_bytes: int = 0  # copied back for backward, all steps
     prefetched: int = 0  # checkpoints already on their way back when backward asked for them
     tensors: int = 0
 
@@ -97,32 +98,36 @@ class ActivationOffload:
 
     def _unpack(self, key: int) -> torch.Tensor:
         saved = self._saved.pop(key)
+        self.stats.returned_bytes += saved.host.numel() * saved.host.element_size()
         if saved.device.type != "cuda":
             out = saved.host.view(saved.shape).clone()
             self._release(saved.host)
             return out
-        if saved.back is None:
-            self._fetch(saved)
+        back = saved.back
+        if back is None:
+            back = self._fetch(saved)
         else:
             self.stats.prefetched += 1
         torch.cuda.current_stream(saved.device).wait_event(saved.arrived)
         # Backward runs last layer first: the next checkpoint it needs is the one packed before this one.
         earlier = self._saved.get(key - 1)
-        if earlier is not None and earlier.back is None:
+        if earlier is not None and earlier.back is None and earlier.device.type == "cuda":
             self._fetch(earlier)
-        assert saved.back is not None
-        return saved.back.view(saved.shape)
+        return back.view(saved.shape)
 
-    def _fetch(self, saved: _Saved) -> None:
+    def _fetch(self, saved: _Saved) -> torch.Tensor:
+        """Start the copy back to the device; the host buffer is freed once it has completed (`_reap`)."""
         stream = self._side_stream(saved.device)
         with torch.cuda.stream(stream):
             stream.wait_event(saved.stored)
-            saved.back = torch.empty(saved.host.numel(), dtype=saved.host.dtype, device=saved.device)
-            saved.back.copy_(saved.host, non_blocking=True)
+            back = torch.empty(saved.host.numel(), dtype=saved.host.dtype, device=saved.device)
+            back.copy_(saved.host, non_blocking=True)
             saved.arrived = torch.cuda.Event()
             saved.arrived.record(stream)
-        saved.back.record_stream(torch.cuda.current_stream(saved.device))
+        back.record_stream(torch.cuda.current_stream(saved.device))
+        saved.back = back
         self._returning.append((saved.arrived, saved.host))
+        return back
 
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None:
@@ -151,6 +156,8 @@ class ActivationOffload:
         self._reap()
         dropped = len(self._saved)
         for saved in self._saved.values():
+            if saved.back is not None:
+                continue  # prefetched: its host buffer was in `_returning`, freed above
             if saved.stored is not None:
                 saved.stored.synchronize()
             self._release(saved.host)

@@ -237,6 +237,7 @@ class SwapLayer:
         return ActivationStatus(stratum="cxl" if on_cxl else "dram",
                                 numa_nodes=list(placement.nodes) if placement is not None else [],
                                 live_peak_bytes=s.live_peak_bytes, offloaded_bytes=s.offloaded_bytes,
+                                returned_bytes=s.returned_bytes,
                                 prefetched=s.prefetched, tensors=s.tensors, locked_bytes=offload.pool.locked_bytes)
 
     def trim(self) -> int:
@@ -283,14 +284,19 @@ class SwapLayer:
         )
 
     def close(self) -> None:
-        if self.activations is not None:
-            self.activations.drop()
-            self.activations.pool.close()
         try:
-            if self.engine is not None:
-                self.engine.close()
+            if self.activations is not None:
+                # After a failed step (a CUDA error among them) this may raise; the namespaces close regardless.
+                try:
+                    self.activations.drop()
+                finally:
+                    self.activations.pool.close()
         finally:
-            self.tokens.close()
-            for path in self.created_files:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            try:
+                if self.engine is not None:
+                    self.engine.close()
+            finally:
+                self.tokens.close()
+                for path in self.created_files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)

@@ -71,6 +71,7 @@ class ActivationStatus(_Status):
     numa_nodes: list[int] = Field(description="The nodes their pages are placed on (empty: the process's policy).")
     live_peak_bytes: int = Field(description="The most checkpoint bytes held at once: the plan's `checkpoints`.")
     offloaded_bytes: int = Field(description="Copied off the compute device, in all.")
+    returned_bytes: int = Field(description="Copied back for backward, in all.")
     prefetched: int = Field(description="Checkpoints already on their way back when backward reached them.")
     tensors: int = Field(description="Checkpoints offloaded, in all.")
     locked_bytes: int = Field(description="The activation pool's regions now.")

@@ -310,7 +310,7 @@ def _strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounte
         nvme, act = swap.nvme, swap.activations
         # Activation checkpoints on CXL nodes are that stratum's use (on DRAM they are inside the RSS already).
         cxl = ({"cxl": StratumCounters(peak_bytes=act.live_peak_bytes, bytes_written=act.offloaded_bytes,
-                                       bytes_read=act.offloaded_bytes)}
+                                       bytes_read=act.returned_bytes)}
                if act is not None and act.stratum == "cxl" else {})
         return {
             "dram": StratumCounters(peak_bytes=watch.peak_rss),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from memstrata.api.finetunejob import OutputStatus
 from memstrata.api.architecture import Family, ModelArchitecture
 from memstrata.api.lora import Lora, check_targets
-from memstrata.runtime.train.export import atomic_output, module_tensors, write_hf_model, write_run_file
+from memstrata.runtime.train.export import atomic_output, check_output_path, module_tensors, write_hf_model, write_run_file
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +35,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER = "adapter_model.safetensors"
 MERGED = "merged"  # the merged full model's directory under spec.output.path
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter
+FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj")
 
 
 class LoraError(ValueError):
@@ -73,6 +74,13 @@ def check_lora(config: "PretrainedConfig", lora: Lora, arch: ModelArchitecture, 
 def check_target_modules(config: "PretrainedConfig", lora: Lora, family: Family) -> None:
     """LoraError naming spec.training.lora.targetModules when `config`'s model has no module of a target's name."""
     available = linear_module_names(config)
+    fused = [n for n in available if n in FUSED_PROJECTIONS]
+    if fused:
+        # Phi-3 and its kin plan as Llama-family models, whose adapters the planner counts per separate
+        # projection; one message, rather than a list of modules that the next check would refuse in turn.
+        raise LoraError(f"spec.training.lora: {type(config).__name__} fuses its projections ({', '.join(fused)}); "
+                        "memstrata plans LoRA on separate q/k/v and gate/up projections only: use "
+                        "training.method: full for this model")
     missing = [t for t in lora.targets(family) if t not in available]
     if missing:
         raise LoraError(f"spec.training.lora.targetModules: {', '.join(missing)}: the model has no such linear "
@@ -171,6 +179,7 @@ def save_adapter(model: Any, path: Path, *, lora: Lora, tokenizer: Any | None, s
     model to `path`/merged, atomically (the run file last)."""
     from safetensors.torch import save_file
 
+    check_output_path(path)  # before the gathers, as save_model does
     state = _adapter_state(model)
     with atomic_output(path) as tmp:
         save_file(state, str(tmp / ADAPTER), metadata={"format": "pt"})

@@ -23,12 +23,28 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from memstrata.runtime.train.packing import IGNORE as IGNORE_INDEX
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "install_chunked_loss"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "chunked_loss_refusal", "install_chunked_loss"]
 
-IGNORE_INDEX = -100  # Hugging Face's: positions whose label is this are not scored
+# What a model's own forward may do beyond `lm_head(hidden)`, by config attribute and its neutral value: Granite
+# divides the logits by `logits_scaling`, Cohere multiplies them by `logit_scale`, Gemma 2 and 3 soft-cap them,
+# and mixture-of-experts models add their router's loss. The chunked loss does none of it, so it refuses them.
+_LOGIT_CHANGES: dict[str, Any] = {"logits_scaling": 1.0, "logit_scale": None, "final_logit_softcapping": None,
+                                  "output_router_logits": False}
+
+
+def chunked_loss_refusal(config: Any) -> str | None:
+    """Why the chunked loss would not be this model's own loss (None: it is)."""
+    changed = [f"{name}={getattr(config, name)!r}" for name, neutral in _LOGIT_CHANGES.items()
+               if getattr(config, name, neutral) not in (neutral, None)]
+    if changed:
+        return (f"{type(config).__name__} changes its logits or its loss beyond the LM head ({', '.join(changed)}), "
+                "which the chunked loss would leave out")
+    return None
 
 
 def _chunk_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

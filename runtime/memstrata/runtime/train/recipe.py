@@ -158,6 +158,7 @@ class FineTuneRecipe:
             except (ValueError, KeyError, OSError) as exc:  # an unknown model_type, a config transformers refuses
                 raise RecipeError(f"{self.model_dir.path / 'config.json'}: transformers cannot build this model: "
                                   f"{exc}") from None
+        self.loss_chunk_tokens = self._loss_chunk_tokens()
         self.adapter = spec.training.adapter()  # LoRA's settings (None: a full fine-tune)
         if self.adapter is not None:
             from memstrata.runtime.train.hfmodel import preset_config
@@ -300,8 +301,11 @@ class FineTuneRecipe:
                                     pretrained=self.model_dir, checkpoint_function=offload)
                 if self.model_dir is not None:
                     load_weights(model, self.model_dir)
-            if t.loss_chunk_tokens:
-                install_chunked_loss(model, t.loss_chunk_tokens)
+            if self.loss_chunk_tokens:
+                try:
+                    install_chunked_loss(model, self.loss_chunk_tokens)
+                except ValueError as exc:
+                    raise RecipeError(str(exc)) from None
             if self.adapter is not None:
                 model = add_adapters(model, self.adapter, self.arch.family, seed=t.seed)
             self.model = model
@@ -322,6 +326,23 @@ class FineTuneRecipe:
             if layer is not None and not handed:
                 layer.close()
             raise
+
+    def _loss_chunk_tokens(self) -> int:
+        """spec.training.lossChunkTokens, unless the model's own loss is more than the LM head's cross-entropy:
+        then the default quietly computes the logits whole (with a warning), and a value the job set is refused."""
+        t = self.spec.training
+        if not t.loss_chunk_tokens or self.hf_config is None:
+            return t.loss_chunk_tokens
+        from memstrata.runtime.train.loss import chunked_loss_refusal
+
+        why = chunked_loss_refusal(self.hf_config)
+        if why is None:
+            return t.loss_chunk_tokens
+        if "loss_chunk_tokens" in t.model_fields_set:
+            raise RecipeError(f"spec.training.lossChunkTokens: {why}: set lossChunkTokens: 0")
+        logging.getLogger(__name__).warning("memstrata: %s: the loss is computed over whole logits "
+                                            "(lossChunkTokens 0)", why)
+        return 0
 
     def _device(self) -> "torch.device":
         import torch
