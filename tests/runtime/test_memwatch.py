@@ -50,3 +50,28 @@ def test_io_and_dir_usage_count_real_writes(tmp_path: Path) -> None:
 def test_process_io_reads_proc() -> None:
     io = process_io()
     assert io.read_bytes >= 0 and io.write_bytes >= 0
+
+
+def test_a_forked_child_that_shares_the_parents_pages_is_not_counted_twice() -> None:
+    """DeepSpeed's CPU accelerator forks `numactl --hardware` from the trainer mid-run: until it execs, the child
+    shares every page of the trainer, which the tree's peak must count once."""
+    held = bytearray(400 << 20)
+    held[::4096] = b"x" * len(held[::4096])
+    alone = tree_rss(os.getpid())
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds the parent's pages (copy-on-write) and never execs
+        os.close(r)
+        os.write(w, b"1")
+        time.sleep(30)
+        os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"1"
+        together = tree_rss(os.getpid())
+        assert together < alone + 64 * MiB, (alone, together)
+        assert together > alone - 64 * MiB  # and the parent's pages are all still counted
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(r)

@@ -85,17 +85,22 @@ def _pss(pid: int) -> int:
 def tree_rss(root: int) -> int:
     """Resident bytes of `root` plus those of all its descendants.
 
-    Descendants count by PSS, not RSS: a child forked from a 1 GB trainer (a
-    compiler probe, `ldconfig`) shares all its pages with the parent until it
-    execs, and summing RSS would count them twice.
+    With descendants every process counts by PSS, not RSS: a child forked from a
+    1 GB trainer (a compiler probe, DeepSpeed's `numactl --hardware`) shares all
+    its pages with the parent until it execs, and RSS would count them twice (the
+    root's RSS plus the child's PSS still counts them one and a half times). Alone,
+    the root counts by RSS, which is the same there and far cheaper to read.
     """
+    children = _children(root)
+    if not children:
+        return _rss(root)
     total, todo, seen = 0, [root], set()
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        total += _rss(pid) if pid == root else _pss(pid)
+        total += _pss(pid)
         todo += _children(pid)
     return total
 
