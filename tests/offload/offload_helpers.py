@@ -40,3 +40,14 @@ def run_harness(engine: str, tmp: Path, *, steps: int, timeout: float = 900, **k
 
 def files_under(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if p.is_file()] if path.exists() else []
+
+
+def resume_attempt(job: Path, tmp: Path, losses: Path, kill: str | None = None) -> subprocess.CompletedProcess[str]:
+    """One attempt of `job` through resume_worker.py (resuming when a checkpoint is there), its step losses
+    appended to `losses`; `kill`: `phase:step:marker`, where the worker SIGKILLs itself."""
+    args = [sys.executable, str(Path(__file__).resolve().parent / "resume_worker.py"), str(job), str(tmp / "nvme"),
+            str(losses)]
+    if kill is not None:
+        args += ["--kill", kill]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)

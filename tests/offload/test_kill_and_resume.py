@@ -9,16 +9,15 @@ the process died of SIGKILL there.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from offload_helpers import resume_attempt
 
 from memstrata.api.checkpoint import parse_step_dir
 
@@ -38,14 +37,6 @@ def job_file(tmp: Path, engine: str, checkpoints: Path) -> Path:
     path = tmp / f"{engine}-{checkpoints.name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def attempt(job: Path, tmp: Path, losses: Path, kill: str | None = None) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, str(HERE / "resume_worker.py"), str(job), str(tmp / "nvme"), str(losses)]
-    if kill is not None:
-        args += ["--kill", kill]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
 
 
 def records(losses: Path) -> tuple[dict[int, set[str]], list[dict[str, Any]]]:
@@ -79,7 +70,7 @@ def test_killed_three_times_and_resumed_the_losses_are_those_of_an_uninterrupted
     rng = random.Random(seed)
 
     straight = tmp_path / "straight.jsonl"
-    done = attempt(job_file(tmp_path, engine, tmp_path / "ck-straight"), tmp_path, straight)
+    done = resume_attempt(job_file(tmp_path, engine, tmp_path / "ck-straight"), tmp_path, straight)
     assert done.returncode == 0, done.stderr[-3000:]
     expected, _ = records(straight)
     assert sorted(expected) == list(range(1, STEPS + 1))
@@ -89,10 +80,10 @@ def test_killed_three_times_and_resumed_the_losses_are_those_of_an_uninterrupted
     losses, marker = tmp_path / "losses.jsonl", tmp_path / "marker"
 
     forward = rng.choice([2, 3])
-    killed(attempt(job, tmp_path, losses, f"forward:{forward}:{marker}"), marker, "forward", forward)
+    killed(resume_attempt(job, tmp_path, losses, f"forward:{forward}:{marker}"), marker, "forward", forward)
     update = rng.choice(range(forward + 1, 6))
-    killed(attempt(job, tmp_path, losses, f"update:{update}:{marker}"), marker, "update", update)
-    killed(attempt(job, tmp_path, losses, f"checkpoint:6:{marker}"), marker, "checkpoint", 6)
+    killed(resume_attempt(job, tmp_path, losses, f"update:{update}:{marker}"), marker, "update", update)
+    killed(resume_attempt(job, tmp_path, losses, f"checkpoint:6:{marker}"), marker, "checkpoint", 6)
     # The step-6 checkpoint was being written: only its partial directory exists.
     assert newest(checkpoints) == 4
     assert any(p.name.startswith(".step-00000006.partial-") for p in checkpoints.iterdir())
@@ -101,7 +92,7 @@ def test_killed_three_times_and_resumed_the_losses_are_those_of_an_uninterrupted
     victim = sorted((checkpoints / "step-00000004").glob("*.safetensors"))[0]
     with victim.open("r+b") as f:
         f.truncate(victim.stat().st_size // 2)
-    final = attempt(job, tmp_path, losses)
+    final = resume_attempt(job, tmp_path, losses)
     assert final.returncode == 0, final.stderr[-3000:]
 
     got, attempts = records(losses)

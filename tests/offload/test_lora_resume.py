@@ -7,14 +7,12 @@ Each attempt is its own process (tests/offload/resume_worker.py), as a pod's ret
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from offload_helpers import resume_attempt
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("deepspeed_ready")]
 pytest.importorskip("peft", reason="peft is not installed: run `make install`")
@@ -37,14 +35,6 @@ def job_file(tmp: Path, checkpoints: Path, method: str) -> Path:
     return path
 
 
-def attempt(job: Path, tmp: Path, losses: Path, kill: str | None = None) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, str(HERE / "resume_worker.py"), str(job), str(tmp / "nvme"), str(losses)]
-    if kill is not None:
-        args += ["--kill", kill]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
-
-
 def step_losses(losses: Path) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for line in losses.read_text().splitlines():
@@ -57,21 +47,21 @@ def step_losses(losses: Path) -> dict[int, set[str]]:
 def test_a_killed_lora_run_resumes_bit_for_bit_and_never_from_a_full_runs_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "nvme").mkdir()
     straight = tmp_path / "straight.jsonl"
-    done = attempt(job_file(tmp_path, tmp_path / "ck-straight", "lora"), tmp_path, straight)
+    done = resume_attempt(job_file(tmp_path, tmp_path / "ck-straight", "lora"), tmp_path, straight)
     assert done.returncode == 0, done.stderr[-3000:]
     expected = step_losses(straight)
     assert sorted(expected) == list(range(1, STEPS + 1))
 
     checkpoints, losses, marker = tmp_path / "ck", tmp_path / "losses.jsonl", tmp_path / "marker"
     job = job_file(tmp_path, checkpoints, "lora")
-    killed = attempt(job, tmp_path, losses, f"forward:4:{marker}")
+    killed = resume_attempt(job, tmp_path, losses, f"forward:4:{marker}")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert marker.read_text().split() == ["forward", "4"]
-    final = attempt(job, tmp_path, losses)
+    final = resume_attempt(job, tmp_path, losses)
     assert final.returncode == 0, final.stderr[-3000:]
     assert step_losses(losses) == expected, "the resumed LoRA run's losses differ from the uninterrupted run's"
 
     # The same job as a full fine-tune finds the LoRA checkpoints and refuses them, naming the field.
-    refused = attempt(job_file(tmp_path, checkpoints, "full"), tmp_path, tmp_path / "full.jsonl")
+    refused = resume_attempt(job_file(tmp_path, checkpoints, "full"), tmp_path, tmp_path / "full.jsonl")
     assert refused.returncode != 0
     assert "training.method: the checkpoint has 'lora', this job 'full'" in refused.stderr, refused.stderr[-3000:]

@@ -32,7 +32,8 @@ def test_status_json_has_the_keys_its_readers_use_and_counts_what_moved(tmp_path
         wire = json.loads(json.dumps(layer.status().wire()))  # what a reader of the JSON file gets
     finally:
         layer.close()
-    assert list(wire) == ["nvme", "dram"]
+    assert list(wire) == ["nvme", "dram", "activations"]
+    assert wire["activations"] is None  # present, and null: no activation was offloaded
     assert list(wire["nvme"]) == NVME_KEYS and list(wire["dram"]) == DRAM_KEYS
     nvme, dram = wire["nvme"], wire["dram"]
     assert nvme["byKind"] == {"optimizer": {"written": 16384, "read": 16384}}
