@@ -7,6 +7,7 @@ names with why memstrata needs it; `verify()` checks them all and raises one `Se
 entry that no longer matches, so a DeepSpeed upgrade is reviewed against a list, not found by a
 crash inside a training step. memstrata.runtime.swap.protocols gives the same objects their types.
 
+One transformers internal is declared the same way (the layers' checkpoint function, below).
 A new dependency on DeepSpeed gets an entry here (tests/offload/test_seam.py scans the runtime's source
 and fails on an undeclared one).
 """
@@ -206,6 +207,11 @@ SEAM: tuple[Dependency, ...] = (
     Dependency(Kind.ATTRIBUTE, "deepspeed.ops.adam.DeepSpeedCPUAdam", "opt_id", "which C++ optimizer that is",
                set_in="__init__"),
     Dependency(Kind.CALLED, "deepspeed.comm", "get_world_size", "a checkpoint records the world size", params=()),
+    # -- the one transformers internal (train.hfmodel): its public activation_checkpointing_enable only takes torch's
+    # checkpoint, and the offloaded checkpoints need their own function around it (swap.activations) --
+    Dependency(Kind.CALLED, "transformers.modeling_utils.PreTrainedModel", "_set_gradient_checkpointing",
+               "installs ActivationOffload.checkpoint as every layer's checkpoint function",
+               params=("enable", "gradient_checkpointing_func")),
     # -- the optimizer swapper (optimizer.MemstrataOptimizerSwapper) --
     *_recreated(_OPT_SWAPPER, "__init__", {
         "swap_config": "stock keeps the offload config", "aio_config": "stock keeps the aio config",
