@@ -127,3 +127,127 @@ def test_low_memlock_limit_gives_a_clear_error_with_the_number_needed() -> None:
     assert int(limit) == 1 << 20
     assert int(needed) == 256 * 1024 + (16 << 20)  # what is already locked + this region
     assert f"RLIMIT_MEMLOCK is {1 << 20} bytes" in message and f"at least {needed} bytes" in message
+
+
+def test_a_zero_element_tensor_round_trips() -> None:
+    """torch's non-reentrant checkpoint (up to 2.12) saves a zero-element tensor per layer; its data pointer reads 0
+    wherever it lies, so a pool keyed by data pointers could never take it back."""
+    import torch
+
+    pool = LockedPool(MiB)
+    empty = pool.tensor(0, torch.float32)
+    assert empty.numel() == 0 and empty.data_ptr() == 0 and pool.owns(empty) and pool.in_use == ALIGN
+    pool.free(empty)
+    assert pool.in_use == 0
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(empty)
+    view = pool.tensor(1024, torch.float32)[256:]  # a view inside a buffer frees the buffer
+    pool.free(view)
+    assert pool.in_use == 0
+
+
+class _Copies:
+    """A DMA device standing in for a GPU: it counts registrations, and each fence stays open until the test says
+    the copies queued before it have run."""
+
+    name = "fake:0"
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.registrations = self.unregistrations = 0
+        self.open: list[list[bool]] = []
+        self.fenced_streams: list[tuple[object, ...]] = []
+
+    def register(self, address: int, size: int) -> None:
+        assert address not in self.registered, "a region registered twice"
+        self.registered[address] = size
+        self.registrations += 1
+
+    def unregister(self, address: int) -> None:
+        del self.registered[address]
+        self.unregistrations += 1
+
+    def current_stream(self) -> object:
+        return "current"
+
+    def fence(self, streams: tuple[object, ...] = ()) -> "_Fence":
+        state = [False]
+        self.open.append(state)
+        self.fenced_streams.append(tuple(streams))
+        return _Fence(state)
+
+    def copies_ran(self) -> None:
+        for state in self.open:
+            state[0] = True
+
+
+class _Fence:
+    def __init__(self, state: list[bool]) -> None:
+        self.state = state
+
+    def done(self) -> bool:
+        return self.state[0]
+
+    def wait(self) -> None:
+        self.state[0] = True  # the host waits until the copies have run
+
+
+def test_a_freed_buffer_is_reused_only_after_the_copies_reading_it_have_run() -> None:
+    """Registered with a GPU, a pool's buffers are copied by DMA while the host goes on: one given back while its
+    copy still runs must not be handed out again, or the next fill overwrites what the GPU is reading."""
+    dma = _Copies()
+    pool = LockedPool(MiB, lock=False, dma=dma)
+    first = pool.take(MiB // 2)
+    pool.take(MiB // 2)
+    assert dma.registrations == 1 and dma.registered == {pool._regions[0][0].address: MiB}
+    pool.free(first, streams=("side",))
+    assert dma.fenced_streams == [("side",)]
+    assert pool.in_use == MiB  # its copy has not run: still in use
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(first)
+    dma.copies_ran()
+    assert pool.in_use == MiB // 2  # now it is back
+    again = pool.take(MiB // 2)  # and reused, with no new region
+    assert pool.locked_bytes == MiB and dma.registrations == 1 and pool.owns(again)
+
+
+def test_a_pool_waits_for_pending_copies_before_it_grows_and_unregisters_what_it_gives_back() -> None:
+    dma = _Copies()
+    pool = LockedPool(MiB, lock=False, dma=dma)
+    whole = pool.take(MiB)
+    pool.free(whole)
+    again = pool.take(MiB)  # no room unless the fenced free is waited for: the pool waits rather than grow
+    assert pool.locked_bytes == MiB and dma.registrations == 1 and pool.owns(again)
+    big = pool.take(3 * MiB)
+    assert dma.registrations == 2
+    pool.free(big)
+    dma.copies_ran()
+    assert pool.trim() == 3 * MiB and dma.unregistrations == 1  # given back: unregistered first
+    pool.free(again)
+    pool.close()  # waits for the last copies, then unregisters every region left
+    assert dma.registered == {} and dma.unregistrations == 2 and all(state[0] for state in dma.open)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU: registration and DMA")
+def test_on_a_gpu_a_freed_buffer_is_not_refilled_while_its_copy_to_the_device_waits() -> None:
+    """A registered buffer is copied by the GPU's DMA after the host has moved on: here the copy waits behind a
+    long kernel, the buffer is freed and a new one taken and overwritten at once. Unfenced, the new one would be
+    the same memory and the device would receive the overwrite."""
+    import torch
+
+    from memstrata.runtime.strata.dma import CudaDma
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pool = LockedPool(64 * MiB, lock=False, dma=CudaDma(device))
+    first = pool.tensor(8 << 20, torch.float32).fill_(1.0)  # 32 MiB
+    assert first.is_pinned() and pool.registrations == 1  # registered: the copy below is real DMA
+    on_device = torch.empty_like(first, device=device)
+    torch.cuda._sleep(1 << 30)  # the copy queues behind about a second of work
+    on_device.copy_(first, non_blocking=True)
+    pool.free(first)
+    second = pool.tensor(8 << 20, torch.float32)
+    second.fill_(2.0)
+    torch.cuda.synchronize()
+    assert bool((on_device == 1.0).all())
+    pool.close()

@@ -16,9 +16,15 @@ kernels, and CAP_IPC_LOCK would not reach a non-root process anyway. With
 unlocked regions: O_DIRECT I/O pins each op's pages itself, so only the guarantee
 that the buffers stay resident is lost, never correctness.
 
+On a GPU a pool is given its `DmaDevice` (memstrata.runtime.strata.dma): each
+region is registered with the device, so copies to and from it are the GPU's own
+asynchronous DMA, and a freed buffer is reused only once the copies queued on it
+have run (`free` takes a fence; until it passes the bytes still count as in use).
+
 This is the only locked-memory allocator of the runtime: memstrata.runtime.swap
-builds two per rank (optimizer operands on DRAM, parameter staging over CXL)
-and DeepSpeed's swappers receive their buffers from them.
+builds one per kind of buffer and rank (optimizer operands on DRAM, parameter
+staging over CXL, activation checkpoints, the host buffers DeepSpeed pins) and
+DeepSpeed's swappers receive their buffers from them.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ from typing import Any
 
 from memstrata.runtime import _native
 from memstrata.runtime.strata.affinity import Placement
+from memstrata.runtime.strata.buffers import is_torch_tensor
+from memstrata.runtime.strata.dma import DmaDevice, Fence
 from memstrata.runtime.strata.errors import NumaError, PinnedMemoryError
 from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError
 
@@ -85,15 +93,17 @@ class LockedPool:
     allocates nothing."""
 
     def __init__(self, chunk_bytes: int = 64 << 20, lock: bool = True, placement: Placement | None = None,
-                 lock_fallback: bool = False, cuda_register: bool = False) -> None:
+                 lock_fallback: bool = False, dma: DmaDevice | None = None) -> None:
         if chunk_bytes < ALIGN:
             raise ValueError(f"chunk_bytes must be at least {ALIGN}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.lock = lock
         self.lock_fallback = lock_fallback  # an mlock refused by the limit: warn, go on unlocked
-        # Registered with CUDA (cudaHostRegister), so copies to and from the GPU are true asynchronous DMA;
-        # an mlock'ed page the driver does not know is copied through a staging buffer, synchronously.
-        self.cuda_register = cuda_register
+        # The GPU that copies these buffers (None: the CPU). Its regions are registered with it, so copies to and
+        # from the GPU are true asynchronous DMA, and frees are fenced by its events (memstrata.runtime.strata.dma).
+        self.dma = dma
+        self.registrations = 0  # regions registered with `dma`, all time
+        self._fenced: list[tuple[Fence, int]] = []  # freed buffers (by address) whose copies may still run
         self.unlocked_reason: str | None = None  # set when that happened
         self.placement = placement
         self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
@@ -102,45 +112,93 @@ class LockedPool:
         self._owner: dict[int, tuple[int, int, int]] = {}  # address -> (region id, offset, bytes)
         self.locked_bytes = 0  # bytes of the regions held now (mlock'ed unless `lock` is off)
         self.peak_in_use = 0
-        self.in_use = 0
+        self._in_use = 0
         self.released_bytes = 0  # given back in all, by trim() and before growing
 
     # -- buffers -------------------------------------------------------------------------------------
+    @property
+    def in_use(self) -> int:
+        """Bytes handed out, including freed buffers whose copies have not run yet."""
+        self.reap()
+        return self._in_use
+
     def take(self, nbytes: int) -> memoryview:
         """A writable view of exactly `nbytes` locked bytes (at least one), 4 KiB aligned."""
         nbytes = max(1, nbytes)
+        self.reap()
+        found = self._carve(nbytes)
+        if found is None and self._fenced:
+            # The space freed with copies still in flight is reused once they have run, before locking more.
+            self._drain()
+            found = self._carve(nbytes)
+        if found is not None:
+            return self._hand_out(*found, nbytes)
+        idx, region, alloc = self._grow(nbytes)
+        off, size = alloc.allocate(nbytes)
+        return self._hand_out(idx, region, off, size, nbytes)
+
+    def _carve(self, nbytes: int) -> tuple[int, Any, int, int] | None:
         for idx, (region, alloc) in self._regions.items():
             try:
                 off, size = alloc.allocate(nbytes)
             except ExtentError:
                 continue
-            return self._hand_out(idx, region, off, size, nbytes)
-        idx, region, alloc = self._grow(nbytes)
-        off, size = alloc.allocate(nbytes)
-        return self._hand_out(idx, region, off, size, nbytes)
+            return idx, region, off, size
+        return None
 
     def tensor(self, numel: int, dtype: Any) -> Any:
-        """A 1-D torch tensor of `numel` elements of `dtype` over locked bytes (no copy)."""
+        """A 1-D torch tensor of `numel` elements of `dtype` over locked bytes (no copy); `numel` may be 0."""
         torch = _torch()
         item = torch.empty((), dtype=dtype).element_size()
         view = self.take(max(1, numel) * item)
-        t = torch.frombuffer(view, dtype=torch.uint8).view(dtype)
-        return t[:numel]
+        storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+        # A tensor of its own over the storage, not a view of another: a view keeps its base (and so the storage)
+        # alive even after `.data` is pointed elsewhere, as ZeRO-3 does with partitions it moves into a flat buffer.
+        return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
 
     def owns(self, buffer: Any) -> bool:
         """Whether `buffer` (a tensor or buffer) lies in one of this pool's regions."""
         ptr = _address(buffer)
         return any(region.address <= ptr < region.address + region.size for region, _ in self._regions.values())
 
-    def free(self, buffer: Any) -> None:
-        """Give back a buffer from take() or tensor(); raises ValueError for a foreign or freed one."""
+    def free(self, buffer: Any, *, streams: tuple[Any, ...] = ()) -> None:
+        """Give back a buffer from take() or tensor() (or its address, once no tensor of it is left); raises
+        ValueError for a foreign or freed one.
+
+        With a DMA device the space is reused only after the copies queued on the buffer so far, on the
+        current stream and on `streams` (where the caller queued its copies), have run."""
         key = _address(buffer)
-        if key not in self._owner:
+        if key not in self._owner or any(k == key for _, k in self._fenced):
             raise ValueError("buffer was not handed out by this pool (or was freed twice)")
+        if self.dma is not None:
+            self._fenced.append((self.dma.fence(streams), key))
+            return
+        self._give_back(key)
+
+    def reap(self) -> int:
+        """Give back the freed buffers whose copies have run; how many."""
+        if not self._fenced:
+            return 0
+        keep: list[tuple[Fence, int]] = []
+        done: list[tuple[Fence, int]] = []
+        for entry in self._fenced:
+            (done if entry[0].done() else keep).append(entry)
+        self._fenced = keep
+        for _, key in done:
+            self._give_back(key)
+        return len(done)
+
+    def _drain(self) -> None:
+        """Wait for every fenced free, then give them back."""
+        for fence, _ in self._fenced:
+            fence.wait()
+        self.reap()
+
+    def _give_back(self, key: int) -> None:
         idx, off, size = self._owner.pop(key)
         self._regions[idx][1].free(off)
         self._region_use[idx] -= size
-        self.in_use -= size
+        self._in_use -= size
 
     # -- regions -------------------------------------------------------------------------------------
     def _grow(self, nbytes: int) -> tuple[int, Any, ExtentAllocator]:
@@ -175,8 +233,13 @@ class LockedPool:
                     region.close()
                     raise error from None
                 self._go_unlocked(str(error))
-        if self.cuda_register:
-            _cuda_host_register(region)
+        if self.dma is not None:
+            try:
+                self.dma.register(region.address, size)
+            except BaseException:
+                region.close()
+                raise
+            self.registrations += 1
         alloc = ExtentAllocator(0, size, ALIGN)
         idx, self._next_region = self._next_region, self._next_region + 1
         self._regions[idx], self._region_use[idx] = (region, alloc), 0
@@ -197,8 +260,8 @@ class LockedPool:
         view = memoryview(region)[off : off + nbytes]
         self._owner[region.address + off] = (idx, off, size)
         self._region_use[idx] += size
-        self.in_use += size
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        self._in_use += size
+        self.peak_in_use = max(self.peak_in_use, self._in_use)
         return view
 
     def node_of_pages(self, buffer: Any) -> list[int]:
@@ -215,6 +278,7 @@ class LockedPool:
         Called between phases (after the update): the update's working set and
         the activations of forward/backward then never count together in the
         peak. A region unmaps (and unlocks) once its last view is gone."""
+        self.reap()
         return self._release(lambda idx, region: True)
 
     def _release(self, which: Callable[[int, Any], bool]) -> int:
@@ -223,34 +287,35 @@ class LockedPool:
         for idx in [i for i, used in self._region_use.items() if used == 0 and which(i, self._regions[i][0])]:
             region, _ = self._regions.pop(idx)
             del self._region_use[idx]
-            if self.cuda_register:
-                _torch().cuda.cudart().cudaHostUnregister(region.address)
+            if self.dma is not None:
+                self.dma.unregister(region.address)
             released += region.size
         self.locked_bytes -= released
         self.released_bytes += released
         return released
 
     def close(self) -> None:
-        if self.cuda_register:
+        """Drop every region, after the copies still queued on freed buffers have run (a registered region is
+        never unregistered under a running copy). Buffers still handed out must not be used afterwards."""
+        if self.dma is not None:
+            self._drain()
             for region, _ in self._regions.values():
-                _torch().cuda.cudart().cudaHostUnregister(region.address)
+                self.dma.unregister(region.address)
+        self._fenced.clear()
         self._owner.clear()
         self._regions.clear()  # regions unmap (and unlock) when their last view is gone
         self._region_use.clear()
         self.locked_bytes = 0
 
 
-def _cuda_host_register(region: Any) -> None:
-    torch = _torch()
-    err = torch.cuda.cudart().cudaHostRegister(region.address, region.size, 0)
-    if int(err) != 0:
-        region.close()
-        raise PinnedMemoryError(f"cannot register {region.size} bytes of the locked pool with CUDA "
-                                f"(cudaHostRegister error {int(err)})", needed_bytes=region.size, limit_bytes=None,
-                                errno=0)
-
-
 def _address(buffer: Any) -> int:
+    """Where a buffer handed out by a pool starts (an int is that address already). A tensor is keyed by its
+    storage, not its data pointer: a zero-element tensor's data pointer reads 0 wherever it lies, and a view's may
+    start inside the buffer."""
+    if isinstance(buffer, int):
+        return buffer
+    if is_torch_tensor(buffer):
+        return int(buffer.untyped_storage().data_ptr())
     if hasattr(buffer, "data_ptr"):
         return int(buffer.data_ptr())
     return int(_native.buffer_address(buffer)[0])
