@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from memstrata.api.hfconfig import architecture_from_config
 from memstrata.plan.accounting import JobShape, category_bytes
 from memstrata.runtime.strata.affinity import TensorKind, place
+from memstrata.runtime.strata.dma import CudaDma
 from memstrata.runtime.strata.numa import cpu_nodes
 from memstrata.runtime.strata.pinned import LockedPool
-from memstrata.runtime.swap.activations import ActivationOffload
+from memstrata.runtime.swap.activations import ActivationOffload, worth_offloading
 from memstrata.runtime.swap.layer import SwapLayer, SwapSettings
 
 LAYERS, SEQ, BATCH = 4, 256, 2
@@ -79,10 +81,14 @@ def test_checkpoints_a_backward_never_consumed_are_dropped() -> None:
     model = _model()
     offload = ActivationOffload(_pool())
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=offload.checkpoint)
-    model(input_ids=_ids(), labels=_ids())  # a failed step: no backward
+    out = model(input_ids=_ids(), labels=_ids())  # a failed step: no backward, the graph still held
     assert offload.pool.in_use > 0
     assert offload.drop() == LAYERS
     assert offload.pool.in_use == offload.stats.live_bytes == 0
+    del out  # autograd lets go of the dropped checkpoints: nothing is freed twice
+    assert offload.pool.in_use == offload.stats.live_bytes == 0
+    model(input_ids=_ids(), labels=_ids())  # the graph dropped at once: its checkpoints go back by themselves
+    assert offload.stats.tensors == 2 * LAYERS and offload.pool.in_use == offload.stats.live_bytes == 0
 
 
 def test_no_grad_forward_offloads_nothing() -> None:
@@ -103,8 +109,7 @@ def test_the_swap_layer_reports_where_the_checkpoints_were(tmp_path) -> None:
         assert layer.status().activations is None  # nothing offloaded yet: no entry, not zeros
         model = _model()
         model._set_gradient_checkpointing(enable=True,
-                                          gradient_checkpointing_func=layer.activation_offload(
-                                              torch.device("cpu")).checkpoint)
+                                          gradient_checkpointing_func=layer.activation_offload().checkpoint)
         model(input_ids=_ids(), labels=_ids()).loss.backward()
         status = layer.status().activations
         assert status is not None
@@ -123,12 +128,93 @@ def test_the_pool_is_on_cxl_or_bound_to_dram_as_the_plan_said(tmp_path, on_cxl: 
                             activations_on_cxl=on_cxl)
     layer = SwapLayer.open(settings, rank=0, local_rank=0, local_world=1, fallback_dir=tmp_path, needed_bytes=0)
     try:
-        placement = layer.activation_offload(torch.device("cpu")).pool.placement
+        placement = layer.activation_offload().pool.placement
         assert placement is not None and placement.nodes == nodes
     finally:
         layer.close()
 
 
+class _SavesWhatCheckpointsSave(torch.autograd.Function):
+    """Saves what a checkpoint can hand the hooks, as torch up to 2.12 does on a GPU: its `_NoopSaveInputs` dummy (a
+    zero-element float32 CPU tensor, whatever the compute device), the hidden state, and beside them integer
+    positions, a transposed (dense, non-contiguous) view, a slice of a larger tensor and an expanded mask. Backward
+    hands back what it got, so a test sees each tensor exactly as the hooks returned it."""
+
+    @staticmethod
+    def forward(ctx, x, *extra):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(torch.empty((0,)), x, *extra)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        _SavesWhatCheckpointsSave.unpacked = list(ctx.saved_tensors)
+        return (grad,) + (None,) * (len(ctx.saved_tensors) - 2)
+
+
+def _saved_tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(BATCH, SEQ, 128, generator=g).to(torch.bfloat16).requires_grad_()
+    positions = torch.arange(SEQ * BATCH, dtype=torch.int64).view(BATCH, SEQ)  # 4 KiB: worth a page
+    transposed = torch.randn(64, 96, generator=g).t()  # dense, strides (1, 96)
+    sliced = torch.randn(4, 4096, generator=g)[1]  # a view at an offset into a larger storage
+    mask = torch.ones(1, 1, 1, SEQ, dtype=torch.bool).expand(BATCH, 4, SEQ, SEQ)  # stride 0: no span to copy
+    return [hidden, positions, transposed, sliced, mask]
+
+
+def test_every_tensor_a_checkpoint_can_save_round_trips_and_only_device_data_worth_moving_is_pooled() -> None:
+    """What a GPU checkpoint saves, fed to the hooks on the CPU: the zero-element CPU dummy that made every GPU run
+    fail at its first backward ('buffer was not handed out by this pool') is kept where it is; the rest come back
+    equal, same dtype, shape and strides; the pool held exactly the tensors worth a page, and nothing is left."""
+    offload = ActivationOffload(_pool())
+    tensors = _saved_tensors()
+    hidden = tensors[0]
+    with saved_tensors_hooks(offload._pack, offload._unpack):
+        out = _SavesWhatCheckpointsSave.apply(*tensors)
+    pooled = [t for t in tensors if worth_offloading(t, torch.device("cpu"))]
+    assert [t.dtype for t in pooled] == [torch.bfloat16, torch.int64, torch.float32, torch.float32]
+    assert offload.pool.in_use == offload.stats.live_bytes == sum(t.numel() * t.element_size() for t in pooled)
+    assert (offload.stats.tensors, offload.stats.kept) == (4, 2)  # the dummy and the expanded mask stay
+    out.float().sum().backward()
+    dummy, *back = _SavesWhatCheckpointsSave.unpacked
+    assert dummy.numel() == 0 and dummy.device.type == "cpu" and dummy.dtype == torch.float32
+    for got, want in zip(back, tensors):
+        assert torch.equal(got, want) and got.dtype == want.dtype and got.stride() == want.stride()
+    assert back[4].data_ptr() == tensors[4].data_ptr()  # the mask is the very tensor: no copy was made of it
+    assert torch.equal(hidden.grad, torch.ones_like(hidden))
+    assert offload.pool.in_use == offload.stats.live_bytes == 0
+    assert offload.stats.returned_bytes == offload.stats.offloaded_bytes
+
+
+def test_what_goes_to_the_pool_is_what_lies_on_the_compute_device_and_is_worth_a_copy() -> None:
+    """The rule on a GPU, with meta tensors standing for device tensors: torch's dummy lies on the CPU while the
+    compute is elsewhere, so it stays; so does anything on the host, below a page, or without a span of its own."""
+    gpu = torch.device("meta")
+    assert worth_offloading(torch.empty((BATCH, SEQ, 128), dtype=torch.bfloat16, device=gpu), gpu)
+    assert not worth_offloading(torch.empty((0,)), gpu)  # the dummy
+    assert not worth_offloading(torch.empty((BATCH, SEQ, 128), dtype=torch.bfloat16), gpu)  # on the host
+    assert not worth_offloading(torch.empty((16,), dtype=torch.int64, device=gpu), gpu)  # 128 B
+    assert not worth_offloading(torch.empty((1, SEQ), device=gpu).expand(64, SEQ), gpu)
+    assert worth_offloading(torch.empty((96, 64), device=gpu).t(), gpu)
+
+
+def test_prefetch_fetches_the_checkpoint_offloaded_before_the_one_backward_unpacks() -> None:
+    """Backward asks for checkpoints last layer first; unpacking one starts the copy back of the one offloaded before
+    it, whatever was packed in between (torch's dummies, kept where they are)."""
+    offload = ActivationOffload(_pool())
+    packed = []
+    for layer in range(3):
+        assert offload._pack(torch.empty((0,))).numel() == 0  # a dummy, packed between two hidden states: kept
+        packed.append(offload._pack(torch.full((BATCH, SEQ, 128), float(layer))))
+    assert offload.stats.kept == 3 and offload.stats.tensors == 3
+    assert torch.equal(offload._unpack(packed[2]), torch.full((BATCH, SEQ, 128), 2.0))
+    assert packed[1].back is not None and packed[0].back is None  # the one before is on its way back, no other
+    assert torch.equal(offload._unpack(packed[1]), torch.full((BATCH, SEQ, 128), 1.0))
+    assert offload._unpack(packed[0]).eq(0).all()
+    assert offload.stats.prefetched == 2 and offload.pool.in_use == 0
+    assert offload._unpack(packed[2]) is offload._unpack(packed[2])  # unpacked again: the same tensor, no copy
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: copies on a side stream, prefetch")
 def test_on_a_gpu_checkpoints_leave_the_device_and_come_back_ahead_of_use() -> None:
     device = torch.device("cuda")
@@ -141,8 +227,8 @@ def test_on_a_gpu_checkpoints_leave_the_device_and_come_back_ahead_of_use() -> N
     del base
 
     model = _model().to(device)
-    pool = LockedPool(8 << 20, lock=False, cuda_register=True)
-    offload = ActivationOffload(pool)
+    pool = LockedPool(8 << 20, lock=False, dma=CudaDma(device))
+    offload = ActivationOffload(pool, device)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=offload.checkpoint)
     base = torch.cuda.memory_allocated()
     loss = model(input_ids=ids, labels=ids).loss
@@ -151,6 +237,7 @@ def test_on_a_gpu_checkpoints_leave_the_device_and_come_back_ahead_of_use() -> N
     assert pool.in_use == planned
     # The checkpoints are off the GPU: it holds at least the planned bytes less than stock between the passes.
     assert torch.cuda.memory_allocated() - base <= stock_held - planned
+    assert offload.stats.tensors == LAYERS  # the hidden states, and nothing torch saves beside them
     loss.backward()
     torch.cuda.synchronize()
     torch.testing.assert_close(loss, want)  # CUDA's sdpa backward need not be bitwise deterministic
