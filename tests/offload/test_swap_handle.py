@@ -106,9 +106,10 @@ def test_deepspeeds_locked_buffers_come_exactly_from_the_swap_layers_pools(loopd
     """What DeepSpeed's swappers ask the handle for is carved from the pools SwapLayer builds: exact, locked,
     optimizer operands bound to DRAM beside CXL, and no binding at all on a node with one memory node."""
     beside_cxl = SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0], cxl_nodes=[1])
-    optimizer_pool, param_pool, activation_pool = (locked_pool(beside_cxl, kind) for kind in TensorKind)
+    optimizer_pool, param_pool, weights_pool, activation_pool = (locked_pool(beside_cxl, kind) for kind in TensorKind)
     assert optimizer_pool.placement is not None and optimizer_pool.placement.nodes == (0,)
     assert param_pool.placement is not None and param_pool.placement.nodes == (1,)  # DMA-only: on CXL
+    assert weights_pool.placement is not None and weights_pool.placement.nodes == (1,)
     assert activation_pool.placement is not None and activation_pool.placement.nodes == (1,)
     alone = SwapSettings(pool_chunk_bytes=2 << 20, dram_nodes=[0])
     optimizer_pool, param_pool = locked_pool(alone, TensorKind.OPTIMIZER), locked_pool(alone, TensorKind.PARAM_STAGING)

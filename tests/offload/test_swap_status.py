@@ -14,8 +14,8 @@ from memstrata.runtime.swap.layer import SwapLayer, SwapSettings  # noqa: E402
 # The contract: benchmarks/offload/run.py, tests/offload/test_training.py and the run report read these names.
 NVME_KEYS = ["namespaces", "bytesWritten", "bytesRead", "bytesLive", "bytesLivePeak", "extentsLive", "byKind",
              "ioTokenWaitSeconds", "ioTokenBypasses"]
-DRAM_KEYS = ["lockedBytes", "lockedPeakInUse", "trimmedBytes", "optimizerCacheBytes", "residentStateBytes",
-             "residentSubgroups", "residentWeightBytes", "prefetchHits", "optimizerCacheHits", "subGroupOrders",
+DRAM_KEYS = ["lockedBytes", "lockedPeakInUse", "trimmedBytes", "pinnedBytes", "optimizerCacheBytes",
+             "residentStateBytes", "residentSubgroups", "residentWeightBytes", "prefetchHits", "optimizerCacheHits", "subGroupOrders",
              "gradients", "vmLockedBytes"]
 
 

@@ -22,6 +22,7 @@ __all__ = ["TensorKind", "Placement", "place"]
 class TensorKind(str, Enum):
     OPTIMIZER = "optimizer"  # fp32 master weights, Adam moments, fp32 gradients: CPU-optimizer operands
     PARAM_STAGING = "param"  # 16-bit parameter partitions on their way to/from NVMe: DMA only
+    WEIGHTS = "weights"  # 16-bit partitions kept in host memory: DMA to the GPU; the CPU writes them once a step
     ACTIVATIONS = "activations"  # offloaded activation checkpoints: DMA only
 
 

@@ -160,11 +160,18 @@ def install_dram_gradients(optimizer: ZeroOptimizer, swapper: MemstrataOptimizer
 def _widen_resident_in_update(optimizer: ZeroOptimizer, grads: DramGradients, swapper: MemstrataOptimizerSwapper,
                               resident: set[int]) -> None:
     """Resident sub-groups get their fp32 gradients only while the update works on them."""
-    pool = swapper.layer.pool
+    layer = swapper.layer
+    pool = layer.pool
     live: dict[int, torch.Tensor] = {}
     flat = optimizer.fp32_partitioned_groups_flat
     for i in resident:
-        flat[i].grad = None  # stock's permanent fp32 gradient buffer: 4 bytes per parameter, given back
+        # Stock's permanent fp32 gradient buffer, 4 bytes per parameter, given back: pinned, it came from the layer's
+        # operand pool (memstrata.runtime.swap.pinning), which gets it back; unpinned, dropping it frees it.
+        grad = flat[i].grad
+        flat[i].grad = None
+        if grad is not None:
+            layer.pins.unpin(grad)
+    layer.pinned_operands.trim()
     prepare, release = optimizer._prepare_sub_group, optimizer._release_sub_group
 
     def prepare_then_widen(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:

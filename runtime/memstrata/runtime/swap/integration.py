@@ -31,6 +31,9 @@ Hook points:
    and are widened to fp32 by the optimizer swapper in the update.
 7. The same instance's `step`, once more: after it, locked regions nothing
    uses are given back (`SwapSettings.trim_after_step`).
+8. The accelerator's `pin_memory`/`unpin_memory`, while the model and the engine
+   are constructed (memstrata.runtime.swap.pinning): what ZeRO-3 pins comes from
+   the layer's exact pools, never torch's power-of-two host allocator.
 
 Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 """
@@ -95,6 +98,7 @@ def _swappers_installed() -> Iterator[None]:
 def _one_pass_has_overflow(layer: SwapLayer) -> Callable[[ZeroOptimizer, bool], bool]:
     import torch
     from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
 
     from memstrata.runtime.strata.overflow import has_overflow as scan
 
@@ -102,8 +106,10 @@ def _one_pass_has_overflow(layer: SwapLayer) -> Callable[[ZeroOptimizer, bool], 
         if not partition_gradients:
             return type(self).has_overflow(self, partition_gradients)
         layer.overflow_checks += 1
+        # The scan reads the host gradient buffer; the flag goes where the process group reduces (NCCL reduces
+        # only device tensors): the accelerator's device, as stock's flag does.
         flag = torch.tensor([1 if scan(self.grad_partitions_flat_buffer) else 0], dtype=torch.uint8,
-                            device=self.grad_partitions_flat_buffer.device)
+                            device=get_accelerator().current_device_name())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_process_group)
         self._model_parallel_all_reduce(tensor=flag, op=dist.ReduceOp.MAX)
         return bool(flag[0].item())
@@ -164,22 +170,29 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
     import deepspeed
     from deepspeed import comm as dist
 
+    from deepspeed.accelerator import get_accelerator
+
     settings = _settings(swap)
+    accelerator = get_accelerator()
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        # ZeRO-3's collectives run on the accelerator's backend: NCCL on a GPU (gloo cannot reduce CUDA tensors
+        # at speed, and NCCL nothing else), gloo on the CPU.
+        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     return SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank, local_world=local_world,
-                          fallback_dir=_nvme_path(config), needed_bytes=unplanned_namespace_bytes(numel))
+                          fallback_dir=_nvme_path(config), needed_bytes=unplanned_namespace_bytes(numel),
+                          device=accelerator.current_device_name())
 
 
 @contextlib.contextmanager
 def constructing(layer: SwapLayer) -> Iterator[SwapLayer]:
     """While a model is built under `deepspeed.zero.Init` (and its weights loaded), its partitions are swapped
     through `layer`, never through DeepSpeed's swap folder."""
+    from memstrata.runtime.swap.pinning import pins_served
     from memstrata.runtime.swap.resident import deciding
 
-    with activate(layer), _swappers_installed(), deciding(layer):
+    with activate(layer), _swappers_installed(), deciding(layer), pins_served(layer.pins):
         yield layer
 
 

@@ -22,7 +22,9 @@ from memstrata.runtime.strata.nvme import NvmeEngine
 from memstrata.runtime.strata.numa import cpu_nodes
 from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes
 from memstrata.runtime.strata.affinity import TensorKind, place
+from memstrata.runtime.strata.dma import DmaDevice, dma_device
 from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters
+from memstrata.runtime.swap.pinning import Pins
 from memstrata.runtime.swap.status import ActivationStatus, DramStatus, MovedBytes, NvmeStatus, SwapStatus
 from memstrata.runtime.swap.tokens import IoTokens
 
@@ -90,6 +92,9 @@ class SwapSettings(BaseModel):
     activations_on_cxl: bool = Field(
         True, description="Activation checkpoints interleaved over `cxl_nodes` (when there are any); false keeps them "
                           "in DRAM, where a plan that found no room for them on CXL put them.")
+    weights_on_cxl: bool = Field(
+        True, description="16-bit weights kept in host memory (the partitions DeepSpeed pins) interleaved over "
+                          "`cxl_nodes` (when there are any); false binds them to DRAM, where the plan put them.")
     one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
     trim_after_step: bool = Field(
         True, description="Give back the locked regions the update no longer uses before the next forward, so the "
@@ -100,6 +105,7 @@ class SwapSettings(BaseModel):
                           "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.swap.gradients).")
 
 
+PINNED_CHUNK_BYTES = 2 << 20
 _active: SwapLayer | None = None
 _lock = threading.Lock()
 
@@ -141,26 +147,48 @@ def release_free_heap() -> None:
 _malloc_trim: Any = None
 
 
-def locked_pool(settings: SwapSettings, kind: TensorKind, *, cuda_register: bool = False) -> LockedPool:
+def locked_pool(settings: SwapSettings, kind: TensorKind, *, dma: DmaDevice | None = None,
+                chunk_bytes: int | None = None) -> LockedPool:
     """A locked pool for buffers of `kind`; it allocates nothing until asked.
 
     Optimizer operands are bound to DRAM; DMA-only data (parameter staging, activation checkpoints) is
-    interleaved over the CXL nodes when there are any (memstrata.runtime.strata.affinity)."""
-    return LockedPool(settings.pool_chunk_bytes, lock=settings.lock_memory, lock_fallback=not settings.lock_required,
+    interleaved over the CXL nodes when there are any (memstrata.runtime.strata.affinity). With `dma` (a GPU
+    copies its buffers) its regions are registered with that device and its frees fenced."""
+    return LockedPool(chunk_bytes or settings.pool_chunk_bytes, lock=settings.lock_memory,
+                      lock_fallback=not settings.lock_required,
                       placement=place(kind, dram_nodes=settings.dram_nodes or cpu_nodes(),
                                       cxl_nodes=settings.cxl_nodes),
-                      cuda_register=cuda_register)
+                      dma=dma)
 
 
 class SwapLayer:
+    """One rank's strata. Its pools, one per kind of buffer:
+
+    - `pool`: the optimizer's operands (sub-groups' fp32 state and gradients in the update), bound to DRAM. Only
+      the CPU (Adam, the NVMe engine) reads and writes them, so it is not registered with the GPU: the one GPU copy
+      into it, stock's fp32 gradient swap-out (with `dram_gradients` off), must stay synchronous, as it is in stock;
+    - `param_pool`: 16-bit partitions staged between NVMe and the GPU, DMA-only;
+    - `pinned_weights`, `pinned_operands`: the host buffers DeepSpeed pins (memstrata.runtime.swap.pinning);
+    - the activation checkpoints' pool, once asked for.
+    On a GPU (`device` cuda) the DMA pools are registered with it (memstrata.runtime.strata.dma)."""
+
     def __init__(self, settings: SwapSettings, engine: NvmeEngine | None, *, rank: int, local_rank: int,
-                 created_files: list[str]) -> None:
+                 created_files: list[str], device: Any = None) -> None:
         self.settings = settings
         self.engine = engine
         self.rank, self.local_rank = rank, local_rank
         self.created_files = created_files
+        self.device = device if device is not None else "cpu"
+        self.dma = dma_device(self.device)
         self.pool = locked_pool(settings, TensorKind.OPTIMIZER)
-        self.param_pool = locked_pool(settings, TensorKind.PARAM_STAGING)
+        self.param_pool = locked_pool(settings, TensorKind.PARAM_STAGING, dma=self.dma)
+        # What DeepSpeed pins is held for the whole run and mostly larger than a chunk (a region of its own each);
+        # small chunks keep the many small partitions from locking a whole growth step each pool.
+        weights = TensorKind.WEIGHTS if settings.weights_on_cxl else TensorKind.OPTIMIZER
+        self.pinned_weights = locked_pool(settings, weights, dma=self.dma, chunk_bytes=PINNED_CHUNK_BYTES)
+        self.pinned_operands = locked_pool(settings, TensorKind.OPTIMIZER, dma=self.dma,
+                                           chunk_bytes=PINNED_CHUNK_BYTES)
+        self.pins = Pins(self.pinned_weights, self.pinned_operands)
         self.activations: Any = None  # memstrata.runtime.swap.activations.ActivationOffload, once asked for
         self.counters = SwapCounters()
         self.tokens = IoTokens(f"nvme.{settings.io_token_scope}" if settings.io_token_scope else "nvme",
@@ -182,7 +210,7 @@ class SwapLayer:
 
     @classmethod
     def open(cls, settings: SwapSettings, *, rank: int, local_rank: int, local_world: int, fallback_dir: Path,
-             needed_bytes: int) -> SwapLayer:
+             needed_bytes: int, device: Any = None) -> SwapLayer:
         paths = ([p for i, p in enumerate(settings.nvme) if i % local_world == local_rank] if settings.nvme_shared
                  else list(settings.nvme))
         created: list[str] = []
@@ -190,7 +218,7 @@ class SwapLayer:
             if settings.nvme:
                 raise ValueError(f"memstrata nvme: no_nvme is set and yet {len(settings.nvme)} namespaces are named; "
                                  "a plan that puts nothing on NVMe names none")
-            return cls(settings, None, rank=rank, local_rank=local_rank, created_files=created)
+            return cls(settings, None, rank=rank, local_rank=local_rank, created_files=created, device=device)
         if settings.nvme and not paths:
             raise ValueError(f"memstrata nvme: {len(settings.nvme)} namespaces cannot serve {local_world} ranks "
                              f"of this node; give at least one per rank")
@@ -203,7 +231,7 @@ class SwapLayer:
             paths, created = [str(path)], [str(path)]
         engine = NvmeEngine.open(paths, job=settings.job, queue_depth=settings.queue_depth,
                                  stripe_bytes=settings.stripe_bytes, force=settings.force)
-        return cls(settings, engine, rank=rank, local_rank=local_rank, created_files=created)
+        return cls(settings, engine, rank=rank, local_rank=local_rank, created_files=created, device=device)
 
     def handle(self, kind: str) -> ExtentSwapHandle:
         pool = self.param_pool if kind == "param" else self.pool
@@ -215,17 +243,16 @@ class SwapLayer:
         self.handles.append(h)
         return h
 
-    def activation_offload(self, device: Any) -> Any:
-        """The gradient-checkpointing function that keeps this rank's activation checkpoints in a pool of
-        their own (memstrata.runtime.swap.activations), made once; registered with CUDA on a GPU."""
+    def activation_offload(self) -> Any:
+        """The gradient-checkpointing function that keeps this rank's activation checkpoints (those on its compute
+        device) in a pool of their own (memstrata.runtime.swap.activations), made once."""
         if self.activations is None:
             from memstrata.runtime.swap.activations import ActivationOffload
 
             # Kept off CXL by the plan, they are placed as the optimizer's operands are: bound to DRAM, so
             # first touch cannot put them on a CXL node once DRAM runs short.
             kind = TensorKind.ACTIVATIONS if self.settings.activations_on_cxl else TensorKind.OPTIMIZER
-            pool = locked_pool(self.settings, kind, cuda_register=device.type == "cuda")
-            self.activations = ActivationOffload(pool)
+            self.activations = ActivationOffload(locked_pool(self.settings, kind, dma=self.dma), self.device)
         return self.activations
 
     def _activation_status(self) -> ActivationStatus | None:
@@ -269,6 +296,7 @@ class SwapLayer:
             dram=DramStatus(
                 locked_bytes=self.pool.locked_bytes + self.param_pool.locked_bytes,
                 locked_peak_in_use=self.pool.peak_in_use + self.param_pool.peak_in_use,
+                pinned_bytes=self.pinned_weights.in_use + self.pinned_operands.in_use,
                 trimmed_bytes=self.trimmed_bytes,
                 optimizer_cache_bytes=self.cache_bytes,
                 optimizer_cache_hits=self.cache_hits,
@@ -293,6 +321,8 @@ class SwapLayer:
                     self.activations.pool.close()
         finally:
             try:
+                for pool in (self.param_pool, self.pinned_weights, self.pinned_operands, self.pool):
+                    pool.close()  # on a GPU: after their last copies, unregistered
                 if self.engine is not None:
                     self.engine.close()
             finally:

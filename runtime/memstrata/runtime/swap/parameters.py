@@ -9,7 +9,12 @@ prefetcher is told how many more fit in the staging budget, so it never
 over-commits, and a fetch that must happen is never refused. I/O goes through
 `ExtentSwapHandle`, so no swap folder is created and no file is written.
 
-A released buffer goes back to the pool only once no tensor views it any more.
+A released buffer goes back to the pool only once no tensor views it any more,
+and on a GPU only once the copies queued on it have run: the pool is registered
+with the GPU, so the copy of a partition to the device is asynchronous DMA, and
+the buffer's free is fenced on the stream that was current when it was filled
+(where a synchronous fetch copies it) and the one current at its release (which
+has waited for the gather before computing with the parameter).
 On a rank whose partition is the whole parameter (one rank, and on the CPU),
 ZeRO-3 does not gather into a fresh tensor: `param.data` *is* the staging
 buffer. Autograd can keep that storage past the release: non-reentrant
@@ -25,6 +30,8 @@ ZeRO-3's coordinator reads (`ds_tensor.status`, `available_params`, ...) is
 DeepSpeed's own.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -43,10 +50,10 @@ class _Lingering:
     """A released staging buffer that a tensor outside the swapper still views: its storage, weakly, and the
     address and size `LockedPool.free` needs once that storage is gone."""
 
-    __slots__ = ("storage", "address", "nbytes")
+    __slots__ = ("storage", "address", "nbytes", "streams")
 
-    def __init__(self, storage: StorageWeakRef, address: int, nbytes: int) -> None:
-        self.storage, self.address, self.nbytes = storage, address, nbytes
+    def __init__(self, storage: StorageWeakRef, address: int, nbytes: int, streams: tuple[Any, ...]) -> None:
+        self.storage, self.address, self.nbytes, self.streams = storage, address, nbytes, streams
 
     def data_ptr(self) -> int:  # what LockedPool.free keys a buffer by
         return self.address
@@ -81,6 +88,7 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self.swap_out_params: list[ZeroParam] = []
         self._reserved: list[torch.Tensor] = []
         self._lingering: list[_Lingering] = []
+        self._filled_on: dict[int, Any] = {}  # ds_id -> the stream current when its buffer was handed out (GPU)
 
     def swappable_tensor(self, param: ZeroParam | None = None, numel: int | None = None) -> bool:
         """Whether a partition goes to NVMe. ZeRO-3 asks once per parameter, when it first partitions it
@@ -109,6 +117,8 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         self._free_lingering()
         aligned = self._io_aligned_numel(numel)
         buf = self.layer.param_pool.tensor(aligned, self.dtype)
+        if self.layer.dma is not None:
+            self._filled_on[param.ds_id] = self.layer.dma.current_stream()
         self.param_id_to_buffer_id[param.ds_id] = buf.data_ptr()
         self.param_id_to_swap_buffer[param.ds_id] = buf
         self.layer.param_bytes_in_use += aligned * self.swap_element_size
@@ -136,8 +146,10 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         storage, once that tensor is gone. Its ds_tensor must no longer point at it."""
         buf = self.param_id_to_swap_buffer.pop(pid)
         del self.param_id_to_buffer_id[pid]
-        self._lingering.append(_Lingering(StorageWeakRef(buf.untyped_storage()), buf.data_ptr(),
-                                          buf.numel() * self.swap_element_size))
+        filled_on = self._filled_on.pop(pid, None)
+        self._lingering.append(_Lingering(StorageWeakRef(buf.untyped_storage()), buf.untyped_storage().data_ptr(),
+                                          buf.numel() * self.swap_element_size,
+                                          (filled_on,) if filled_on is not None else ()))
         del buf  # the swapper's last reference: from here on only outside views keep the storage alive
         self._free_lingering()
 
@@ -146,7 +158,7 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         for buf in self._lingering:
             if buf.storage.expired():
                 self.layer.param_bytes_in_use -= buf.nbytes
-                self.layer.param_pool.free(buf)
+                self.layer.param_pool.free(buf, streams=buf.streams)
             else:
                 still.append(buf)
         self._lingering = still

@@ -91,6 +91,7 @@ _SWAP_INFO = f"{_ST}.optimizer_utils.OptimizerStateSwapInfo"
 _PARAM_SWAPPER = f"{_ST}.partitioned_param_swapper.AsyncPartitionedParameterSwapper"
 _BUFFERS = f"{_ST}.utils.SwapBufferManager"
 _INIT = f"{_ZERO}.partition_parameters.Init"
+_ACCEL = "deepspeed.accelerator.abstract_accelerator.DeepSpeedAccelerator"
 _SUBGROUP = ("sub_group_id",)
 
 
@@ -116,6 +117,19 @@ SEAM: tuple[Dependency, ...] = (
                params=("tensor", "op", "group")),
     Dependency(Kind.IMPORTED, "deepspeed.comm", "ReduceOp", "ReduceOp.MAX for the overflow flag"),
     Dependency(Kind.IMPORTED, "deepspeed", "zero", "the public ZeRO-3 API the model loader and exporter use"),
+    # -- the accelerator: where collectives reduce, and what ZeRO-3 pins (integration, pinning) --
+    Dependency(Kind.IMPORTED, "deepspeed.accelerator", "get_accelerator", "the accelerator ZeRO-3 runs on"),
+    Dependency(Kind.CALLED, _ACCEL, "current_device_name", "the device the overflow flag is reduced on and the "
+               "swap layer's DMA device", params=()),
+    Dependency(Kind.CALLED, _ACCEL, "communication_backend_name", "the backend of a process group the swap layer "
+               "starts (NCCL on a GPU)", params=()),
+    Dependency(Kind.WRAPPED, _ACCEL, "pin_memory", "replaced on the accelerator instance while the model and engine "
+               "are built: exact buffers from the swap layer's pools", params=("tensor", "make_copy", "match_shape")),
+    Dependency(Kind.WRAPPED, _ACCEL, "unpin_memory", "gives a served buffer back to its pool", params=("tensor",)),
+    *[Dependency(Kind.IMPORTED, owner, name, "a pin asked for by it is 16-bit weights (placed where the plan put "
+                 "the weights); any other pin is an operand of the CPU optimizer")
+      for owner, name in ((_INIT, "_partition_param"), (_INIT, "_partition_param_sec"),
+                          (_Z3, "_create_param_groups_fp16_flat_cpu_memory"))],
     Dependency(Kind.CALLED, "deepspeed.zero", "GatheredParameters", "one module's partitions gathered to load "
                "checkpoint tensors into them (modifier_rank=0) or to save them (modifier_rank=None)",
                params=("params", "modifier_rank")),

@@ -50,6 +50,9 @@ class DramStatus(_Status):
     locked_bytes: int = Field(description="Pool regions, mlock'ed.")
     locked_peak_in_use: int
     trimmed_bytes: int = Field(description="Given back after updates, in all.")
+    pinned_bytes: int = Field(0, description="The host buffers DeepSpeed pins (16-bit weights kept in host memory, "
+                                             "the flat gradient buffer), served exactly from the swap layer's pools "
+                                             "(memstrata.runtime.swap.pinning); in use now.")
     optimizer_cache_bytes: int
     resident_state_bytes: int = Field(0, description="Optimizer state of the sub-groups kept in DRAM for good "
                                                      "(never on NVMe), fp32 master + moments.")

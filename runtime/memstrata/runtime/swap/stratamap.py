@@ -19,6 +19,8 @@ How much, from the plan, so `memory.dramBudget` reaches the swap layer byte for 
 - Weights. The plan's non-NVMe bytes for the 16-bit weights become
   `resident_weight_bytes` when any of them spill: the parameter swapper keeps that
   many in DRAM.
+- Placement: the activation checkpoints' pool and the pinned 16-bit weights each go to the
+  stratum holding most of their category (CXL interleave or DRAM), one placement per pool.
 - Nothing on NVMe: `no_nvme`, and the run opens no namespace at all.
 - Namespace sizes (local runs): stock DeepSpeed offloads per group (`STOCK_GROUPS`),
   so for it a group with any byte on NVMe lives there whole; memstrata's engine puts
@@ -165,7 +167,9 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
     spills_weights = _bytes(plan, ("weights",), "nvme") > 0
     # The activation pool goes where the plan put most of the checkpoints (one placement per pool).
     on_cxl = _bytes(plan, ("checkpoints",), "cxl") >= _bytes(plan, ("checkpoints",), "dram")
-    base = SwapSettings(job=job, cxl_nodes=cxl, activations_on_cxl=on_cxl, cache_subgroups=MIN_CACHE_SUBGROUPS,
+    weights_on_cxl = _bytes(plan, ("weights",), "cxl") >= _bytes(plan, ("weights",), "dram")
+    base = SwapSettings(job=job, cxl_nodes=cxl, activations_on_cxl=on_cxl, weights_on_cxl=weights_on_cxl,
+                        cache_subgroups=MIN_CACHE_SUBGROUPS,
                         resident_state_bytes=resident_state_bytes(plan, ranks),
                         prefetch_subgroups=plan.optimizer_read_ahead,
                         resident_weight_bytes=resident_weight_bytes(plan, ranks) if spills_weights else None,

@@ -20,7 +20,9 @@ from pydantic import BaseModel
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Training
 from memstrata.api.strataplan import Plan
-from memstrata.plan.accounting import memstrata_subgroup_elements
+from memstrata.plan.accounting import (
+    DS_REDUCE_BUCKET_ELEMENTS, memstrata_subgroup_elements, reduce_bucket_elements,
+)
 from memstrata.plan.stock import (
     DS_ALIGN_ELEMENTS, OPTIMIZER_BUFFER_COUNT, align_elements, largest_param, param_buffer_count, param_tensors,
     sub_group_size,
@@ -121,14 +123,17 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
     param_dev, optim_dev = offload_devices(plan)
     largest = largest_param(arch)
     tensors = param_tensors(arch)
-    # torch's pin_memory() needs an accelerator; on a CPU-only node it raises.
-    pin = on_gpu
+    # Stock: torch's pin_memory() needs an accelerator (on a CPU-only node it raises). memstrata's engine serves
+    # every pin from its exact pools (memstrata.runtime.swap.pinning), on the CPU too.
+    pin = on_gpu or plan.engine == "memstrata"
+    pin_why = ("memstrata's engine: what ZeRO-3 pins comes from its exact-size pools, placed where the plan put it "
+               "and registered with the GPU (never torch's power-of-two pinned allocator)" if plan.engine == "memstrata"
+               else "pinned host memory needs an accelerator; without a GPU torch refuses to pin")
 
     offload_param: dict[str, Any] = {
         "device": note("zero_optimization.offload_param.device", param_dev, "none",
                        "from the plan: nvme when any byte of the 16-bit weights is placed on NVMe, else cpu"),
-        "pin_memory": note("zero_optimization.offload_param.pin_memory", pin, True,
-                           "pinned host memory needs an accelerator; without a GPU torch refuses to pin"),
+        "pin_memory": note("zero_optimization.offload_param.pin_memory", pin, True, pin_why),
     }
     if param_dev == "nvme":
         buffer_size = note(
@@ -151,8 +156,7 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         "device": note("zero_optimization.offload_optimizer.device", optim_dev, "none",
                        "from the plan (offload_devices): stock, nvme when any byte of the fp32 master weights or Adam "
                        "moments is on NVMe; memstrata's engine, always nvme (it keeps the plan's DRAM share resident)"),
-        "pin_memory": note("zero_optimization.offload_optimizer.pin_memory", pin, True,
-                           "pinned host memory needs an accelerator; without a GPU torch refuses to pin"),
+        "pin_memory": note("zero_optimization.offload_optimizer.pin_memory", pin, True, pin_why),
     }
     if optim_dev == "nvme":
         offload_optimizer.update(
@@ -196,6 +200,11 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
         "stage3_prefetch_bucket_size": note(
             "zero_optimization.stage3_prefetch_bucket_size", align_elements(largest), int(5e7),
             "prefetch about one largest tensor ahead: enough to overlap I/O, small enough to leave buffers free"),
+        "reduce_bucket_size": note(
+            "zero_optimization.reduce_bucket_size", reduce_bucket_elements(arch), DS_REDUCE_BUCKET_ELEMENTS,
+            "gradients are gathered in this bucket on the GPU before they are reduced and copied to the host; it is "
+            "allocated whole (5e8 is 0.93 GiB of bf16 for a model of any size): one layer's worth, which the plan "
+            "counts in the GPU working set"),
         "stage3_max_live_parameters": note(
             "zero_optimization.stage3_max_live_parameters", max(2 * arch.layer_params(), 2 * largest), int(1e9),
             "about two layers gathered at once, as the planner's working-set estimate assumes"),
