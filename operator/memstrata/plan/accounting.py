@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Engine, Precision
-from memstrata.plan.stock import pinned_pool_bytes, tensor_sizes
+from memstrata.plan.stock import DS_ALIGN_ELEMENTS, pinned_pool_bytes, tensor_sizes
 
 Category = Literal["working", "pinned", "build", "gradients", "master", "optimizer", "weights", "checkpoints"]
 
@@ -29,6 +29,8 @@ DESCRIPTIONS: dict[str, str] = {
 
 # The CUDA context, cuBLAS workspaces and the allocator's slack on each GPU.
 GPU_RUNTIME_OVERHEAD = 1 << 30
+# DeepSpeed's default reduce_bucket_size (elements).
+DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 # Activation bytes per token per hidden unit for one layer in 16-bit with flash
 # attention and no sequence parallelism (Korthikanti et al., 2022: 34·s·b·h).
 ACTIVATION_FACTOR = 34
@@ -113,6 +115,8 @@ def working_set(job: JobShape) -> int:
       lossChunkTokens of them when the loss is chunked (each chunk's logits are recomputed in backward)
     + on the stock engine, the activation checkpoints: Hugging Face keeps them on the compute device, where
       memstrata's engine moves them to the `checkpoints` category's stratum
+    + ZeRO-3's gradient reduce bucket: `reduce_bucket_elements` 16-bit gradients, allocated whole at start
+      (DeepSpeed's default 5e8 elements is 0.93 GiB of bf16, whatever the model's size)
     + a fixed 1 GiB for the CUDA runtime when on a GPU.
 
     Llama-3-8B at s = 32768, b = 1, bf16: A = 34·32768·1·4096 = 4,563,402,752 B (4.25 GiB), so the
@@ -127,8 +131,17 @@ def working_set(job: JobShape) -> int:
     logit_tokens = min(tokens, job.loss_chunk_tokens) if job.loss_chunk_tokens else tokens
     logits = logit_tokens * m.vocab * (2 * w + 8)
     on_device = 0 if job.engine == "memstrata" else checkpoint_bytes(job) // job.ranks
+    bucket = reduce_bucket_elements(m) * w
     runtime = GPU_RUNTIME_OVERHEAD if job.gpus else 0
-    return layers + largest + activations + logits + on_device + runtime
+    return layers + largest + activations + logits + on_device + bucket + runtime
+
+
+def reduce_bucket_elements(m: ModelArchitecture) -> int:
+    """ZeRO-3's `reduce_bucket_size`, which memstrata.runtime.train.dsconfig sets for both engines: one layer's
+    gradients (a larger tensor, the embedding, is reduced outside the bucket, as DeepSpeed does with any tensor
+    that does not fit), never more than DeepSpeed's own 5e8. The bucket is allocated whole on the compute device
+    when the engine is built."""
+    return min(DS_REDUCE_BUCKET_ELEMENTS, -(-m.layer_params() // DS_ALIGN_ELEMENTS) * DS_ALIGN_ELEMENTS)
 
 
 def checkpoint_bytes(job: JobShape) -> int:

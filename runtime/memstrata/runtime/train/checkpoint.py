@@ -66,7 +66,9 @@ def capture_rng() -> dict[str, Any]:
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+        # This rank's own device only: a rank draws on cuda:LOCAL_RANK alone, and a state per visible GPU would not
+        # load where another number of GPUs is visible (a resumed pod may see one where the first saw eight).
+        out["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return out
 
 
@@ -83,8 +85,11 @@ def restore_rng(state: dict[str, Any]) -> None:
         return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
 
     torch.set_rng_state(tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+    saved = state.get("cuda")
+    if saved and torch.cuda.is_available():
+        if isinstance(saved, list):  # written by an earlier memstrata: one per visible GPU, this rank's at its index
+            saved = saved[min(torch.cuda.current_device(), len(saved) - 1)]
+        torch.cuda.set_rng_state(tensor(saved))
 
 
 # --- optimizer sub-groups ---------------------------------------------------------------------------------

@@ -114,8 +114,9 @@ def local_rendezvous(name: str) -> Rendezvous:
 
 
 def threads_per_rank(ranks: int) -> int:
-    """CPU threads each of a node's `ranks` ranks computes with: the cores shared out, so the ranks of a CPU node
-    do not oversubscribe it (torch would give each of them every core)."""
+    """CPU threads each of a node's `ranks` ranks computes with: the cores shared out, so the ranks of a node do not
+    oversubscribe it (torch, and DeepSpeed's CPU Adam through OpenMP, would give each of them every core). On a GPU
+    node too: there the CPU runs the optimizer step of every rank at once."""
     return max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
                // max(ranks, 1))
 
@@ -142,6 +143,9 @@ def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, ranks: int, rend
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # Its per-round lines, and its own traceback of a rank that failed, would bury what the rank said.
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # The workers inherit it: OpenMP (DeepSpeed's CPU Adam) reads it when it starts, before any code of ours runs.
+    inherited = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(_omp_threads(inherited, ranks))
     try:
         elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
@@ -157,16 +161,30 @@ def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, ranks: int, rend
               f"{ranks} rank(s) through the rendezvous at {r.master_addr}:{r.master_port} (MASTER_ADDR:MASTER_PORT): "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        if inherited is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = inherited
     return 0
 
 
-def worker_setup(ranks: int, on_gpu: bool) -> None:
-    """What every spawned worker does first: share the cores out on a CPU node, and end on SIGTERM like a lone
-    process (the agent forwards the kubelet's)."""
-    if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
-        import torch
+def _omp_threads(value: str | None, ranks: int) -> int:
+    """OMP_NUM_THREADS as the user set it (a positive number), else the rank's share of the cores."""
+    try:
+        threads = int(value or 0)
+    except ValueError:
+        threads = 0
+    return threads if threads > 0 else threads_per_rank(ranks)
 
-        torch.set_num_threads(threads_per_rank(ranks))
+
+def worker_setup(ranks: int) -> None:
+    """What every spawned worker does first: take its share of the node's cores (GPU node or not: `launch` exported
+    it as OMP_NUM_THREADS, which the user may have set instead), and end on SIGTERM like a lone process (the agent
+    forwards the kubelet's)."""
+    import torch
+
+    torch.set_num_threads(_omp_threads(os.environ.get("OMP_NUM_THREADS"), ranks))
     signal.signal(signal.SIGTERM, _terminated)
 
 

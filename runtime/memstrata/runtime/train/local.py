@@ -90,7 +90,7 @@ def run_job(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path 
 def _local_rank(job: FineTuneJob, plan: Plan, kwargs: dict[str, Any]) -> None:
     """One rank of `run_job` (a spawned worker): what only rank 0 does is left to rank 0."""
     ranks = Ranks.from_env()
-    worker_setup(ranks.local_world, on_gpu=job.spec.resources.gpus > 0)
+    worker_setup(ranks.local_world)
     if not ranks.leader:
         kwargs = {**kwargs, "report_json": None, "sample_prompt": None, "verbose": False}
     rc = run_local(job, plan, **kwargs)
@@ -192,7 +192,7 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
             if metrics is not None:
                 metrics.write_step(s)  # flushed: a killed run keeps every step it finished
             last = node.fill(_status(watch, recipe.memstrata_status(), s, training.steps,
-                                     time.perf_counter() - started, validation), s)
+                                     time.perf_counter() - started, validation, recipe.hbm_peak_bytes), s)
             last.resumed_from = resumed_from
             last.checkpoint = recipe.checkpointer.latest if recipe.checkpointer is not None else None
             if s.checkpoint_error is not None:
@@ -264,11 +264,7 @@ class _NodeReport:
         NVMe (and HBM) peaks are its ranks' summed, its DRAM peak the launcher's process tree's."""
         if step is not None:
             nvme = report.strata["nvme"].peak_bytes if "nvme" in report.strata else 0
-            hbm = 0
-            if self.recipe.on_gpu:
-                import torch
-
-                hbm = torch.cuda.max_memory_allocated()
+            hbm = self.recipe.hbm_peak_bytes
             assert self.recipe.engine is not None
             nvme_node, hbm_node = node_sums(self.recipe.ranks, self.recipe.engine.device, nvme, hbm)
             if "nvme" in report.strata:  # the job's peakMemory is then node-wide throughout, like its DRAM peak
@@ -302,10 +298,16 @@ def _answer(model_dir: Path, prompt: str) -> str | None:
         return None
 
 
-def _strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounters]:
+def _strata(watch: MemWatch, swap: SwapStatus | None, hbm: int = 0) -> dict[str, StratumCounters]:
     """Per stratum. Stock: the process tree's block I/O and the swap folder's size, watched from outside.
     memstrata: its NVMe engine's own counters (bytes through its namespaces, state live on them), and the
-    activation checkpoints' pool when the plan put them on CXL."""
+    activation checkpoints' pool when the plan put them on CXL. On a GPU, `hbm`: the device memory the process
+    held at its peak (memstrata.runtime.train.device)."""
+    on_gpu = {"hbm": StratumCounters(peak_bytes=hbm)} if hbm else {}
+    return {**on_gpu, **_host_strata(watch, swap)}
+
+
+def _host_strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounters]:
     if swap is not None:
         nvme, act = swap.nvme, swap.activations
         # Activation checkpoints on CXL nodes are that stratum's use (on DRAM they are inside the RSS already).
@@ -327,11 +329,11 @@ def _strata(watch: MemWatch, swap: SwapStatus | None) -> dict[str, StratumCounte
 
 
 def _status(watch: MemWatch, swap: SwapStatus | None, s: StepResult, total: int,
-            elapsed: float, validation_loss: float | None = None) -> RuntimeReport:
+            elapsed: float, validation_loss: float | None = None, hbm: int = 0) -> RuntimeReport:
     return RuntimeReport(stage="training", step=s.step, total_steps=total, loss=s.loss,
                          learning_rate=s.learning_rate, validation_loss=validation_loss,
                          tokens_per_second=s.tokens / s.seconds if s.seconds else None,
-                         elapsed_seconds=elapsed, strata=_strata(watch, swap))
+                         elapsed_seconds=elapsed, strata=_strata(watch, swap, hbm))
 
 
 def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: TrainResult, watch: MemWatch,
@@ -364,7 +366,7 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         learning_rates=[s.learning_rate for s in result.steps if s.learning_rate is not None],
         schedule=describe(spec.training.schedule),
         peak_rss_bytes=watch.peak_rss,
-        strata=_strata(watch, recipe.swap_status),
+        strata=_strata(watch, recipe.swap_status, recipe.hbm_peak_bytes),
         memstrata=recipe.swap_status,
         swap_dir=str(recipe.swap_dir),
         swap_files=watch.peak_swap.files,

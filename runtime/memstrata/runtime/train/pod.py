@@ -282,7 +282,7 @@ def _pod_rank(nvme_path: Path, config_path: str, patcher: Callable[[JobRef], Cal
     ranks = Ranks.from_env()
     cfg = load_config(config_path)
     job, plan = job_and_plan(cfg)
-    worker_setup(ranks.local_world, on_gpu=job.spec.resources.gpus > 0)
+    worker_setup(ranks.local_world)
     # Only the ranks that report need the API: the others never open a connection to it.
     patch = patcher(cfg.job) if ranks.local_rank == 0 else None
     rc = _train(cfg, job, plan, nvme_path, ranks, node_rank=node_rank, patch=patch)

@@ -39,6 +39,7 @@ from memstrata.runtime.train.export import OutputPathError, check_output_path, f
 from memstrata.runtime.train.metrics import MetricsError, check_metrics_dir
 from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
 from memstrata.runtime.train.launch import LaunchError, Ranks, world_sum
+from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchronizer
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.schedule import build_scheduler
 from memstrata.runtime.swap.protocols import TrainingEngine
@@ -91,12 +92,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def gpu_available() -> bool:
-    if not Path("/proc/driver/nvidia/gpus").exists():
-        return False  # importing torch.cuda costs time and is pointless here
+def visible_gpus() -> int:
+    """The CUDA devices torch sees here (CUDA_VISIBLE_DEVICES and the container's devices applied). Asked of torch,
+    not of the driver's /proc files: a container can be handed a GPU without them."""
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def on_gpu_for(gpus: int, visible: Callable[[], int] = visible_gpus) -> bool:
+    """Whether a job asking for `gpus` GPUs (spec.resources.gpus) trains on them here: never silently on the CPU
+    instead. RecipeError naming the field when this process sees fewer."""
+    if gpus < 1:
+        return False
+    seen = visible()
+    if seen < 1:
+        raise RecipeError(f"spec.resources.gpus: the job asks for {gpus} GPU(s) and this process sees none (torch "
+                          f"finds no CUDA device: no NVIDIA driver, a CUDA_VISIBLE_DEVICES that hides them, or a "
+                          f"container not given the GPU); set gpus: 0 to train on the CPU")
+    return True
+
+
+def accelerator_env(on_gpu: bool, env: dict[str, str] | Any = os.environ) -> str:
+    """Set DS_ACCELERATOR to the run's device before DeepSpeed is imported (it picks its accelerator then, once per
+    process): an inherited value that says otherwise would put a GPU run's DeepSpeed on the CPU, or the reverse.
+    RecipeError when DeepSpeed was already set up in this process for another accelerator."""
+    import sys
+
+    wanted = "cuda" if on_gpu else "cpu"
+    env["DS_ACCELERATOR"] = wanted
+    loaded = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    chosen = getattr(loaded, "ds_accelerator", None) if loaded is not None else None
+    name = chosen.device_name() if chosen is not None else wanted
+    if name != wanted:
+        raise RecipeError(f"DS_ACCELERATOR: DeepSpeed was already set up in this process for {name!r}, but this run "
+                          f"trains on {wanted!r} (spec.resources.gpus); start it in a new process")
+    return wanted
 
 
 class FineTuneRecipe:
@@ -174,7 +205,7 @@ class FineTuneRecipe:
         if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
             raise RecipeError(f"spec.model: vocabulary of {self.arch.vocab} tokens is smaller than the byte "
                               f"tokenizer's {ByteTokenizer.VOCAB}")
-        self.on_gpu = spec.resources.gpus >= 1 and gpu_available()
+        self.on_gpu = on_gpu_for(spec.resources.gpus)
         # One directory per run and rank under the scratch path (the pid is the rank's own), so parallel runs and
         # the ranks of one run never share swap files.
         self.swap_dir = nvme_path / (f"memstrata-run-{job.metadata.name}-{os.getpid()}-{int(time.time())}"
@@ -197,6 +228,7 @@ class FineTuneRecipe:
         self.ds: DsConfig | None = None
         self.engine: TrainingEngine | None = None
         self.phases = Phases()
+        self.hbm_peak_bytes = 0  # the device memory held at its peak so far (GPU runs; memstrata.runtime.train.device)
 
     # --- setup ------------------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -253,8 +285,7 @@ class FineTuneRecipe:
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(key, value)
-        # DeepSpeed picks its accelerator at import time; on a CPU node it must be told.
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.on_gpu else "cpu")
+        accelerator_env(self.on_gpu)
         if self.on_gpu:
             import torch
 
@@ -295,7 +326,7 @@ class FineTuneRecipe:
         try:
             with constructing(layer) if layer is not None else contextlib.nullcontext():
                 # memstrata's engine moves each activation checkpoint to the stratum the plan gave them.
-                offload = (layer.activation_offload(self._device()).checkpoint
+                offload = (layer.activation_offload().checkpoint
                            if layer is not None and t.activation_checkpointing else None)
                 model = build_model(config, ds.config, dtype, checkpointing=t.activation_checkpointing, seed=t.seed,
                                     pretrained=self.model_dir, checkpoint_function=offload)
@@ -411,21 +442,19 @@ class FineTuneRecipe:
             result.validation_losses[0] = before
             if on_validation is not None:
                 on_validation(0, before)
+        clock = PhaseClock(synchronizer(self._device()))
         for step in range(done + 1, t.steps + 1):
-            started, losses = time.perf_counter(), []
+            started, losses = clock.start(), []
             rate = self.engine.get_lr()[0]  # the scheduler set it after the previous update
             for _ in range(t.gradient_accumulation):
                 inputs, labels = next(batches)
-                t0 = time.perf_counter()
+                clock.start()
                 loss = self._loss(inputs, labels)
-                t1 = time.perf_counter()
+                self.phases.forward += clock.lap()
                 self.engine.backward(loss)
-                t2 = time.perf_counter()
+                self.phases.backward += clock.lap()
                 self.engine.step()  # DeepSpeed only updates at the accumulation boundary
-                t3 = time.perf_counter()
-                self.phases.forward += t1 - t0
-                self.phases.backward += t2 - t1
-                self.phases.step += t3 - t2
+                self.phases.step += clock.lap()
                 losses.append(float(loss.detach().float()))
             # The step's loss is the mean over every rank's micro-batches (what one rank with all of them would
             # report), the same on every rank, so a non-finite loss stops all of them together.
@@ -433,6 +462,8 @@ class FineTuneRecipe:
             if not torch.isfinite(torch.tensor(value)):
                 raise FloatingPointError(f"loss became {value} at step {step}")
             norm = self.engine.get_global_grad_norm()
+            if self.on_gpu:
+                self.hbm_peak_bytes = max(self.hbm_peak_bytes, hbm_peak_bytes(self._device()))
             record = StepResult(step=step, loss=value, seconds=time.perf_counter() - started,
                                 tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length * world,
                                 learning_rate=float(rate), grad_norm=float(norm) if norm is not None else None)
