@@ -128,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         import torch
 
-        result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
+        from memstrata.runtime.train.device import hbm_peak_bytes
+
+        # What the process held on the device (reserved by torch's allocator, and outside it: context, NCCL), and
+        # what its tensors held at most, for comparison with figures that report only the latter.
+        hbm = (result.get("report") or {}).get("strata", {}).get("hbm", {}).get("peak_bytes", 0)
+        result["gpu_peak_bytes"] = max(hbm, hbm_peak_bytes("cuda:0"))
+        result["gpu_allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
     args.out.write_text(json.dumps(result))
     return rc
 

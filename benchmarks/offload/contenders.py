@@ -27,43 +27,54 @@ STOCK_PROFILES = {"stock-default": ("default", "nvme", "nvme"), "stock-tuned": (
 CONTENDERS = ("memstrata", *STOCK_PROFILES)
 
 
-def job_shape(arch: Any, seq: int, batch: int, engine: str) -> Any:
+def job_shape(arch: Any, seq: int, batch: int, engine: str, gpu: bool = False) -> Any:
     from memstrata.plan.accounting import JobShape
 
-    # The harness never turns on activation checkpointing, so the planner must not assume it.
-    return JobShape(model=arch, sequence_length=seq, micro_batch=batch, precision="bf16", gpus=0, engine=engine,
-                    activation_checkpointing=False)
+    # On the CPU the harness runs without activation checkpointing, so the planner must not assume it; with --gpu
+    # it runs with it, as a GPU node does.
+    return JobShape(model=arch, sequence_length=seq, micro_batch=batch, precision="bf16", gpus=int(gpu),
+                    engine=engine, activation_checkpointing=gpu)
 
 
-def planned_base(arch: Any, seq: int, batch: int) -> int:
-    """Host bytes of a CPU run that are not offloaded state, as the planner counts them."""
-    from memstrata.plan.accounting import build_transient, working_set
+def node(scratch: Path, gpu: bool) -> Any:
+    """This machine as the planner sees it (with its GPUs as torch sees them, for --gpu)."""
+    from memstrata.node.local import local_inventory
 
-    job = job_shape(arch, seq, batch, "memstrata")
-    return working_set(job) + build_transient(job)
+    if not gpu:
+        return local_inventory(scratch)
+    from memstrata.runtime.train.local import torch_gpus
+
+    return local_inventory(scratch, gpus=torch_gpus)
 
 
-def stock_cpu_bytes(arch: Any, seq: int, batch: int, scratch: Path) -> int:
+def planned_base(arch: Any, seq: int, batch: int, gpu: bool = False) -> int:
+    """Host bytes of a run that are not offloaded state, as the planner counts them: on the CPU the working set and
+    the build; on a GPU the build and memstrata's activation pool (the working set is on the device)."""
+    from memstrata.plan.accounting import build_transient, checkpoint_bytes, working_set
+
+    job = job_shape(arch, seq, batch, "memstrata", gpu)
+    return (checkpoint_bytes(job) if gpu else working_set(job)) + build_transient(job)
+
+
+def stock_cpu_bytes(arch: Any, seq: int, batch: int, scratch: Path, gpu: bool = False) -> int:
     """DRAM the planner says stock DeepSpeed with everything offloaded to the CPU needs (no NVMe at all)."""
     from memstrata.api.finetunejob import MemoryPolicy
-    from memstrata.node.local import local_inventory
     from memstrata.plan.assignment import plan_for_node
 
-    plan = plan_for_node(job_shape(arch, seq, batch, "deepspeed"), local_inventory(scratch),
+    plan = plan_for_node(job_shape(arch, seq, batch, "deepspeed", gpu), node(scratch, gpu),
                          MemoryPolicy(engine="deepspeed", nvme_namespaces=0))
     return plan.bytes_on("dram")
 
 
-def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, work: Path, loop: str
-                   ) -> tuple[dict[str, Any], list[str]]:
+def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, work: Path, loop: str,
+                   gpu: bool = False) -> tuple[dict[str, Any], list[str]]:
     """(what the run records about its plan, the harness arguments that run it) for a DRAM budget."""
     from memstrata.api.finetunejob import MemoryPolicy
-    from memstrata.node.local import local_inventory
     from memstrata.plan.assignment import plan_for_node
     from memstrata.runtime.swap.stratamap import swap_settings
     from memstrata.runtime.train.dsconfig import offload_devices
 
-    plan = plan_for_node(job_shape(arch, seq, batch, "memstrata"), local_inventory(scratch),
+    plan = plan_for_node(job_shape(arch, seq, batch, "memstrata", gpu), node(scratch, gpu),
                          MemoryPolicy(engine="memstrata", dram_budget=budget))
     # As in a pod: the device plugin grants a namespace only to a plan that puts something on NVMe.
     env = {"MEMSTRATA_NVME_DEVICES": loop} if plan.bytes_on("nvme") else {}
@@ -91,7 +102,8 @@ def attach_loop(work: Path) -> str:
 
 
 def run_contender(contender: str, *, arch_name: str, arch: Any, seq: int, batch: int, warmup: int, measured: int,
-                  cap: dict[str, Any], base: int, scratch: Path, backing: str, timeout: float) -> dict[str, Any]:
+                  cap: dict[str, Any], base: int, scratch: Path, backing: str, timeout: float,
+                  gpu: bool = False) -> dict[str, Any]:
     """Run one contender under `cap` and return its record (ok, OOM, step spread, per-step I/O, memory)."""
     work = Path(tempfile.mkdtemp(prefix=f"{arch_name}-k{cap['k']}-{contender}-", dir=scratch))
     out = work / "result.json"
@@ -99,13 +111,14 @@ def run_contender(contender: str, *, arch_name: str, arch: Any, seq: int, batch:
     rec: dict[str, Any] = {"contender": contender, "ok": False}
     try:
         common = ["--preset", arch_name, "--seq", str(seq), "--batch", str(batch), "--steps", str(warmup + measured),
-                  "--zero-init", "--precision", "bf16", "--swap-dir", str(work / "swap"), "--out", str(out)]
+                  "--zero-init", "--precision", "bf16", "--swap-dir", str(work / "swap"), "--out", str(out),
+                  *(["--gpu"] if gpu else [])]
         devices = [backing]
         if contender == "memstrata":
             loop = attach_loop(work)
             devices.append(Path(loop).name)
             try:
-                rec["plan"], extra = memstrata_plan(arch, seq, batch, scratch, cap["bytes"] - base, work, loop)
+                rec["plan"], extra = memstrata_plan(arch, seq, batch, scratch, cap["bytes"] - base, work, loop, gpu)
             except ValueError as exc:  # the planner or stratamap refused: that is the result at this cap
                 rec["error"] = f"no plan: {exc}"
                 return rec
@@ -152,4 +165,4 @@ def _measure(data: dict[str, Any], warmup: int, devices: list[str]) -> dict[str,
             "init_seconds": data["init_seconds"], "time_to_first_step": data.get("time_to_first_step"),
             "losses": data["losses"], "params": data["params"], "rss_peak_by_phase": data.get("rss_peak_by_phase"),
             "io": {d: v for d, v in io.items() if v is not None}, "init_io": disk.get("init"),
-            "swap": data.get("swap"), "config": data.get("config")}
+            "swap": data.get("swap"), "config": data.get("config"), "hbm_peak_bytes": data.get("hbm_peak_bytes")}

@@ -8,6 +8,13 @@
 seed, data and ds_config. The result JSON holds the loss of every step, the
 phase times, time to first step, and what the swap layer moved. Used by
 tests/offload (correctness) and benchmarks/offload/run.py (measurements).
+
+`--gpu` runs both engines as they run on a GPU node: cuda:0 with NCCL, inputs on
+the device, `pin_memory` on (stock pins through torch's allocator, memstrata
+serves the pins from its pools), activation checkpointing on (stock: torch's
+checkpoint, the checkpoints stay on the GPU; memstrata: its activation offload),
+the model built under zero.Init, phase times synchronized with the device, and
+the device's memory peak (reserved and outside torch's allocator) recorded.
 """
 from __future__ import annotations
 
@@ -51,18 +58,19 @@ def free_port() -> int:
 
 
 def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: str, param_device: str = "nvme",
-              optim_device: str = "nvme") -> dict[str, Any]:
+              optim_device: str = "nvme", pin: bool = False) -> dict[str, Any]:
     """The ds_config both engines get. `profile`: 'literal' (DeepSpeed's defaults exactly, which fail on
     some models), 'default' (DeepSpeed's defaults with only what it needs to run at all) or 'tuned' (the
     settings memstrata's dsconfig uses for stock runs: its buffer counts from memstrata.plan.stock).
-    `param_device`/`optim_device`: where offload_param/offload_optimizer go ('nvme' or 'cpu')."""
+    `param_device`/`optim_device`: where offload_param/offload_optimizer go ('nvme' or 'cpu'); `pin`: their
+    pin_memory (on a GPU, as both engines run there)."""
     from memstrata.plan.stock import OPTIMIZER_BUFFER_COUNT, param_buffer_count
 
     largest = max(arch.largest_tensor(), arch.max_positions * arch.hidden)
     aligned = -(-largest // ALIGN) * ALIGN
     layer = arch.layer_params()
-    param: dict[str, Any] = {"device": param_device, "pin_memory": False}
-    optim: dict[str, Any] = {"device": optim_device, "pin_memory": False}
+    param: dict[str, Any] = {"device": param_device, "pin_memory": pin}
+    optim: dict[str, Any] = {"device": optim_device, "pin_memory": pin}
     for section in (param, optim):
         if section["device"] == "nvme":
             section["nvme_path"] = swap_dir
@@ -115,7 +123,9 @@ def build_zero3(arch: Any, cfg: dict[str, Any], args: argparse.Namespace, swap: 
         layer = open_layer(cfg, swap, numel=arch.parameters())
     try:
         with constructing(layer) if layer is not None else contextlib.nullcontext():
-            model = build_model(preset_config(arch, args.seq), cfg, dtype, checkpointing=False, seed=args.seed)
+            offload = layer.activation_offload().checkpoint if layer is not None and args.checkpointing else None
+            model = build_model(preset_config(arch, args.seq), cfg, dtype, checkpointing=args.checkpointing,
+                                seed=args.seed, checkpoint_function=offload)
     except BaseException:
         if layer is not None:
             layer.close()
@@ -150,9 +160,16 @@ def main(argv: list[str] | None = None) -> int:
                          "as a real run does, instead of whole in fp32 on the host first")
     ap.add_argument("--diskstats", default="",
                     help="comma-separated block devices whose /proc/diskstats bytes are recorded at every step")
+    ap.add_argument("--gpu", action="store_true", help="run as on a GPU node (see the module doc); implies --zero-init "
+                                                       "and --checkpointing")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="activation checkpointing (memstrata: its offload; stock: torch's checkpoint)")
     args = ap.parse_args(argv)
+    if args.gpu:
+        args.zero_init = args.checkpointing = True
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # Told, not defaulted: an inherited value must not put a GPU run's DeepSpeed on the CPU or the reverse.
+    os.environ["DS_ACCELERATOR"] = "cuda" if args.gpu else "cpu"
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -166,15 +183,20 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchronizer
+
     torch.set_num_threads(os.cpu_count() or 1)
     mem = PhaseMemory()
     mem.start()
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    device = torch.device("cuda", 0) if args.gpu else torch.device("cpu")
+    if args.gpu:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if args.gpu else "gloo", verbose=False)
     from memstrata.api.architecture import ModelArchitecture
 
     arch = ModelArchitecture.model_validate_json(args.arch_json) if args.arch_json else PRESETS[args.preset]
     cfg = ds_config(arch, swap_dir=args.swap_dir, batch=args.batch, precision=args.precision, profile=args.profile,
-                    param_device=args.param_device, optim_device=args.optim_device)
+                    param_device=args.param_device, optim_device=args.optim_device, pin=args.gpu)
     if args.sub_group_size:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
@@ -201,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     params = arch.parameters() if args.zero_init else sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {"engine": args.engine, "preset": args.preset, "params": params, "config": cfg,
                            "losses": [], "step_seconds": [], "phases": {"forward": [], "backward": [], "update": []},
-                           "zero_init": args.zero_init}
+                           "zero_init": args.zero_init, "gpu": args.gpu, "checkpointing": args.checkpointing}
     t0 = t_build if args.zero_init else time.perf_counter()  # under zero.Init, building is part of init
     if args.engine == "stock":
         engine, _, _, _ = deepspeed.initialize(**init_kw)
@@ -217,17 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     vocab = min(arch.vocab, 256)
     layer = getattr(engine, "memstrata", None)
+    clock = PhaseClock(synchronizer(device))
     for step in range(1, args.steps + 1):
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
         if disks:
             io_marks.append(snapshot(disks))
-        s0 = time.perf_counter()
+        s0 = clock.start()
         mem.phase = "forward"
         loss = engine(input_ids=ids, labels=ids).loss
-        s1 = time.perf_counter()
+        s1 = s0 + clock.lap()
         mem.phase = "backward"
         engine.backward(loss)
-        s2 = time.perf_counter()
+        s2 = s1 + clock.lap()
         mem.phase = "update"
         if args.pause_at_step == step:
             out["paused"] = True
@@ -236,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(out))
             time.sleep(3600)  # the test kills us here, mid-step, with I/O state live
         engine.step()
-        s3 = time.perf_counter()
+        s3 = s2 + clock.lap()
         out["losses"].append(float(loss.detach().float()))
         out["phases"]["forward"].append(s1 - s0)
         out["phases"]["backward"].append(s2 - s1)
@@ -247,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         if step == 1:
             out["time_to_first_step"] = time.perf_counter() - t0
     out["rss_peak_by_phase"] = dict(mem.peaks)
+    if args.gpu:
+        out["hbm_peak_bytes"] = hbm_peak_bytes(device)
+        out["gpu"] = torch.cuda.get_device_name(device)
     if disks:
         io_marks.append(snapshot(disks))
         # [init (build + initialize), step 1, ..., step N]: {device: [bytes read, bytes written]} each

@@ -91,11 +91,11 @@ def model_record(name: str, args: argparse.Namespace, idle: int, scratch: Path) 
     from memstrata.api.architecture import PRESETS
 
     arch = PRESETS[name]
-    planned = contenders.planned_base(arch, args.seq, args.batch)
+    planned = contenders.planned_base(arch, args.seq, args.batch, args.gpu)
     base = planned + idle
     ks = [float(k) for k in args.caps_bytes_per_param.split(",")]
     return {"params": arch.parameters(), "planned_base_bytes": planned, "base_bytes": base,
-            "stock_cpu_planned_bytes": contenders.stock_cpu_bytes(arch, args.seq, args.batch, scratch) + idle,
+            "stock_cpu_planned_bytes": contenders.stock_cpu_bytes(arch, args.seq, args.batch, scratch, args.gpu) + idle,
             "caps": [{**c, "runs": []}
                      for c in budget.caps(base, arch.parameters(), ks, args.all_fits_bytes_per_param)]}
 
@@ -111,7 +111,7 @@ def run_model(name: str, m: dict[str, Any], args: argparse.Namespace, scratch: P
     probe_cap = {"k": "probe", "bytes": m["planned_base_bytes"] + 20 * arch.parameters() + (6 << 30), "all_fits": True}
     probe = contenders.run_contender("memstrata", arch_name=name, arch=arch, seq=args.seq, batch=args.batch,
                                      warmup=1, measured=2, cap=probe_cap, base=0, scratch=scratch, backing=backing,
-                                     timeout=args.timeout)
+                                     timeout=args.timeout, gpu=args.gpu)
     m["base_probe"] = {k: probe.get(k) for k in ("ok", "error", "peak_rss_bytes", "cgroup")}
     if probe.get("ok"):
         m["base_bytes"] = int(probe["peak_rss_bytes"] - STATE_BYTES_PER_PARAM * arch.parameters())
@@ -131,7 +131,7 @@ def run_model(name: str, m: dict[str, Any], args: argparse.Namespace, scratch: P
             cap["runs"].append(contenders.run_contender(
                 contender, arch_name=name, arch=arch, seq=args.seq, batch=args.batch, warmup=args.warmup,
                 measured=args.measured, cap=cap, base=m["base_bytes"], scratch=scratch, backing=backing,
-                timeout=args.timeout))
+                timeout=args.timeout, gpu=args.gpu))
             save()  # after every run, so a later failure or timeout keeps what was measured
 
 
@@ -159,6 +159,9 @@ def main() -> int:
     ap.add_argument("--scratch", default="/var/tmp/memstrata-bench-offload", help="on a disk filesystem")
     ap.add_argument("--name", default="offload-budget", help="results file name under benchmarks/results/")
     ap.add_argument("--from-json", type=Path, help="re-summarise an earlier run's records, running nothing")
+    ap.add_argument("--gpu", action="store_true",
+                    help="each contender as it runs on a GPU node (harness --gpu: cuda:0, NCCL, pinning, activation "
+                         "checkpointing, the device's memory peak)")
     args = ap.parse_args()
     started = time.perf_counter()
     if args.from_json:
@@ -175,7 +178,7 @@ def main() -> int:
     idle = idle_interpreter_rss()
     results: dict[str, Any] = {
         "benchmark": "offload-budget", "name": args.name, "machine": machine(scratch), "seq": args.seq,
-        "batch": args.batch, "warmup": args.warmup, "measured": args.measured, "precision": "bf16",
+        "batch": args.batch, "warmup": args.warmup, "measured": args.measured, "precision": "bf16", "gpu": args.gpu,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()], "backing_device": backing,
         "idle_interpreter_rss_bytes": idle, "idle_interpreter_cgroup_peak_bytes": idle_interpreter_charge(),
         "base_formula": budget.BASE_FORMULA, "dram_cap": cap_mechanism(),
