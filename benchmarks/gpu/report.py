@@ -68,9 +68,10 @@ def targets(results: dict[str, Any], profile: Any) -> list[tuple[str, str, bool 
                     losses[-1] < losses[0] if len(losses) > 1 and r.get("ok") else (False if r.get("status") == "failed"
                                                                                     else None)))
     e = get("memstrata-export")
+    ran = e.get("status") in ("completed", "failed")
     out.append(("the exported model reloads with the engine's validation loss",
-                f"{e.get('reloaded_validation_loss')} vs {e.get('engine_validation_loss')}" if e else "not run",
-                e.get("ok") if e else None))
+                f"{e.get('reloaded_validation_loss')} vs {e.get('engine_validation_loss')}" if ran
+                else e.get("status", "not run"), e.get("ok") if ran else None))
     return out
 
 

@@ -146,6 +146,20 @@ def test_a_zero_element_tensor_round_trips() -> None:
     assert pool.in_use == 0
 
 
+
+def test_buffers_are_host_tensors_wherever_new_tensors_are_being_made() -> None:
+    """zero.Init makes every new tensor on the accelerator while a model is built (the first GPU run of memstrata's
+    engine failed there: a pool buffer shaped on a GPU tensor). A default device that is not the host stands in."""
+    import torch
+
+    pool = LockedPool(MiB)
+    with torch.device("meta"):
+        t = pool.tensor(256, torch.bfloat16)
+    assert t.device.type == "cpu" and t.numel() == 256 and pool.owns(t)
+    pool.free(t)
+    assert pool.in_use == 0
+
+
 class _Copies:
     """A DMA device standing in for a GPU: it counts registrations, and each fence stays open until the test says
     the copies queued before it have run."""

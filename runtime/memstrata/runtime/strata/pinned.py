@@ -154,7 +154,8 @@ class LockedPool:
         storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
         # A tensor of its own over the storage, not a view of another: a view keeps its base (and so the storage)
         # alive even after `.data` is pointed elsewhere, as ZeRO-3 does with partitions it moves into a flat buffer.
-        return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
+        # On the host by name: zero.Init makes every new tensor on the accelerator while a model is built.
+        return torch.empty(0, dtype=dtype, device="cpu").set_(storage, 0, (numel,))
 
     def owns(self, buffer: Any) -> bool:
         """Whether `buffer` (a tensor or buffer) lies in one of this pool's regions."""
