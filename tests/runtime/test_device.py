@@ -68,3 +68,19 @@ def test_each_phase_is_charged_the_device_time_it_queued() -> None:
     backward = clock.lap()
     gpu.queue(1.0)  # the update
     assert (forward, backward, clock.lap()) == (3.0, 5.0, 1.0)
+
+
+def test_the_hbm_peak_counts_what_torch_reserved_and_what_lives_outside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_memory_allocated alone missed the allocator's cache, the CUDA context and NCCL's buffers: on an H100 the
+    llama3.2-1b run allocated at most 8.4 GB of tensors while the process held 18.8 GB of the device."""
+    import torch
+
+    from memstrata.runtime.train.device import hbm_peak_bytes
+
+    GB = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GB, 80 * GB))  # 20 GB used now
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 17 * GB)  # 3 GB of it outside torch
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 18 * GB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9 * GB)
+    assert hbm_peak_bytes("cuda:0") == 21 * GB
+    assert hbm_peak_bytes("cpu") == 0

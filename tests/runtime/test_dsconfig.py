@@ -134,3 +134,22 @@ def test_pinned_pools_match_the_config_by_hand() -> None:
     zero = build_ds_config(_plan("gpt-125m", GiB), TINY, TRAINING, SWAP, on_gpu=False).config["zero_optimization"]
     p = zero["offload_param"]
     assert p["buffer_count"] * p["buffer_size"] * 2 == 1_048_576
+
+
+def test_the_reduce_bucket_deepspeed_allocates_is_the_one_the_plan_counts_on_the_gpu() -> None:
+    """ZeRO-3 allocates its gradient bucket whole on the compute device; left at 5e8 elements it is 0.93 GiB of bf16
+    that no plan counted. Set to one layer (7,087,872 elements, 1024-aligned), which the working set counts
+    (tests/plan/test_activation_checkpointing.py checks the sum for Llama-3-8B)."""
+    from memstrata.plan.accounting import reduce_bucket_elements
+
+    arch = PRESETS["gpt-125m"]
+    ds = build_ds_config(_plan("gpt-125m", GiB), arch, TRAINING, SWAP, on_gpu=True)
+    assert ds.config["zero_optimization"]["reduce_bucket_size"] == reduce_bucket_elements(arch) == 7_088_128
+    assert reduce_bucket_elements(PRESETS["llama3-70b"]) == 500_000_000  # never more than DeepSpeed's own
+
+
+def test_memstratas_engine_has_deepspeed_pin_on_the_cpu_too() -> None:
+    """Its pools serve every pin (memstrata.runtime.swap.pinning), so no accelerator is needed; stock cannot pin here."""
+    plan = _plan("gpt-125m", GiB).model_copy(update={"engine": "memstrata"})
+    zero = build_ds_config(plan, PRESETS["gpt-125m"], TRAINING, SWAP, on_gpu=False).config["zero_optimization"]
+    assert zero["offload_param"]["pin_memory"] is True and zero["offload_optimizer"]["pin_memory"] is True
