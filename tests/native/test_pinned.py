@@ -147,16 +147,28 @@ def test_a_zero_element_tensor_round_trips() -> None:
 
 
 
-def test_buffers_are_host_tensors_wherever_new_tensors_are_being_made() -> None:
-    """zero.Init makes every new tensor on the accelerator while a model is built (the first GPU run of memstrata's
-    engine failed there: a pool buffer shaped on a GPU tensor). A default device that is not the host stands in."""
+def test_buffers_are_host_tensors_of_the_asked_dtype_wherever_new_tensors_are_being_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a model is built zero.Init makes every new tensor on the accelerator and casts floating ones to its own
+    dtype (the first GPU run of memstrata's engine failed there: a pool buffer set up on a GPU tensor). Stood in
+    for here by what it does to torch.empty, and by a default device that is not the host."""
     import torch
 
+    real = torch.empty
+
+    def as_zero_init_makes_them(*args: object, **kwargs: object) -> object:
+        floating = kwargs.get("dtype", torch.float32).is_floating_point  # type: ignore[union-attr]
+        return real(*args, **{**kwargs, "device": "meta", **({"dtype": torch.bfloat16} if floating else {})})
+
+    monkeypatch.setattr(torch, "empty", as_zero_init_makes_them)
     pool = LockedPool(MiB)
     with torch.device("meta"):
-        t = pool.tensor(256, torch.bfloat16)
-    assert t.device.type == "cpu" and t.numel() == 256 and pool.owns(t)
+        t = pool.tensor(256, torch.float32)
+        empty = pool.tensor(0, torch.float32)
+    assert t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() == 256 and pool.owns(t)
+    assert t._base is None and empty.numel() == 0 and empty.dtype == torch.float32  # tensors of their own
     pool.free(t)
+    pool.free(empty)
     assert pool.in_use == 0
 
 
@@ -253,14 +265,16 @@ def test_on_a_gpu_a_freed_buffer_is_not_refilled_while_its_copy_to_the_device_wa
     from memstrata.runtime.strata.dma import CudaDma
 
     device = torch.device("cuda", torch.cuda.current_device())
-    pool = LockedPool(64 * MiB, lock=False, dma=CudaDma(device))
+    pool = LockedPool(32 * MiB, lock=False, dma=CudaDma(device))  # one region, room for one buffer
     first = pool.tensor(8 << 20, torch.float32).fill_(1.0)  # 32 MiB
+    where = first.untyped_storage().data_ptr()
     assert first.is_pinned() and pool.registrations == 1  # registered: the copy below is real DMA
     on_device = torch.empty_like(first, device=device)
     torch.cuda._sleep(1 << 30)  # the copy queues behind about a second of work
     on_device.copy_(first, non_blocking=True)
     pool.free(first)
     second = pool.tensor(8 << 20, torch.float32)
+    assert second.untyped_storage().data_ptr() == where  # the same memory: the pool waited for the copy first
     second.fill_(2.0)
     torch.cuda.synchronize()
     assert bool((on_device == 1.0).all())

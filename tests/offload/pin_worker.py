@@ -1,8 +1,9 @@
 """A memstrata run of the tiny job with torch's pinning replaced by one that pins as torch's caching host allocator
 does (each request rounded up to a power of two) and counts: `pin_worker.py JOB.yaml NVME_DIR OUT.json`.
 
-DeepSpeed pins through its accelerator's `_torch_pin_memory`/`_torch_empty_pinned` (torch's allocator on a GPU); the
-stand-in shows whether any pin still reaches them, and what it would have cost. OUT.json: the stand-in's counts, the
+DeepSpeed pins through its accelerator's `pin_memory` (and `pin_empty*`, through `_pin_fresh`): torch's allocator on a
+GPU, a no-op on the CPU accelerator. The stand-in, on the accelerator's class, shows whether any pin still reaches
+it, and what it would have cost. OUT.json: the stand-in's counts, the
 run's report, and the plan's DRAM bytes per category.
 """
 from __future__ import annotations
@@ -21,18 +22,20 @@ def power_of_two_pins(counts: dict[str, int]) -> None:
     def rounded(nbytes: int) -> int:
         return 1 << max(0, (nbytes - 1).bit_length())
 
-    def pin(tensor: torch.Tensor) -> torch.Tensor:
+    def pin(self: Any, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True) -> torch.Tensor:
         asked = tensor.numel() * tensor.element_size()
         counts["pins"] += 1
         counts["asked_bytes"] += asked
         counts["pinned_bytes"] += rounded(asked)
         return tensor.clone()
 
-    def empty(tensor: torch.Tensor, shape: Any) -> torch.Tensor:
-        return pin(tensor.new_empty(shape))
+    def empty(self: Any, tensor: torch.Tensor, shape: Any) -> torch.Tensor:
+        return pin(self, tensor.new_empty(shape))
 
-    accelerator: Any = get_accelerator()
-    accelerator._torch_pin_memory, accelerator._torch_empty_pinned = pin, empty
+    # On the class: what the accelerator does with a pin that memstrata does not take (its instance methods, while
+    # the model and the engine are built) is what stock's CUDA accelerator does, torch's pinning.
+    accelerator = type(get_accelerator())
+    accelerator.pin_memory, accelerator._pin_fresh = pin, empty  # type: ignore[method-assign]
 
 
 def main() -> int:

@@ -197,21 +197,26 @@ def test_what_goes_to_the_pool_is_what_lies_on_the_compute_device_and_is_worth_a
     assert worth_offloading(torch.empty((96, 64), device=gpu).t(), gpu)
 
 
-def test_prefetch_fetches_the_checkpoint_offloaded_before_the_one_backward_unpacks() -> None:
-    """Backward asks for checkpoints last layer first; unpacking one starts the copy back of the one offloaded before
-    it, whatever was packed in between (torch's dummies, kept where they are)."""
+def test_prefetch_fetches_what_the_layer_before_offloaded_when_backward_unpacks_a_layer() -> None:
+    """Backward asks for checkpoints last layer first; unpacking a layer's starts the copy back of every tensor the
+    layer call before it offloaded (a hidden state and, say, rotary tables passed positionally), whatever was packed
+    in between (torch's dummies, kept where they are), and nothing of the layers before that."""
     offload = ActivationOffload(_pool())
     packed = []
     for layer in range(3):
+        offload._call += 1  # what checkpoint() counts: one call per checkpointed layer
         assert offload._pack(torch.empty((0,))).numel() == 0  # a dummy, packed between two hidden states: kept
-        packed.append(offload._pack(torch.full((BATCH, SEQ, 128), float(layer))))
-    assert offload.stats.kept == 3 and offload.stats.tensors == 3
-    assert torch.equal(offload._unpack(packed[2]), torch.full((BATCH, SEQ, 128), 2.0))
-    assert packed[1].back is not None and packed[0].back is None  # the one before is on its way back, no other
-    assert torch.equal(offload._unpack(packed[1]), torch.full((BATCH, SEQ, 128), 1.0))
-    assert offload._unpack(packed[0]).eq(0).all()
-    assert offload.stats.prefetched == 2 and offload.pool.in_use == 0
-    assert offload._unpack(packed[2]) is offload._unpack(packed[2])  # unpacked again: the same tensor, no copy
+        packed.append([offload._pack(torch.full((BATCH, SEQ, 128), float(layer))),
+                       offload._pack(torch.full((SEQ, 64), -float(layer)))])
+    assert offload.stats.kept == 3 and offload.stats.tensors == 6
+    assert torch.equal(offload._unpack(packed[2][0]), torch.full((BATCH, SEQ, 128), 2.0))
+    assert all(s.back is not None for s in packed[1]) and all(s.back is None for s in packed[0])
+    assert torch.equal(offload._unpack(packed[2][1]), torch.full((SEQ, 64), -2.0))
+    assert torch.equal(offload._unpack(packed[1][1]), torch.full((SEQ, 64), -1.0))
+    assert torch.equal(offload._unpack(packed[1][0]), torch.full((BATCH, SEQ, 128), 1.0))
+    assert offload._unpack(packed[0][0]).eq(0).all() and offload._unpack(packed[0][1]).eq(0).all()
+    assert offload.stats.prefetched == 4 and offload.pool.in_use == 0
+    assert offload._unpack(packed[2][0]) is offload._unpack(packed[2][0])  # unpacked again: the same, no copy
 
 
 @pytest.mark.gpu

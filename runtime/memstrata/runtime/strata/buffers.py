@@ -2,13 +2,21 @@
 
 bytes/bytearray/mmap/memoryview/numpy arrays go through the buffer protocol;
 CPU torch tensors (which do not implement it) are reinterpreted as uint8
-numpy arrays over the same storage. torch is never imported here: a tensor
-can only exist if the caller already imported it.
+numpy arrays over the same storage. torch is imported only by `torch_module`,
+on first use: a tensor can only exist if the caller already imported it.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+
+def torch_module() -> Any:
+    """torch, imported on first use only: the strata work without it (the QEMU guest has none)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch  # noqa: F811
+    return torch
 
 
 def is_torch_tensor(obj: Any) -> bool:

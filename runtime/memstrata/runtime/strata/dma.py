@@ -16,13 +16,15 @@ registrations and hold fences open on a machine without a GPU.
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from memstrata.runtime.strata.buffers import torch_module
 from memstrata.runtime.strata.errors import PinnedMemoryError
 
 __all__ = ["CudaDma", "DmaDevice", "Fence", "dma_device"]
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class Fence(Protocol):
@@ -47,13 +49,6 @@ class DmaDevice(Protocol):
     def current_stream(self) -> Any: ...
 
 
-def _torch() -> Any:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch  # noqa: F811
-    return torch
-
-
 class _Events:
     def __init__(self, events: list[Any]) -> None:
         self.events = events
@@ -70,25 +65,26 @@ class CudaDma:
     """A CUDA device: regions registered with cudaHostRegister, fences made of CUDA events."""
 
     def __init__(self, device: Any) -> None:
-        torch = _torch()
+        torch = torch_module()
         self.device = torch.device(device)
         self.name = str(self.device)
 
     def register(self, address: int, size: int) -> None:
-        err = int(_torch().cuda.cudart().cudaHostRegister(address, size, 0))
+        # Portable: pinned for every CUDA context of the process, whichever device is current when a pool grows.
+        err = int(torch_module().cuda.cudart().cudaHostRegister(address, size, _HOST_REGISTER_PORTABLE))
         if err != 0:
             raise PinnedMemoryError(f"cannot register {size} bytes of a locked pool with {self.name} "
                                     f"(cudaHostRegister error {err})", needed_bytes=size, limit_bytes=None, errno=0)
 
     def unregister(self, address: int) -> None:
         # An error here (a context already torn down at exit) leaves nothing to undo: the region is unmapped next.
-        _torch().cuda.cudart().cudaHostUnregister(address)
+        torch_module().cuda.cudart().cudaHostUnregister(address)
 
     def current_stream(self) -> Any:
-        return _torch().cuda.current_stream(self.device)
+        return torch_module().cuda.current_stream(self.device)
 
     def fence(self, streams: Sequence[Any] = ()) -> Fence:
-        torch = _torch()
+        torch = torch_module()
         events = []
         for stream in (torch.cuda.current_stream(self.device), *streams):
             event = torch.cuda.Event()

@@ -31,14 +31,13 @@ from __future__ import annotations
 import errno as E
 import logging
 import resource
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from memstrata.runtime import _native
 from memstrata.runtime.strata.affinity import Placement
-from memstrata.runtime.strata.buffers import is_torch_tensor
+from memstrata.runtime.strata.buffers import is_torch_tensor, torch_module
 from memstrata.runtime.strata.dma import DmaDevice, Fence
 from memstrata.runtime.strata.errors import NumaError, PinnedMemoryError
 from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError
@@ -76,14 +75,6 @@ def _lock_error(size: int, exc: OSError) -> PinnedMemoryError:
     return PinnedMemoryError(msg, needed_bytes=needed, limit_bytes=limit, errno=exc.errno)
 
 
-def _torch() -> Any:
-    # Imported on first use only: the strata work without torch (the guest has none).
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch  # noqa: F811
-    return torch
-
-
 class LockedPool:
     """Exact-size page-locked host buffers, carved from locked regions of `chunk_bytes`.
 
@@ -104,6 +95,7 @@ class LockedPool:
         self.dma = dma
         self.registrations = 0  # regions registered with `dma`, all time
         self._fenced: list[tuple[Fence, int]] = []  # freed buffers (by address) whose copies may still run
+        self._fencing: set[int] = set()  # their addresses
         self.unlocked_reason: str | None = None  # set when that happened
         self.placement = placement
         self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
@@ -148,14 +140,14 @@ class LockedPool:
 
     def tensor(self, numel: int, dtype: Any) -> Any:
         """A 1-D torch tensor of `numel` elements of `dtype` over locked bytes (no copy); `numel` may be 0."""
-        torch = _torch()
-        item = torch.empty((), dtype=dtype).element_size()
-        view = self.take(max(1, numel) * item)
-        storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
-        # A tensor of its own over the storage, not a view of another: a view keeps its base (and so the storage)
-        # alive even after `.data` is pointed elsewhere, as ZeRO-3 does with partitions it moves into a flat buffer.
-        # On the host by name: zero.Init makes every new tensor on the accelerator while a model is built.
-        return torch.empty(0, dtype=dtype, device="cpu").set_(storage, 0, (numel,))
+        torch = torch_module()
+        view = self.take(max(1, numel) * dtype.itemsize)
+        # torch.frombuffer, never torch.empty: while a model is built zero.Init makes every new tensor on the
+        # accelerator and casts floating ones to its dtype. And a tensor of its own over the buffer, not a view of
+        # another: a view keeps its base (and so the storage) alive even after `.data` is pointed elsewhere, as
+        # ZeRO-3 does with the partitions it moves into a flat buffer.
+        t = torch.frombuffer(view, dtype=dtype, count=max(1, numel))
+        return t if numel else t.set_(t.untyped_storage(), 0, (0,))
 
     def owns(self, buffer: Any) -> bool:
         """Whether `buffer` (a tensor or buffer) lies in one of this pool's regions."""
@@ -169,10 +161,11 @@ class LockedPool:
         With a DMA device the space is reused only after the copies queued on the buffer so far, on the
         current stream and on `streams` (where the caller queued its copies), have run."""
         key = _address(buffer)
-        if key not in self._owner or any(k == key for _, k in self._fenced):
+        if key not in self._owner or key in self._fencing:
             raise ValueError("buffer was not handed out by this pool (or was freed twice)")
         if self.dma is not None:
             self._fenced.append((self.dma.fence(streams), key))
+            self._fencing.add(key)
             return
         self._give_back(key)
 
@@ -186,6 +179,7 @@ class LockedPool:
             (done if entry[0].done() else keep).append(entry)
         self._fenced = keep
         for _, key in done:
+            self._fencing.discard(key)
             self._give_back(key)
         return len(done)
 
@@ -303,6 +297,7 @@ class LockedPool:
             for region, _ in self._regions.values():
                 self.dma.unregister(region.address)
         self._fenced.clear()
+        self._fencing.clear()
         self._owner.clear()
         self._regions.clear()  # regions unmap (and unlock) when their last view is gone
         self._region_use.clear()

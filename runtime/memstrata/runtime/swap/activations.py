@@ -20,7 +20,7 @@ copied span for span and comes back with the same layout.
 
 Backward unpacks them last layer first. On a GPU the copies run on a side
 stream: each checkpoint leaves the device without stalling the forward, and
-unpacking one starts the copy back of the checkpoint offloaded before it, so the
+unpacking one starts the copy back of what the layer before it offloaded, so the
 next recompute finds its input already there. A host buffer goes back to the pool
 when autograd lets go of its checkpoint (a saved tensor can be unpacked more than
 once), with a fence on the side stream (memstrata.runtime.strata.dma), so the pool
@@ -69,14 +69,14 @@ class _Saved:
     after the first returns the tensor the first one did, which autograd would have held all along without these
     hooks."""
 
-    __slots__ = ("offload", "key", "host", "shape", "stride", "prev", "stored", "back", "arrived", "freed",
+    __slots__ = ("offload", "key", "host", "shape", "stride", "call", "stored", "back", "arrived", "freed",
                  "handed", "__weakref__")
 
     def __init__(self, offload: ActivationOffload, key: int, host: torch.Tensor, like: torch.Tensor,
-                 prev: int | None) -> None:
+                 call: int) -> None:
         self.offload, self.key, self.host = offload, key, host
         self.shape, self.stride = like.shape, like.stride()
-        self.prev = prev  # the key of the checkpoint offloaded just before this one (backward wants it next)
+        self.call = call  # which checkpointed layer call saved it (backward wants the one before next)
         self.stored: Any = None  # CUDA event: the copy to the host has completed
         self.back: torch.Tensor | None = None  # a copy on its way back to the device (prefetched), not yet handed out
         self.arrived: Any = None  # CUDA event: `back` is complete
@@ -119,12 +119,15 @@ class ActivationOffload:
         self.stats = ActivationStats()
         self._saved: weakref.WeakValueDictionary[int, _Saved] = weakref.WeakValueDictionary()  # the live ones
         self._next = 0
-        self._last: int | None = None  # the newest offloaded key
+        self._call = 0  # checkpointed layer calls so far
+        self._by_call: dict[int, list[int]] = {}  # call -> the keys it offloaded (those still live)
         self._stream: Any = None  # the side stream, made on first use
 
     def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """What `model._set_gradient_checkpointing(gradient_checkpointing_func=...)` calls per layer."""
         kwargs.pop("use_reentrant", None)  # the reentrant variant saves no tensors through these hooks
+        self._call += 1
+        self._by_call = {c: keys for c, keys in self._by_call.items() if any(k in self._saved for k in keys)}
         with saved_tensors_hooks(self._pack, self._unpack):
             return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
@@ -134,7 +137,7 @@ class ActivationOffload:
             self.stats.kept += 1
             return tensor  # autograd keeps it, as without these hooks
         key, self._next = self._next, self._next + 1
-        saved = _Saved(self, key, self.pool.tensor(tensor.numel(), tensor.dtype), tensor, self._last)
+        saved = _Saved(self, key, self.pool.tensor(tensor.numel(), tensor.dtype), tensor, self._call)
         source = tensor.detach()
         if self._on_gpu:
             stream = self._side_stream()
@@ -147,7 +150,7 @@ class ActivationOffload:
         else:
             saved.on_host().copy_(source)
         self._saved[key] = saved
-        self._last = key
+        self._by_call.setdefault(self._call, []).append(key)
         nbytes = _nbytes(saved.host)
         s = self.stats
         s.live_bytes += nbytes
@@ -174,10 +177,11 @@ class ActivationOffload:
         self._release(saved)  # fenced by the copy back just queued
         if self._on_gpu:
             torch.cuda.current_stream(self.device).wait_event(saved.arrived)
-        # Backward runs last layer first: the next checkpoint it needs is the one offloaded before this one.
-        earlier = self._saved.get(saved.prev) if saved.prev is not None else None
-        if earlier is not None and earlier.back is None and not earlier.freed:
-            earlier.back = self._fetch(earlier)
+        # Backward runs last layer first: the next tensors it needs are those the layer call before this one saved.
+        for key in self._by_call.pop(saved.call - 1, ()):
+            earlier = self._saved.get(key)
+            if earlier is not None and earlier.back is None and not earlier.freed:
+                earlier.back = self._fetch(earlier)
         saved.handed = back
         return back
 
@@ -220,7 +224,7 @@ class ActivationOffload:
         for saved in list(self._saved.values()):
             saved.back = saved.handed = None  # the device copies are autograd's to hold, not this offload's
         self._saved.clear()
-        self._last = None
+        self._by_call.clear()
         return len(live)
 
 

@@ -277,6 +277,10 @@ class SwapLayer:
         release_free_heap()
         return released
 
+    def _pinned_bytes(self) -> int:
+        self.pins.reap()  # what DeepSpeed dropped since
+        return self.pinned_weights.in_use + self.pinned_operands.in_use
+
     def status(self) -> SwapStatus:
         """Per-stratum bytes for the progress report and the job status; `.wire()` is its JSON."""
         dev = self.engine.stats() if self.engine is not None else []
@@ -296,7 +300,7 @@ class SwapLayer:
             dram=DramStatus(
                 locked_bytes=self.pool.locked_bytes + self.param_pool.locked_bytes,
                 locked_peak_in_use=self.pool.peak_in_use + self.param_pool.peak_in_use,
-                pinned_bytes=self.pinned_weights.in_use + self.pinned_operands.in_use,
+                pinned_bytes=self._pinned_bytes(),
                 trimmed_bytes=self.trimmed_bytes,
                 optimizer_cache_bytes=self.cache_bytes,
                 optimizer_cache_hits=self.cache_hits,
@@ -312,21 +316,22 @@ class SwapLayer:
         )
 
     def close(self) -> None:
-        try:
+        """Everything the layer holds, each step in turn whatever the others raise (after a failed step, a CUDA
+        error among them): the activation checkpoints, the namespaces (their I/O drained), the pools (on a GPU
+        after their last copies, unregistered), the I/O token, the files it created."""
+        with contextlib.ExitStack() as stack:  # callbacks run last pushed first; every one runs
+            for path in self.created_files:
+                stack.callback(_unlink, path)
+            stack.callback(self.tokens.close)
+            for pool in (self.pool, self.pinned_operands, self.pinned_weights, self.param_pool):
+                stack.callback(pool.close)
+            if self.engine is not None:
+                stack.callback(self.engine.close)
             if self.activations is not None:
-                # After a failed step (a CUDA error among them) this may raise; the namespaces close regardless.
-                try:
-                    self.activations.drop()
-                finally:
-                    self.activations.pool.close()
-        finally:
-            try:
-                for pool in (self.param_pool, self.pinned_weights, self.pinned_operands, self.pool):
-                    pool.close()  # on a GPU: after their last copies, unregistered
-                if self.engine is not None:
-                    self.engine.close()
-            finally:
-                self.tokens.close()
-                for path in self.created_files:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+                stack.callback(self.activations.pool.close)
+                stack.callback(self.activations.drop)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

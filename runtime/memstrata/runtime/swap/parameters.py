@@ -12,9 +12,13 @@ over-commits, and a fetch that must happen is never refused. I/O goes through
 A released buffer goes back to the pool only once no tensor views it any more,
 and on a GPU only once the copies queued on it have run: the pool is registered
 with the GPU, so the copy of a partition to the device is asynchronous DMA, and
-the buffer's free is fenced on the stream that was current when it was filled
-(where a synchronous fetch copies it) and the one current at its release (which
-has waited for the gather before computing with the parameter).
+the buffer's free is fenced on the stream current at its release and the one
+current when it was filled. ZeRO-3 copies a partition to the device on its
+all-gather stream, and the compute stream waits for that stream before it
+computes with the parameter, so the release (after the computation) is ordered
+after the copy; a synchronous fetch fills and copies on the all-gather stream
+itself, which the second fence covers. (An asynchronous NVMe prefetch fills on
+the compute stream; its copy is then ordered by that wait as well.)
 On a rank whose partition is the whole parameter (one rank, and on the CPU),
 ZeRO-3 does not gather into a fresh tensor: `param.data` *is* the staging
 buffer. Autograd can keep that storage past the release: non-reentrant
@@ -54,9 +58,6 @@ class _Lingering:
 
     def __init__(self, storage: StorageWeakRef, address: int, nbytes: int, streams: tuple[Any, ...]) -> None:
         self.storage, self.address, self.nbytes, self.streams = storage, address, nbytes, streams
-
-    def data_ptr(self) -> int:  # what LockedPool.free keys a buffer by
-        return self.address
 
 
 class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
@@ -158,7 +159,7 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
         for buf in self._lingering:
             if buf.storage.expired():
                 self.layer.param_bytes_in_use -= buf.nbytes
-                self.layer.param_pool.free(buf, streams=buf.streams)
+                self.layer.param_pool.free(buf.address, streams=buf.streams)
             else:
                 still.append(buf)
         self._lingering = still

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import importlib.metadata
+import logging
 import json
 import os
 import random
@@ -88,7 +89,13 @@ def restore_rng(state: dict[str, Any]) -> None:
     saved = state.get("cuda")
     if saved and torch.cuda.is_available():
         if isinstance(saved, list):  # written by an earlier memstrata: one per visible GPU, this rank's at its index
-            saved = saved[min(torch.cuda.current_device(), len(saved) - 1)]
+            index = torch.cuda.current_device()
+            if index >= len(saved):
+                logging.getLogger(__name__).warning(
+                    "memstrata: the checkpoint holds %d GPU random states (one per GPU its writer saw) and this rank is "
+                    "on GPU %d: dropout draws differ from an uninterrupted run's", len(saved), index)
+                return
+            saved = saved[index]
         torch.cuda.set_rng_state(tensor(saved))
 
 

@@ -102,7 +102,8 @@ def visible_gpus() -> int:
 
 def on_gpu_for(gpus: int, visible: Callable[[], int] = visible_gpus) -> bool:
     """Whether a job asking for `gpus` GPUs (spec.resources.gpus) trains on them here: never silently on the CPU
-    instead. RecipeError naming the field when this process sees fewer."""
+    instead. RecipeError naming the field when this process sees none. (Each rank takes cuda:LOCAL_RANK; a rank
+    beyond the GPUs it sees fails there, naming its device.)"""
     if gpus < 1:
         return False
     seen = visible()
