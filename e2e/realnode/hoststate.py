@@ -10,9 +10,11 @@ directory, iptables rules carrying our comment), so cleanup removes exactly that
 """
 from __future__ import annotations
 
+import grp
 import json
 import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -133,6 +135,19 @@ def remove_tree(root: Path) -> None:
     subprocess.run(["rm", "-rf", "--one-file-system", str(root)], capture_output=True)
 
 
+def _as_udev_makes_them(node: Path) -> None:
+    """The ownership a node's udev gives block devices, NVMe namespaces among them: root:disk 0660. A host without
+    udev leaves a new loop node root:root 0600, which the training container (a non-root user in group disk)
+    cannot open; the harness must not inherit that, so it sets and checks it."""
+    disk = grp.getgrnam("disk").gr_gid
+    os.chown(node, 0, disk)
+    os.chmod(node, 0o660)
+    st = node.stat()
+    if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) != (0, disk, 0o660):
+        raise RuntimeError(f"{node}: owner {st.st_uid}:{st.st_gid} mode {stat.S_IMODE(st.st_mode):o} after setting "
+                           f"root:disk 0660")
+
+
 class LoopFiles:
     """Loop devices over sparse files in one directory of ours: what the node agent offers as namespaces.
     clear() detaches every loop device backed by a file there (a killed run's too) and deletes the files."""
@@ -152,6 +167,7 @@ class LoopFiles:
             if dev.returncode != 0:
                 raise RuntimeError(f"losetup {backing}: {dev.stderr.strip()}")
             names.append(Path(dev.stdout.strip()).name)
+            _as_udev_makes_them(Path(dev.stdout.strip()))
         return names
 
     def clear(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,21 @@ def test_a_job_that_asks_for_a_gpu_never_trains_on_the_cpu_instead() -> None:
     assert on_gpu_for(0, visible=lambda: 8) is False  # gpus: 0 trains on the CPU even where GPUs are
 
 
-def test_deepspeed_is_told_the_runs_device_whatever_was_inherited() -> None:
+def test_deepspeed_is_told_the_runs_device_whatever_was_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "deepspeed.accelerator.real_accelerator", raising=False)  # not yet set up
     env = {"DS_ACCELERATOR": "cpu"}  # left over in a GPU pod's environment
     assert accelerator_env(True, env) == "cuda" and env["DS_ACCELERATOR"] == "cuda"
+
+
+def test_a_process_whose_deepspeed_runs_on_another_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed picks its accelerator once per process: a run for the GPU in a process set up for the CPU would
+    put half of it on each. Said, naming the variable, before anything is built."""
+    chosen = types.SimpleNamespace(ds_accelerator=types.SimpleNamespace(device_name=lambda: "cpu"))
+    monkeypatch.setitem(sys.modules, "deepspeed.accelerator.real_accelerator", chosen)
+    with pytest.raises(RecipeError, match=r"DS_ACCELERATOR: DeepSpeed was already set up in this process for 'cpu', "
+                                          r"but this run trains on 'cuda'"):
+        accelerator_env(True, {})
+    assert accelerator_env(False, {}) == "cpu"
 
 
 def test_a_cpu_run_in_an_environment_that_says_cuda_trains_on_the_cpu(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                  "byKind": {"optimizer": {"written": 500 << 20, "read": 450 << 20},
                             "param": {"written": 200 << 20, "read": 200 << 20}},
                  "ioTokenWaitSeconds": 0.25, "ioTokenBypasses": 0},
-        "dram": {"lockedBytes": 96 << 20, "lockedPeakInUse": 64 << 20, "trimmedBytes": 0,
+        "dram": {"lockedBytes": 96 << 20, "lockedPeakInUse": 64 << 20, "trimmedBytes": 0, "pinnedBytes": 3 << 20,
                  "optimizerCacheBytes": 12 << 20, "residentStateBytes": 36 << 20, "residentSubgroups": 3,
                  "residentWeightBytes": 4 << 20, "prefetchHits": 5, "optimizerCacheHits": 7,
                  "subGroupOrders": [[0, 1], [1, 0]],
@@ -122,5 +122,6 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
     assert "memstrata swap layer" in text and "written through 1 namespace(s)" in text
     assert "optimizer state written / read" in text and "500.0 MiB / 450.0 MiB" in text
     assert "12.0 MiB, 7 hits" in text
+    assert "pinned for ZeRO-3 (weights, gradients; exact)" in text and "3.0 MiB" in text
     assert "activation checkpoints, peak held (NUMA 2,3)" in text and "24.0 MiB" in text
     assert "activation checkpoints moved, 19 prefetched" in text and "120.0 MiB" in text

@@ -201,6 +201,8 @@ def render_memstrata(status: SwapStatus, console: Console) -> None:
         t.add_row("nvme", f"{kind} state written / read", f"{format_bytes(moved.written)} / {format_bytes(moved.read)}")
     t.add_row("nvme", "peak held on the stratum", format_bytes(nvme.bytes_live_peak))
     t.add_row("dram", "locked (mlock'ed pool)", format_bytes(dram.locked_bytes))
+    if dram.pinned_bytes:
+        t.add_row("dram", "pinned for ZeRO-3 (weights, gradients; exact)", format_bytes(dram.pinned_bytes))
     t.add_row("dram", "optimizer sub-groups cached", f"{format_bytes(dram.optimizer_cache_bytes)}, "
               f"{dram.optimizer_cache_hits} hits")
     act = status.activations
