@@ -41,7 +41,8 @@ from sweep import steady  # noqa: E402
 WORKER = HERE.parent / "longctx" / "worker.py"
 RELOAD = HERE / "reload.py"
 # The GPU tests: skipped without a GPU (here they are the first item, so a broken GPU path is named first).
-GPU_TESTS = ["tests/runtime/test_activation_offload.py", "tests/native/test_pinned.py", "tests/offload/test_gpu_paths.py"]
+GPU_TESTS = ["tests/runtime/test_activation_offload.py", "tests/native/test_pinned.py",
+             "tests/offload/test_gpu_paths.py"]
 
 
 def run_tests(item: Item, limit: float, out: Path) -> dict[str, Any]:
@@ -95,7 +96,8 @@ def measured(data: dict[str, Any]) -> dict[str, Any]:
             "losses": [s["loss"] for s in steps], "validation_losses": report.get("validation_losses"),
             "peak_rss_bytes": data.get("max_rss_bytes"), "report_peak_rss_bytes": report.get("peak_rss_bytes"),
             "plan_dram_bytes": data.get("plan_dram_bytes"), "plan_hbm_bytes": data.get("plan_hbm_bytes"),
-            "hbm_peak_bytes": data.get("gpu_peak_bytes"), "hbm_allocated_peak_bytes": data.get("gpu_allocated_peak_bytes"),
+            "hbm_peak_bytes": data.get("gpu_peak_bytes"),
+            "hbm_allocated_peak_bytes": data.get("gpu_allocated_peak_bytes"),
             "strata": report.get("strata"), "phases": report.get("phases"), "offload": report.get("offload"),
             "pinned_bytes": dram.get("pinnedBytes"), "activations": (report.get("memstrata") or {}).get("activations")}
 

@@ -131,7 +131,8 @@ def plan_verdict(job_path: Path, nvme: Path, gpu: bool, expect: str) -> dict[str
     plan = plan_job(load_job(job_path).spec, node)
     return {"ok": plan.feasible == (expect == "fits"),
             "status": "refused by the planner" if not plan.feasible else "fits",
-            "verdict": plan.verdict(), "plan_dram_bytes": plan.bytes_on("dram"), "plan_nvme_bytes": plan.bytes_on("nvme")}
+            "verdict": plan.verdict(), "plan_dram_bytes": plan.bytes_on("dram"),
+            "plan_nvme_bytes": plan.bytes_on("nvme")}
 
 
 def cannot_run(item: Item, cpu: bool) -> str | None:

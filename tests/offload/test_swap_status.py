@@ -15,8 +15,8 @@ from memstrata.runtime.swap.layer import SwapLayer, SwapSettings  # noqa: E402
 NVME_KEYS = ["namespaces", "bytesWritten", "bytesRead", "bytesLive", "bytesLivePeak", "extentsLive", "byKind",
              "ioTokenWaitSeconds", "ioTokenBypasses"]
 DRAM_KEYS = ["lockedBytes", "lockedPeakInUse", "trimmedBytes", "pinnedBytes", "optimizerCacheBytes",
-             "residentStateBytes", "residentSubgroups", "residentWeightBytes", "prefetchHits", "optimizerCacheHits", "subGroupOrders",
-             "gradients", "vmLockedBytes"]
+             "residentStateBytes", "residentSubgroups", "residentWeightBytes", "prefetchHits", "optimizerCacheHits",
+             "subGroupOrders", "gradients", "vmLockedBytes"]
 
 
 def test_status_json_has_the_keys_its_readers_use_and_counts_what_moved(tmp_path: Path) -> None:

@@ -149,7 +149,8 @@ def test_the_reduce_bucket_deepspeed_allocates_is_the_one_the_plan_counts_on_the
 
 
 def test_memstratas_engine_has_deepspeed_pin_on_the_cpu_too() -> None:
-    """Its pools serve every pin (memstrata.runtime.swap.pinning), so no accelerator is needed; stock cannot pin here."""
+    """Its pools serve every pin (memstrata.runtime.swap.pinning), so no accelerator is needed; stock cannot pin
+    here."""
     plan = _plan("gpt-125m", GiB).model_copy(update={"engine": "memstrata"})
     zero = build_ds_config(plan, PRESETS["gpt-125m"], TRAINING, SWAP, on_gpu=False).config["zero_optimization"]
     assert zero["offload_param"]["pin_memory"] is True and zero["offload_optimizer"]["pin_memory"] is True

@@ -92,8 +92,8 @@ def restore_rng(state: dict[str, Any]) -> None:
             index = torch.cuda.current_device()
             if index >= len(saved):
                 logging.getLogger(__name__).warning(
-                    "memstrata: the checkpoint holds %d GPU random states (one per GPU its writer saw) and this rank is "
-                    "on GPU %d: dropout draws differ from an uninterrupted run's", len(saved), index)
+                    "memstrata: the checkpoint holds %d GPU random states (one per GPU its writer saw) and this rank "
+                    "is on GPU %d: dropout draws differ from an uninterrupted run's", len(saved), index)
                 return
             saved = saved[index]
         torch.cuda.set_rng_state(tensor(saved))
