@@ -43,8 +43,6 @@ class Pins:
 
     def __init__(self, weights: LockedPool, operands: LockedPool) -> None:
         self.weights, self.operands = weights, operands
-        self.asked_bytes = 0  # what DeepSpeed asked to pin, all time
-        self.served = 0  # how many pins were served
         self._held: dict[int, tuple[StorageWeakRef, LockedPool]] = {}  # address -> (its storage, its pool)
 
     def pin(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True) -> torch.Tensor:
@@ -61,8 +59,6 @@ class Pins:
             out.copy_(tensor.reshape(shape))
         storage = out.untyped_storage()
         self._held[storage.data_ptr()] = (StorageWeakRef(storage), pool)
-        self.asked_bytes += tensor.numel() * tensor.element_size()
-        self.served += 1
         return out
 
     def reap(self) -> int:
@@ -85,7 +81,6 @@ class Pins:
         self._held.pop(tensor.untyped_storage().data_ptr(), None)
         pool.free(tensor)
         return True
-
 
 
 @contextlib.contextmanager
