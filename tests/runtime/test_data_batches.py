@@ -14,6 +14,7 @@ from memstrata.api.finetunejob import Dataset, Training  # noqa: E402
 from memstrata.runtime.train.data import ByteTokenizer, DatasetError, FileData, build_data  # noqa: E402
 from memstrata.runtime.train.encode import encode_record  # noqa: E402
 from memstrata.runtime.train.records import PromptCompletion  # noqa: E402
+from memstrata.runtime.train.stream import epochs  # noqa: E402
 
 BYTES = ByteTokenizer()
 BOS, EOS, PAD = ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD
@@ -202,3 +203,11 @@ def test_a_large_file_is_streamed_not_held(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert data.train_records + data.validation_records == 100_000
     assert peak < tokens * 8 / 4, f"peak {peak / 1e6:.1f} MB for {tokens} tokens"
+
+
+@pytest.mark.timeout(30)
+def test_epochs_end_at_an_epoch_that_reads_nothing() -> None:
+    """A source that stops yielding (a file emptied under a run) ends the stream instead of spinning for ever."""
+    reads = iter([[1, 2, 3], [4], [], [5]])
+    got = list(epochs(lambda: next(reads), seed=0))
+    assert sorted(got) == [(0, 1), (0, 2), (0, 3), (1, 4)]

@@ -107,3 +107,23 @@ def test_validation_file_is_checked_too(tmp_path: Path) -> None:
         f"{val}:2: a prompt_completion record, but the dataset's format is text (that of line 1 of {train})")
     empty = write(tmp_path / "empty.jsonl", [""])
     assert error_of(train, validation_path=str(empty)) == f"{empty}: holds no records"
+
+
+@pytest.mark.timeout(60)  # before the fix an emptied file spun the epoch loop for ever
+@pytest.mark.parametrize("change", ["emptied", "rewritten"])
+def test_a_file_that_changes_mid_run_fails_naming_it(tmp_path: Path, change: str) -> None:
+    """`: > ds.jsonl` (or an edit) while a run streams the file: the next read fails naming it, never loops."""
+    path = write(tmp_path / "data.jsonl", [{"text": f"record {i} " + "words " * 15} for i in range(20)])
+    batches = build(path).batches(2)
+    for _ in range(5):
+        next(batches)
+    if change == "emptied":
+        path.write_bytes(b"")
+    else:
+        write(path, [{"text": f"other {i} " + "words " * 15} for i in range(21)])
+    with pytest.raises(DatasetError) as err:
+        for _ in range(10_000):  # several epochs' worth: the change must show within one
+            next(batches)
+    message = str(err.value)
+    assert message.startswith(f"{path}: changed while the run was reading it"), message
+    assert ("now 0 bytes" if change == "emptied" else "now 2") in message, message

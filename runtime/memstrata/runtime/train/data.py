@@ -112,7 +112,9 @@ class FileData(TrainData):
             check_chat_template(tokenizer, f"dataset.path {self.path}")
         self.train_records = train.kept
         self.validation_records = train.other
+        self.stamp = train.stamp  # every epoch's read checks the file is still the one validated
         self.validation_file: Path | None = None
+        self.validation_stamp = train.stamp
         self.validation_why = self.why
         if not train.kept:
             raise DatasetError(f"{self.path}: validationSplit {dataset.validation_split} holds out all "
@@ -129,6 +131,7 @@ class FileData(TrainData):
             if not val.kept:
                 raise DatasetError(f"{self.validation_file}: holds no records")
             self.validation_records = val.kept
+            self.validation_stamp = val.stamp
         held = (f", {self.validation_records} held out for validation" if dataset.validation_split else
                 f"; validation: {self.validation_records} from {self.validation_file}" if self.validation_file
                 else "")
@@ -145,11 +148,12 @@ class FileData(TrainData):
             raise DatasetError(f"{path}:{number}: {exc}") from None
 
     def _read_train(self) -> Iterator[tuple[int, Record]]:
-        return read_records(self.path, self.format, self.text_field, self.why, keep=lambda n: not self.held_out(n))
+        return read_records(self.path, self.format, self.text_field, self.why, keep=lambda n: not self.held_out(n),
+                            stamp=self.stamp)
 
     def _train_examples(self) -> Iterator[Example]:
-        """Examples forever, epoch after epoch; fails when a whole epoch had nothing to train on (which would
-        otherwise loop forever without yielding a batch)."""
+        """Examples forever, epoch after epoch; fails when a whole epoch had nothing to train on, or nothing at
+        all (either would otherwise loop forever without yielding a batch)."""
         current, useful = 0, False
         for epoch, (number, record) in epochs(self._read_train, self.seed, self.shuffle_buffer):
             if epoch != current:
@@ -162,6 +166,7 @@ class FileData(TrainData):
                 labels = labels_of(example)
                 useful = any(m for m in example[1]) if self.packing else trains(labels[: self.length])
             yield example
+        raise DatasetError(f"{self.path}: an epoch read no record: the file changed while the run was reading it")
 
     def _train_rows(self) -> Iterator[tuple[list[int], list[int]]]:
         return sequences(self._train_examples(), self.length, self.tokenizer.pad_id, self.packing)
@@ -176,11 +181,11 @@ class FileData(TrainData):
     def _validation_examples(self) -> Iterator[Example]:
         if self.validation_file is not None:
             for number, record in read_records(self.validation_file, self.format, self.text_field,
-                                               self.validation_why):
+                                               self.validation_why, stamp=self.validation_stamp):
                 yield self._encode(self.validation_file, number, record)
         elif self.validation_records:
             for number, record in read_records(self.path, self.format, self.text_field, self.why,
-                                               keep=self.held_out):
+                                               keep=self.held_out, stamp=self.stamp):
                 yield self._encode(self.path, number, record)
 
     def validation(self, micro_batch: int) -> list[Batch]:

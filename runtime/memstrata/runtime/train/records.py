@@ -9,17 +9,23 @@ ignored, so records may carry ids or metadata.
 Everything streams: `read_records` yields one record at a time and `scan` (the pass that validates a whole
 file before training) keeps only counts, so a file is never held in memory. A bad record fails with
 `file:line: problem`.
+
+A file is read again for every epoch, so it must stay what the validating pass saw: `scan` records its
+`Stamp` (device, inode, size, modification time) and every later read checks it when it opens the file and
+when it reaches the end, so a file emptied or edited under a run fails naming it instead of training on
+something unvalidated (or, emptied, spinning through empty epochs).
 """
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Union
 
 __all__ = ["DatasetError", "RecordError", "Format", "TextRecord", "PromptCompletion", "Messages", "Record", "ROLES",
-           "read_records", "scan", "Scan"]
+           "read_records", "scan", "Scan", "Stamp"]
 
 Format = Literal["text", "prompt_completion", "messages"]
 ROLES = ("system", "user", "assistant")
@@ -114,12 +120,41 @@ def parse_record(obj: object, fmt: Format, text_field: str, why: str) -> Record:
     return _messages(obj["messages"])
 
 
-def _lines(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, JSON value) of every non-blank line."""
+@dataclass(frozen=True)
+class Stamp:
+    """Which file a path is and what it holds, as far as the filesystem tells without reading it."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> Stamp:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def check(self, path: Path) -> None:
+        """Fail naming `path` when it is no longer the file this stamp was taken of."""
+        now = Stamp.of(path)
+        if now != self:
+            what = "replaced by another file" if (now.device, now.inode) != (self.device, self.inode) else "modified"
+            raise DatasetError(f"{path}: changed while the run was reading it ({what}: {self.size} bytes when the run "
+                               f"started, now {now.size} bytes): a dataset must stay as it is until the run ends")
+
+
+def _lines(path: Path, stamp: Stamp | None = None) -> Iterator[tuple[int, object]]:
+    """(line number, JSON value) of every non-blank line; with a `stamp`, the file must still match it when it
+    is opened and when its end is reached."""
     try:
         handle = path.open("rb")  # bytes, decoded per line, so a bad byte is reported with its line
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if stamp is not None:
+        stamp.check(path)
     with handle:
         for number, raw in enumerate(handle, 1):
             try:
@@ -132,6 +167,8 @@ def _lines(path: Path) -> Iterator[tuple[int, object]]:
                 yield number, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path}:{number}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+    if stamp is not None:
+        stamp.check(path)
 
 
 def resolve_format(path: Path, fmt: Literal["auto"] | Format, text_field: str) -> tuple[Format, str]:
@@ -150,10 +187,11 @@ def resolve_format(path: Path, fmt: Literal["auto"] | Format, text_field: str) -
 
 
 def read_records(path: Path, fmt: Format, text_field: str, why: str = "",
-                 keep: Callable[[int], bool] = lambda _n: True) -> Iterator[tuple[int, Record]]:
+                 keep: Callable[[int], bool] = lambda _n: True,
+                 stamp: Stamp | None = None) -> Iterator[tuple[int, Record]]:
     """(line number, record) for every record whose line number `keep` accepts, streamed; a bad record
-    (kept or not) fails with `file:line: problem`."""
-    for number, obj in _lines(path):
+    (kept or not) fails with `file:line: problem`; `stamp`: what the file must still be (its `Scan`'s)."""
+    for number, obj in _lines(path, stamp):
         try:
             record = parse_record(obj, fmt, text_field, why or "set by dataset.format")
         except RecordError as exc:
@@ -171,17 +209,19 @@ class Scan:
     why: str
     kept: int  # records `keep` accepted
     other: int  # records it did not
+    stamp: Stamp  # the file this pass validated: later reads must find the same
 
 
 def scan(path: Path, fmt: Literal["auto"] | Format, text_field: str,
          keep: Callable[[int], bool] = lambda _n: True, why: str = "") -> Scan:
     """Validate every record of `path` (a streaming pass that keeps only counts); `why`: where an explicit
     `fmt` came from, for the errors."""
+    stamp = Stamp.of(path)
     resolved, why = (fmt, why) if why and fmt != "auto" else resolve_format(path, fmt, text_field)
     kept = other = 0
-    for number, _ in read_records(path, resolved, text_field, why):
+    for number, _ in read_records(path, resolved, text_field, why, stamp=stamp):
         if keep(number):
             kept += 1
         else:
             other += 1
-    return Scan(path, resolved, why, kept, other)
+    return Scan(path, resolved, why, kept, other, stamp)

@@ -51,10 +51,15 @@ def shuffled(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
 
 
 def epochs(read: Callable[[], Iterable[T]], seed: int, size: int = SHUFFLE_BUFFER) -> Iterator[tuple[int, T]]:
-    """(epoch, item) forever: `read()` once per epoch, shuffled by (seed, epoch)."""
+    """(epoch, item) forever: `read()` once per epoch, shuffled by (seed, epoch); it ends at the first epoch
+    that reads nothing, which would otherwise be followed by empty epochs for ever at full speed."""
     epoch = 0
     while True:
         rng = random.Random(f"memstrata-data:{seed}:{epoch}")
+        empty = True
         for item in shuffled(read(), size, rng):
+            empty = False
             yield epoch, item
+        if empty:
+            return
         epoch += 1
