@@ -135,7 +135,7 @@ def remove_tree(root: Path) -> None:
     subprocess.run(["rm", "-rf", "--one-file-system", str(root)], capture_output=True)
 
 
-def _as_udev_makes_them(node: Path) -> None:
+def as_udev_makes_them(node: Path) -> None:
     """The ownership a node's udev gives block devices, NVMe namespaces among them: root:disk 0660. A host without
     udev leaves a new loop node root:root 0600, which the training container (a non-root user in group disk)
     cannot open; the harness must not inherit that, so it sets and checks it."""
@@ -167,7 +167,7 @@ class LoopFiles:
             if dev.returncode != 0:
                 raise RuntimeError(f"losetup {backing}: {dev.stderr.strip()}")
             names.append(Path(dev.stdout.strip()).name)
-            _as_udev_makes_them(Path(dev.stdout.strip()))
+            as_udev_makes_them(Path(dev.stdout.strip()))
         return names
 
     def clear(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from native_helpers import _loop_unavailable, run, unavailable
+from native_helpers import _loop_unavailable, attach_loop, run, unavailable
 
 @pytest.fixture
 def loopdev(tmp_path: Path) -> Iterator[Callable[..., str]]:
@@ -26,9 +26,7 @@ def loopdev(tmp_path: Path) -> Iterator[Callable[..., str]]:
         image = (backing_dir or tmp_path) / f"disk{len(made)}.img"
         with open(image, "wb") as f:
             f.truncate(size)
-        args = (["losetup", "-f", "--show", "--direct-io=on"] + (["-P"] if partscan else [])
-                + (["-r"] if read_only else []) + [str(image)])
-        dev = run(*args).strip()
+        dev = attach_loop(image, "--direct-io=on", *(["-P"] if partscan else []), *(["-r"] if read_only else []))
         made.append(dev)
         return dev
 

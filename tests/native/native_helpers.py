@@ -44,6 +44,16 @@ def run(*cmd: str) -> str:
     return proc.stdout
 
 
+def attach_loop(image: Path, *flags: str) -> str:
+    """`losetup -f --show <flags> image` -> /dev/loopN, owned root:disk 0660 as a node's udev makes block devices
+    (a host without udev leaves root:root 0600, which the training user and the node agent's check refuse)."""
+    from e2e.realnode.hoststate import as_udev_makes_them
+
+    dev = run("losetup", "-f", "--show", *flags, str(image)).strip()
+    as_udev_makes_them(Path(dev))
+    return dev
+
+
 def child_env() -> dict[str, str]:
     """Environment for a child Python that imports this checkout's memstrata."""
     paths = [str(REPO / "runtime"), str(REPO / "operator"), os.environ.get("PYTHONPATH", "")]

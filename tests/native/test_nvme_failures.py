@@ -232,3 +232,40 @@ def test_second_engine_on_a_device_in_use_is_refused(tmp_path: Path) -> None:
     with NvmeEngine.open([str(p)], job="t/a"):
         with pytest.raises(NvmeError, match="in use by another memstrata engine"):
             NvmeEngine.open([str(p)], job="t/b", busy_timeout_s=0.2)
+
+
+AS_POD_USER = textwrap.dedent("""
+    import os, sys
+    from memstrata.node.safety import DeviceUnsafeError
+    from memstrata.runtime.strata.nvme import NvmeEngine
+    dev, groups = sys.argv[1], [int(g) for g in sys.argv[2].split(",") if g]
+    os.setgroups(groups); os.setgid(1000); os.setuid(1000)  # the training container's user (after imports)
+    try:
+        NvmeEngine.open([dev], job="t/access", force=True).close()
+        print("opened")
+    except DeviceUnsafeError as e:
+        print(f"refused: {e}")
+""")
+
+
+@pytest.mark.loopdev
+def test_a_namespace_the_pods_user_may_not_open_is_refused_saying_who_and_why_even_forced(loopdev) -> None:
+    """A node without udev's rules leaves block devices root:root 0600; a pod that meets one (its node agent
+    started before the rules changed) fails at once naming the device, its ownership and the process's ids."""
+    dev = loopdev(16 * MiB)
+
+    def as_pod(groups: str) -> str:
+        done = subprocess.run([sys.executable, "-c", AS_POD_USER, dev, groups], capture_output=True, text=True,
+                              timeout=120, env=child_env())
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    os.chown(dev, 0, 0)
+    os.chmod(dev, 0o600)
+    assert as_pod("6") == (f"refused: {dev}: refusing to use it: this process (uid 1000, groups 1000,6) may not "
+                           "open it for reading and writing (Permission denied): it is owned by 0:0 with mode 0600, "
+                           "and the node's block devices should be root:disk 0660 (udev's default rules)")
+    os.chown(dev, 0, 6)
+    os.chmod(dev, 0o660)
+    assert as_pod("6") == "opened"
+    assert as_pod("").startswith(f"refused: {dev}: refusing to use it: this process (uid 1000, groups 1000) may not")

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kubelet_stub import stub_binary  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))  # the loop-device helpers
-from native_helpers import _loop_unavailable, run, unavailable  # noqa: E402
+from native_helpers import _loop_unavailable, attach_loop, run, unavailable  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
 
@@ -62,7 +62,7 @@ def loop(tmp_path: Path) -> Iterator[Callable[[int], str]]:
         image = tmp_path / f"ns{len(made)}.img"
         image.write_bytes(b"")
         os.truncate(image, size)
-        made.append(run("losetup", "-f", "--show", "--direct-io=on", str(image)).strip())
+        made.append(attach_loop(image, "--direct-io=on"))
         return made[-1]
 
     yield make

@@ -202,3 +202,37 @@ def test_a_real_loop_device_is_free_until_it_gets_a_filesystem(cli, loop) -> Non
     run(mkfs, "-q", "-F", dev)
     ns, offered = listed()
     assert (ns["free"], ns["reason"], offered) == (False, "foreign signature: ext4", [])
+
+
+@pytest.mark.loopdev
+def test_a_namespace_the_training_user_cannot_open_is_not_offered_and_the_inventory_says_why(cli, loop) -> None:
+    """A node without udev's rules leaves block devices root:root 0600: the training container (uid 1000, group
+    disk) would fail at its first read, so the agent must not offer it, and must say why."""
+    dev = loop(64 * MiB)
+    name = Path(dev).name
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "runtime")])}
+
+    def listed(*flags: str) -> tuple[dict[str, Any], list[str]]:
+        done = cli("nodeagent", "--", "--once", "--loop-namespaces", name, "--node-name", "", *flags, env=env)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        (ns,) = [n for n in out["inventory"]["nvmeNamespaces"] if n["name"] == name]
+        return ns, [d["dev_path"] for d in out["devices"][RESOURCE_NVME] if d["name"] == name]
+
+    ns, offered = listed()  # root:disk 0660, as a node's udev makes it (the fixture sets it)
+    assert (ns["free"], offered) == (True, [dev])
+    os.chown(dev, 0, 0)
+    os.chmod(dev, 0o600)
+    ns, offered = listed()
+    assert (ns["free"], offered) == (False, [])
+    assert ns["reason"].startswith(f"{dev} is owned by 0:0 with mode 0600: the training container (uid 1000, "
+                                   "groups 1000,6) cannot open it for reading and writing"), ns["reason"]
+    # The chart's trainingPod.deviceGroup null: the node's containerd gives devices to the pod's user, no check.
+    ns, offered = listed("--training-device-gid", "none")
+    assert (ns["free"], offered) == (True, [dev])
+    os.chmod(dev, 0o660)  # root:root 0660: still not the pod's group ...
+    assert listed()[0]["free"] is False
+    os.chown(dev, 0, 6)  # root:disk 0660: offered again at the next scan
+    assert listed()[1] == [dev]
+    done = cli("nodeagent", "--", "--once", "--training-device-gid", "disk", env=env)
+    assert done.returncode == 2 and "argument --training-device-gid: device group 'disk'" in done.stderr, done.stderr

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))  # the loop-device helpers
+from native_helpers import _loop_unavailable, attach_loop, unavailable  # noqa: E402
+
 
 def _deepspeed_missing() -> str | None:
     try:
@@ -32,33 +35,19 @@ def deepspeed_ready() -> None:
         pytest.skip(why)
 
 
-def _loop_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "loop-device tests need root (losetup)"
-    if shutil.which("losetup") is None:
-        return "losetup (util-linux) is not installed"
-    if not Path("/dev/loop-control").exists():
-        return "/dev/loop-control is missing: this kernel has no loop driver"
-    return None
-
-
 @pytest.fixture
 def loopdev(tmp_path: Path) -> Iterator[Callable[[int], str]]:
     """make(size_bytes) -> /dev/loopN over a fresh file in tmp_path, direct I/O on, detached afterwards."""
     why = _loop_unavailable()
     if why:
-        pytest.skip(why)
+        unavailable(why)
     made: list[str] = []
 
     def make(size: int) -> str:
         image = tmp_path / f"ns{len(made)}.img"
         with open(image, "wb") as f:
             f.truncate(size)
-        proc = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(image)], capture_output=True,
-                              text=True, timeout=60)
-        if proc.returncode != 0:
-            raise RuntimeError(f"losetup failed: {proc.stderr.strip()}")
-        made.append(proc.stdout.strip())
+        made.append(attach_loop(image, "--direct-io=on"))
         return made[-1]
 
     yield make

@@ -292,6 +292,21 @@ def _block_name(rdev: int, sysfs_root: str) -> str | None:
     return Path(os.readlink(link)).name if link.is_symlink() else None
 
 
+def _check_access(path: str, st: os.stat_result) -> None:
+    """Refuse, saying who may not and why, a device this process cannot open for reading and writing: a node
+    without udev's rules leaves block devices root:root 0600, which a training container's user cannot open."""
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))  # no O_EXCL: opening is harmless, only a probe
+    except PermissionError as exc:
+        groups = ",".join(str(g) for g in dict.fromkeys([os.getegid(), *os.getgroups()]))
+        raise DeviceUnsafeError(path, f"this process (uid {os.geteuid()}, groups {groups}) may not open it for "
+                                      f"reading and writing ({exc.strerror}): it is owned by {st.st_uid}:{st.st_gid} "
+                                      f"with mode {stat.S_IMODE(st.st_mode):04o}, and the node's block devices "
+                                      "should be root:disk 0660 (udev's default rules)") from None
+    except OSError:
+        pass  # busy, gone, read-only: the checks below say so in their own words
+
+
 def check_device(path: str, *, sysfs_root: str = "/sys", mountinfo: str = "/proc/self/mountinfo",
                  swaps: str = "/proc/swaps", force: bool = False) -> bool:
     """Raise DeviceUnsafeError naming `path` and every reason when it is not safe to write;
@@ -324,6 +339,8 @@ def check_device(path: str, *, sysfs_root: str = "/sys", mountinfo: str = "/proc
             # Not knowing what is mounted or swapped on is no licence to write.
             raise DeviceUnsafeError(path, f"cannot tell whether it is in use: {exc.filename}: "
                                           f"{exc.strerror}") from exc
+    if block is None or not block.read_only:  # writing a read-only device is refused as such below
+        _check_access(path, st)
     head: bytes | OSError | None = None
     if not force:
         try:

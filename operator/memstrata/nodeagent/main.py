@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstrata.api.inventory import NodeInventory, render_node
+from memstrata.api.podidentity import DISK_GID, TrainingIdentity, parse_device_gid
+from memstrata.node.access import dev_ownership, vet_access
 from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
 from memstrata.node.loopscan import LOOP_NAME
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
@@ -58,6 +60,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also advertise these loop devices as namespaces (test and development clusters without "
                         "NVMe: they are files on the node's filesystem); the node is labelled "
                         "memstrata.dev/loop-namespaces=true. Default: none")
+    p.add_argument("--training-device-gid", type=device_gid, default=DISK_GID, metavar="GID|none",
+                   help="the supplementary group the operator gives training pods (its flag of the same name); a "
+                        "namespace whose device node that group (with the runtime's uid) cannot open read-write is "
+                        "not offered, and the inventory says why. none: the node's containerd hands devices to the "
+                        f"pod's user, nothing to check. Default: {DISK_GID}")
     p.add_argument("--once", action="store_true", help="discover, print JSON and exit")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -77,6 +84,13 @@ def loop_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def device_gid(text: str) -> int | None:
+    try:
+        return parse_device_gid(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def read_inventory(args: argparse.Namespace) -> NodeInventory:
     try:
         mounts = args.mountinfo.read_text()
@@ -86,8 +100,11 @@ def read_inventory(args: argparse.Namespace) -> NodeInventory:
         swaps = read_swaps(args.swaps)
     except OSError as exc:
         raise SysfsError(args.swaps, f"cannot read the active swap areas: {exc.strerror}") from exc
-    return discover(args.sysfs_root, heads=dev_heads(args.dev_root), mounts_text=mounts, swaps_text=swaps,
-                    hostname=args.node_name or socket.gethostname(), loop_names=args.loop_namespaces)
+    found = discover(args.sysfs_root, heads=dev_heads(args.dev_root), mounts_text=mounts, swaps_text=swaps,
+                     hostname=args.node_name or socket.gethostname(), loop_names=args.loop_namespaces)
+    if args.training_device_gid is None:  # containerd gives each device to the pod's own user
+        return found
+    return vet_access(found, dev_ownership(args.dev_root), TrainingIdentity(device_gid=args.training_device_gid))
 
 
 def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: None) -> Scrubber:
