@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
+import time
 
 import pytest
 
 from e2e.operator.conftest import wait_active
 from e2e.operator.harness import (
-    apply_yaml, ftj, job, kubectl_as, mid_transition, pods_of, token_kubeconfig, wait,
+    SUCCEED_LABEL, apply_yaml, events_of, ftj, job, kubectl_as, mid_transition, pods_of, token_kubeconfig, wait,
 )
 from memstrata.api import RuntimeReport, StratumCounters
 
@@ -87,3 +89,77 @@ def test_runtime_identity_may_patch_its_own_status_and_nothing_else(memstrata_cl
         denied = kubectl_as(cluster, kc, *args)
         assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), (args, denied.stderr)
     assert "progress" not in (ftj(cluster, ns, "theirs")["status"])
+
+
+def _refused(item):
+    created = next((c for c in (item.get("status") or {}).get("conditions") or [] if c["type"] == "Created"), {})
+    return created.get("status") == "False" and "exceeded quota" in created.get("message", "")
+
+
+def test_jobs_a_pod_quota_refuses_are_pending_saying_why_at_once(memstrata_cluster, ns, nodes):
+    """A ResourceQuota of one pod and five jobs, with room on the nodes for all: one job runs, and each of the
+    other four says at once that it is Pending and why (the quota's refusal in its Created condition), not a
+    blank status for minutes with one event."""
+    cluster = memstrata_cluster
+    nodes.add("quota", dram_gib=64, gpus=4)
+    nodes.add("quota2", dram_gib=64, gpus=4)
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}}
+    apply_yaml(cluster, quota, ns)
+    # Until the quota controller has counted the namespace, admission refuses every pod.
+    wait("the quota counted", lambda: (cluster.get_json("resourcequota", "pods", "-n", ns).get("status") or {})
+         .get("hard"), timeout=60)
+    start = time.monotonic()
+    _submit(cluster, ns, [job(f"q{i}") for i in range(5)])
+
+    def settled():
+        items = cluster.get_json("ftj", "-n", ns)["items"]
+        waiting = [i for i in items if (i.get("status") or {}).get("phase") == "Pending" and _refused(i)]
+        running = [i for i in items if (i.get("status") or {}).get("phase") == "Running"]
+        return (running, waiting) if len(running) == 1 and len(waiting) == 4 else None
+
+    running, waiting = wait("one job Running, four Pending with the quota's refusal", settled, timeout=30)
+    took = time.monotonic() - start
+    assert sorted(_pods_per_job(cluster, ns)) == [running[0]["metadata"]["name"]]
+    for item in waiting:
+        status = item["status"]
+        # Nothing was created: no attempt is spent, none is recorded as current.
+        assert "attempts" not in status and "activePod" not in status, status
+        assert "exceeded quota" in status["message"], status
+    print(f"4 of 5 jobs Pending with the quota's refusal {took:.1f}s after they were submitted")
+
+
+def _patch_status(cluster, ns, name, status):
+    return subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "patch", "ftj",
+                           name, "-n", ns, "--subresource=status", "--type=merge", "-p",
+                           json.dumps({"status": status})], capture_output=True, text=True, timeout=60)
+
+
+def test_malformed_bookkeeping_in_status_neither_fails_the_job_nor_stops_its_reconciles(memstrata_cluster, ns, nodes):
+    """The operator's own status fields hold garbage (a hand edit): the running pod stays, the job is not failed
+    (backoffLimit 0: one false failure would fail it), each field is repaired with a warning event naming it, and
+    the job still goes on to succeed. Wrong types never get that far: the CRD's schema refuses them."""
+    cluster = memstrata_cluster
+    nodes.add("gpu", dram_gib=64, gpus=1)
+    apply_yaml(cluster, job("kept", run_policy={"backoffLimit": 0}), ns)
+    wait("kept Running", lambda: (ftj(cluster, ns, "kept").get("status") or {}).get("phase") == "Running")
+    (pod,) = pods_of(cluster, ns, "kept")
+    uid = pod["metadata"]["uid"]
+    for field, value, repaired in (("activePod", "zzz", "kept-0"), ("failedPods", ["abc"], None),
+                                   ("activePod", "kept-7", "kept-0")):
+        done = _patch_status(cluster, ns, "kept", {field: value})
+        assert done.returncode == 0, done.stderr
+        wait(f"status.{field}: {value!r} repaired", lambda: ftj(cluster, ns, "kept")["status"].get(field) == repaired)
+        status = ftj(cluster, ns, "kept")["status"]
+        assert status["phase"] == "Running" and "failedPods" not in status and "lastFailure" not in status, status
+        assert [(p["metadata"]["uid"], p["metadata"].get("deletionTimestamp")) for p in pods_of(cluster, ns, "kept")] \
+            == [(uid, None)]
+    told = [e["message"] for e in events_of(cluster, ns, "kept") if e["reason"] == "MalformedStatus"]
+    assert all(e["type"] == "Warning" for e in events_of(cluster, ns, "kept") if e["reason"] == "MalformedStatus")
+    assert any("status.activePod" in m and "zzz" in m for m in told), told
+    assert any("status.failedPods" in m and "abc" in m for m in told), told
+    for field, value in (("failedPods", "abc"), ("attempts", "x"), ("activePod", 5), ("lastFailure", "boom"),
+                         ("shortfalls", 5), ("announcedCheckpoint", "x")):
+        refused = _patch_status(cluster, ns, "kept", {field: value})
+        assert refused.returncode != 0 and f"status.{field}" in refused.stderr, (field, refused.stderr)
+    cluster.kubectl("label", "pod", "kept-0", "-n", ns, f"{SUCCEED_LABEL}=true")
+    wait("kept Succeeded", lambda: ftj(cluster, ns, "kept")["status"].get("phase") == "Succeeded")

@@ -14,6 +14,7 @@ from pydantic.json_schema import JsonDict
 
 from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
 from memstrata.api.base import ApiModel
+from memstrata.api.jobstatus import OperatorStatus
 from memstrata.api.lora import Lora, check_targets
 from memstrata.api.units import Bytes, GiB
 
@@ -471,7 +472,7 @@ class Progress(ApiModel):
     summary: str | None = Field(None, description="step/total (percent), for `kubectl get ftj`.")
 
 
-class FineTuneJobStatus(ApiModel):
+class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping fields: memstrata.api.jobstatus
     phase: Phase | None = None
     conditions: list[Condition] = []
     node: str | None = None

@@ -34,6 +34,11 @@ class PartlyCreated(Exception):
     to be completed, not made anew (memstrata.operator.gang.rest)."""
 
 
+class NothingCreated(Exception):
+    """No pod of the attempt could be created, for a reason a later try may not meet (its error's text: a
+    ResourceQuota's refusal, a timeout): the job says why it waits (memstrata.operator.gang.unfinished)."""
+
+
 def _refused_for_good(exc: KubeError) -> bool:
     # A 403 is also what missing RBAC gives, which an admin can fix while the job waits: only PodSecurity's
     # refusal is about the pod itself.
@@ -80,10 +85,11 @@ async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report
         # A pod refused for good, a name clash, lost leadership (or a cancellation) decide what comes next.
         final = [e for e in errors if isinstance(e, (NameClash, PodRejected, NotLeading))
                  or not isinstance(e, Exception)]
-        if errors and not final and (len(errors) < len(made) or action.ranks):
-            raise PartlyCreated(str(errors[0])) from errors[0]
-        if errors:
-            raise (final or errors)[0]
+        if errors and not final:
+            partly = len(errors) < len(made) or bool(action.ranks)
+            raise (PartlyCreated if partly else NothingCreated)(str(errors[0])) from errors[0]
+        if final:
+            raise final[0]
     except BaseException:
         await asyncio.gather(others, return_exceptions=True)  # its own error comes second to this one
         raise

@@ -21,9 +21,13 @@ WARNING_REASONS = frozenset({"Unschedulable", "BackoffAfterFailure", "BackoffLim
 
 
 class StatusBuilder:
-    def __init__(self, status: Mapping[str, Any], now: datetime) -> None:
-        self._old = copy.deepcopy(dict(status))
+    def __init__(self, status: Mapping[str, Any], now: datetime, malformed: Mapping[str, str] | None = None) -> None:
+        """`status` as read (JobView.status); `malformed`: the operator's own fields taken out of it as unreadable,
+        each with why (memstrata.operator.bookkeeping). The patch removes (or rewrites) them, with a warning each."""
         self._new = copy.deepcopy(dict(status))
+        self._malformed = dict(malformed or {})
+        # The stored value stands as "something other than what is written now", so the patch carries the key.
+        self._old = {**copy.deepcopy(dict(status)), **self._malformed}
         self.now_str = format_time(now)
 
     def get(self, key: str) -> Any:
@@ -69,7 +73,8 @@ class StatusBuilder:
 
     def events(self) -> list[Event]:
         before = {c.get("type"): c for c in self._old.get("conditions") or []}
-        out = []
+        out = [Event("Warning", "MalformedStatus", f"{why}: a field only the operator writes; it was not acted on, "
+                                                   "and is removed") for why in self._malformed.values()]
         for cond in self._new.get("conditions") or []:
             old = before.get(cond["type"])
             if old is not None and (old.get("status"), old.get("reason")) == (cond["status"], cond["reason"]):

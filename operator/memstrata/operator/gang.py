@@ -6,7 +6,8 @@ stops the others). `activePod` names node rank 0's pod and status `nodes` the at
 the attempt's other pods' names follow from them even after a pod is gone.
 
 An attempt whose pods could not all be created (a ResourceQuota allowing fewer than M pods, a refused request)
-is not recorded as the current one (`activePod`), but its nodes and plan are (`unfinished`): the next reconcile
+is not recorded as the current one (`activePod`), but why the job waits is, for a job on one node as on several,
+and, when some of its pods exist, its nodes and plan (`unfinished`): the next reconcile
 creates the missing pods of that same attempt on the same nodes (`rest`) instead of deleting the others and
 starting another attempt that would fail alike - pods created and deleted in a loop, the attempt count climbing.
 """
@@ -95,20 +96,28 @@ def blame(ended: Sequence[PodView]) -> list[tuple[PodView, str]]:
     return out
 
 
-def unfinished(job: JobView, now: datetime, create: CreateAttempt, error: str) -> Decision:
-    """The status to record when `create` raised `error` before all of its pods existed: the attempt's nodes and
-    plan (for `rest`), and why it waits. The previous attempt's status.workers go: they are not this one's."""
-    b = StatusBuilder(job.status, now)
-    b.set("attempts", max(int(b.get("attempts") or 0), create.attempt + 1))
-    b.set("node", create.node)
-    b.set("nodes", list(create.placed))
-    b.set("plan", create.plan.model_dump(mode="json"))
-    b.set("workers", {k: w for k, w in (b.get("workers") or {}).items()
-                      if isinstance(w, Mapping) and w.get("attempt") == create.attempt} or None)
+def unfinished(job: JobView, now: datetime, create: CreateAttempt, error: str, partly: bool = True) -> Decision:
+    """The status to record when `create` raised `error` before all of its pods existed: why the job waits, in
+    its Created condition, Pending (or still Restarting: a retry). When some of them exist (`partly`), also the
+    attempt's nodes and plan (for `rest`) and the attempt counted; the previous attempt's status.workers go: they
+    are not this one's. When none does, nothing of the attempt: the next try is the same attempt, made whole."""
+    b = StatusBuilder(job.status, now, job.malformed)
     made = ", ".join(pod_name(job.name, create.attempt, r, len(create.placed)) for r in range(len(create.placed)))
-    message = (f"not every pod of attempt {create.attempt + 1} ({made}) could be created; the missing ones are "
-               f"created again on the same nodes: {error[:800]}")
-    b.set("message", message)
+    if partly:
+        b.set("attempts", max(int(b.get("attempts") or 0), create.attempt + 1))
+        b.set("node", create.node)
+        b.set("nodes", list(create.placed))
+        b.set("plan", create.plan.model_dump(mode="json"))
+        b.set("workers", {k: w for k, w in (b.get("workers") or {}).items()
+                          if isinstance(w, Mapping) and w.get("attempt") == create.attempt} or None)
+        message = (f"not every pod of attempt {create.attempt + 1} ({made}) could be created; the missing ones are "
+                   f"created again on the same nodes: {error[:800]}")
+    else:
+        message = f"attempt {create.attempt + 1} ({made}) could not be created; it is tried again: {error[:800]}"
+    if b.get("phase") == "Restarting":
+        b.set("message", message)
+    else:
+        b.phase("Pending", message)
     b.condition("Created", "False", "PodCreateFailed", message)
     patch = b.patch()
     return Decision(((PatchStatus(patch),) if patch else ()) + tuple(b.events()))

@@ -135,12 +135,12 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
 
 def fail(job: JobView, now: datetime, reason: str, message: str) -> Decision:
     """The job Failed for a reason the edge found while acting (it has no pod of this attempt)."""
-    return _Run(job, (), now, StatusBuilder(job.status, now)).finish("Failed", reason, message)
+    return _Run(job, (), now, StatusBuilder(job.status, now, job.malformed)).finish("Failed", reason, message)
 
 
 def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
             policy: LifecyclePolicy) -> Decision:
-    run = _Run(job, [p for p in pods if not p.inspection], now, StatusBuilder(job.status, now),
+    run = _Run(job, [p for p in pods if not p.inspection], now, StatusBuilder(job.status, now, job.malformed),
                inspections=sorted((p for p in pods if p.inspection), key=lambda p: p.name))
     phase = job.status.get("phase")
     if phase in TERMINAL_PHASES:

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.manifest import describe_validation_error
+from memstrata.operator.bookkeeping import read as read_bookkeeping
 from memstrata.operator.names import LABEL_ATTEMPT, LABEL_NODE_RANK, LABEL_ROLE, ROLE_INSPECT
 
 TERMINAL = ("Succeeded", "Failed")
@@ -36,11 +37,12 @@ class JobView:
     labels: Mapping[str, str]
     spec: FineTuneJobSpec | None
     spec_error: str  # why spec could not be read (the CRD and the models disagree)
-    status: Mapping[str, Any]
+    status: Mapping[str, Any]  # the operator's own fields that do not read taken out (memstrata.operator.bookkeeping)
     deleting: bool
     created: datetime | None
     finalizers: tuple[str, ...] = ()
     resource_version: str = ""
+    malformed: Mapping[str, str] = field(default_factory=dict)  # per field taken out of status, why
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
@@ -50,6 +52,7 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         error = ""
     except ValidationError as exc:
         spec, error = None, describe_validation_error(exc, "spec")
+    status, malformed = read_bookkeeping(meta.get("name", ""), body.get("status") or {})
     return JobView(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", "default"),
@@ -57,11 +60,12 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         labels=dict(meta.get("labels") or {}),
         spec=spec,
         spec_error=error,
-        status=dict(body.get("status") or {}),
+        status=status,
         deleting=bool(meta.get("deletionTimestamp")),
         created=parse_time(meta.get("creationTimestamp")),
         finalizers=tuple(meta.get("finalizers") or ()),
         resource_version=str(meta.get("resourceVersion") or ""),
+        malformed=malformed,
     )
 
 

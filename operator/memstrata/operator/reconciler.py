@@ -298,7 +298,7 @@ class Reconciler:
                     try:
                         await children.create_attempt(self.kube, job, action, self.report_interval_seconds,
                                                       self.pod_security)
-                    except children.PartlyCreated as exc:
+                    except (children.PartlyCreated, children.NothingCreated) as exc:
                         if finalizer is not None:  # the record's fresh read must see our finalizer write
                             await asyncio.wait([finalizer])
                         await self._record_unfinished(job, action, exc)
@@ -324,13 +324,18 @@ class Reconciler:
                 await finalizer
 
     async def _record_unfinished(self, job: JobView, create: CreateAttempt, exc: Exception) -> None:
-        """Some pods of a multi-node attempt may exist, others not: record its nodes and plan and why, on a fresh
-        read, so that the next reconcile creates the missing pods of this attempt (gang.rest) rather than delete
-        them all and start another that fails alike. The error still fails the reconcile (event, backoff)."""
+        """Not every pod of the attempt could be created: record why the job waits, on a fresh read; and when
+        some pods exist, the attempt's nodes and plan, so that the next reconcile creates its missing pods
+        (gang.rest) rather than delete them all and start another that fails alike. When none does, its claim on
+        the nodes goes. The error still fails the reconcile (event, backoff)."""
+        partly = isinstance(exc, children.PartlyCreated)
+        if not partly:
+            for pod_key, _ in _pod_keys(job.namespace, job.name, create):
+                self._assumed.pop(pod_key, None)
         try:
             fresh = job_view(await self.kube.get(api_path(API_VERSION, PLURAL, job.namespace, job.name)))
             if fresh.uid == job.uid:
-                await self.apply(fresh, gang.unfinished(fresh, datetime.now(timezone.utc), create, str(exc)))
+                await self.apply(fresh, gang.unfinished(fresh, datetime.now(timezone.utc), create, str(exc), partly))
         except Exception as record:  # noqa: BLE001 - the create's error is the one to report
             log.warning("%s/%s: attempt %d not recorded: %s", job.namespace, job.name, create.attempt, record)
 
