@@ -40,7 +40,7 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
     cluster.apply(doc)
     body = cluster.get_json("finetunejob", "owned", "-n", namespace)
     # The operator's part, as it writes it: the phase, the node and when the attempt started.
-    # activePod and failedPods are beyond the status schema, kept as unknown fields: guarded all the same.
+    # activePod and failedPods, the operator's bookkeeping (memstrata.api.jobstatus): guarded all the same.
     cluster.kubectl("patch", "finetunejob", "owned", "-n", namespace, "--subresource=status", "--type=merge",
                     "-p", json.dumps({"status": {"phase": "Running", "node": "n1", "startTime": START,
                                                  "activePod": "owned-1", "failedPods": ["owned-0"]}}))
