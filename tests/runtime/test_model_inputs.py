@@ -3,8 +3,12 @@ and the problem, with nothing left under the output path or the scratch director
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +118,53 @@ def test_output_on_a_directory_nobody_can_write(cli, tmp_path: Path, smollm2_dir
     finally:
         subprocess.run(["chattr", "-i", str(locked)], check=True)
     assert f"spec.output.path: {locked}: cannot create a directory there" in err
+
+
+def _holds(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open or mapped (as a load reads it, mmap or not)."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        if str(path) in (proc / "maps").read_text():
+            return True
+        return any(os.readlink(fd) == str(path) for fd in (proc / "fd").iterdir())
+    except OSError:  # the process ended, or an fd closed while being listed
+        return False
+
+
+def test_model_file_truncated_while_loading_fails_naming_it(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A copy of the real model, cut short while `memstrata run` streams its weights into ZeRO-3: a clean error
+    naming the file and an orderly exit (before: SIGBUS, no message, the scratch directory left behind)."""
+    model = tmp_path / "model"
+    shutil.copytree(smollm2_dir, model)
+    weights = model / "model.safetensors"
+    scratch = tmp_path / "scratch"
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text('{"text": "hello world, hello world"}\n' * 40)
+    (tmp_path / "job.yaml").write_text(f"""apiVersion: memstrata.dev/v1alpha1
+kind: FineTuneJob
+metadata: {{name: truncated-model}}
+spec:
+  model: {{path: {model}}}
+  dataset: {{path: {dataset}}}
+  training: {{sequenceLength: 16, steps: 1}}
+  resources: {{gpus: 0}}
+  memory: {{engine: deepspeed}}
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "memstrata.cli", "run", str(tmp_path / "job.yaml"),
+                             "--nvme-path", str(scratch)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or []), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    # The load: after the run said it initializes DeepSpeed (the directory was checked before), the file held.
+    while not (any("initializing DeepSpeed" in line for line in lines) and _holds(proc.pid, weights)):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.005)
+    os.truncate(weights, 1 << 20)
+    proc.wait(timeout=300)
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert proc.returncode == 2, f"exit {proc.returncode} (-7 is SIGBUS)\n{err[-3000:]}"
+    assert f"{weights}: truncated while being read" in err, err[-3000:]
+    assert not scratch.exists() or not any(scratch.iterdir()), "a failed load left files in the scratch directory"

@@ -43,6 +43,7 @@ from memstrata.api.finetunejob import Checkpoint, CheckpointStatus
 from memstrata.runtime.train import ckptstore
 from memstrata.runtime.train.ckptgroup import Group, agree, outcome
 from memstrata.runtime.train.ckptstore import CheckpointError, CheckpointWriteError, Found
+from memstrata.runtime.train.tensorfile import TensorFile
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Resumed", "capture_rng", "restore_rng"]
 
@@ -380,8 +381,6 @@ class Checkpointer:
         """Load `found` into the engine; CheckpointError naming every difference if it belongs to another run.
         Collective: every rank calls it with what it found (existing) and all settle on one checkpoint, or fail
         with the same error."""
-        from safetensors import safe_open
-
         group = Group()
         found = agree(found, group)
         manifest = found.manifest
@@ -396,7 +395,7 @@ class Checkpointer:
         ranked = json.loads((found.directory / rank_file(rank)).read_text())
         groups = _SubGroups(engine.optimizer)
         for i in range(len(groups)):
-            with safe_open(str(found.directory / group_file(rank, i)), framework="pt") as f:
+            with TensorFile(found.directory / group_file(rank, i)) as f:  # not mapped: a file cut short fails
                 groups.write(i, f.get_tensor, list(f.keys()), ranked["groups"][i])
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         for key, value in ranked["loss_scaler"].items():

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from memstrata.api.checkpoint import (MANIFEST, MARKER, FileDigest, Manifest, file_rank, parse_step_dir,
                                       step_dir_name)
 from memstrata.runtime.train.export import fsync_dir
+from memstrata.runtime.train.tensorfile import DTYPE_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -32,9 +33,6 @@ __all__ = ["CheckpointError", "CheckpointWriteError", "Found", "write_tensors", 
            "find_latest", "prune", "remove_partials", "verify"]
 
 _CHUNK = 8 << 20
-# safetensors' names for torch dtypes (the format's spec).
-_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float64": "F64",
-           "torch.int64": "I64", "torch.int32": "I32"}
 
 
 class CheckpointError(RuntimeError):
@@ -71,7 +69,7 @@ def write_tensors(path: Path, tensors: dict[str, "torch.Tensor"]) -> FileDigest:
     header: dict[str, object] = {}
     offset = 0
     for name, t in tensors.items():
-        dtype = _DTYPES.get(str(t.dtype))
+        dtype = DTYPE_NAMES.get(str(t.dtype))
         if dtype is None:
             raise CheckpointError(f"{path}: {name}: dtype {t.dtype} has no safetensors name here")
         size = t.numel() * t.element_size()

@@ -7,7 +7,8 @@ a directory's `config.json` is read as written. Either way the model is construc
 random weights on gathered parameters), so every module's parameters are partitioned - and, with
 `offload_param: nvme`, swapped out - as soon as the module exists. A directory's weights are then
 streamed in one safetensors shard at a time, one module's tensors at a time: each is read from the
-memory-mapped shard, its partitions gathered, copied and re-partitioned. The host never holds the whole
+shard (plain reads, never a mapping: memstrata.runtime.train.tensorfile), its partitions gathered, copied and
+re-partitioned. The host never holds the whole
 model, in fp32 or otherwise.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.hfconfig import ModelConfigError, architecture_from_config, config_mismatches
+from memstrata.runtime.train.tensorfile import TensorFile, TensorFileError
 
 if TYPE_CHECKING:
     import torch
@@ -63,15 +65,12 @@ def _read_json(path: Path) -> Any:
 
 
 def _shard_names(path: Path) -> list[str]:
-    from safetensors import safe_open
-
+    """The tensor names of a shard whose header and size agree (a shard cut short fails here, before loading)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except FileNotFoundError:
-        raise ModelDirError(f"{path}: missing") from None
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types for a truncated or foreign file
-        raise ModelDirError(f"{path}: not a readable safetensors file: {exc}") from None
+        with TensorFile(path) as f:
+            return f.keys()
+    except TensorFileError as exc:
+        raise ModelDirError(str(exc)) from None
 
 
 def read_model_dir(path: Path, declared: ModelArchitecture | None = None) -> ModelDir:
@@ -217,33 +216,41 @@ def _resolve(name: str, params: dict[str, Any], prefix: str) -> str | None:
 def load_weights(model: "PreTrainedModel", model_dir: ModelDir) -> None:
     """Copy every checkpoint tensor into its ZeRO-3 partitions, one module at a time. A parameter the
     checkpoint lacks, or a shape that differs, fails with both named; buffers (e.g. rotary frequencies)
-    are recomputed, not loaded."""
-    import deepspeed
-    import torch
-    from safetensors import safe_open
-
+    are recomputed, not loaded; a shard cut short or gone while it is read fails naming it."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    prefix = getattr(model, "base_model_prefix", "")
     loaded: set[str] = set()
     for shard, names in model_dir.shards.items():
-        with safe_open(str(shard), framework="pt") as f:
-            for group in _module_groups(names):
-                targets = {n: t for n in group if (t := _resolve(n, params, prefix)) is not None}
-                if not targets:
-                    continue  # buffers such as attn.bias masks of old GPT-2 checkpoints
-                owned = [params[t] for t in targets.values()]
-                with deepspeed.zero.GatheredParameters(owned, modifier_rank=0), torch.no_grad():
-                    for name, target in targets.items():
-                        tensor = f.get_tensor(name)
-                        param = params[target]
-                        if tuple(tensor.shape) != tuple(param.shape):
-                            raise ModelDirError(f"{shard}: {name} has shape {tuple(tensor.shape)}, the model's "
-                                                f"{target} is {tuple(param.shape)}")
-                        param.copy_(tensor)  # converts the dtype in place: no second host copy
-                        loaded.add(target)
-                        del tensor
+        try:
+            with TensorFile(shard) as f:
+                loaded |= _load_shard(f, names, params, getattr(model, "base_model_prefix", ""))
+        except TensorFileError as exc:
+            raise ModelDirError(str(exc)) from None
     tied = {id(p) for n, p in params.items() if n in loaded}
     missing = sorted(n for n, p in params.items() if n not in loaded and id(p) not in tied)
     if missing:
         raise ModelDirError(f"{model_dir.path}: the checkpoint has no weights for {len(missing)} parameter(s) of "
                             f"the model: {', '.join(missing[:5])}")
+
+
+def _load_shard(f: TensorFile, names: list[str], params: dict[str, Any], prefix: str) -> set[str]:
+    """The model's parameters `f`'s tensors `names` were copied into."""
+    import deepspeed
+    import torch
+
+    loaded: set[str] = set()
+    for group in _module_groups(names):
+        targets = {n: t for n in group if (t := _resolve(n, params, prefix)) is not None}
+        if not targets:
+            continue  # buffers such as attn.bias masks of old GPT-2 checkpoints
+        owned = [params[t] for t in targets.values()]
+        with deepspeed.zero.GatheredParameters(owned, modifier_rank=0), torch.no_grad():
+            for name, target in targets.items():
+                tensor = f.get_tensor(name)
+                param = params[target]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ModelDirError(f"{f.path}: {name} has shape {tuple(tensor.shape)}, the model's "
+                                        f"{target} is {tuple(param.shape)}")
+                param.copy_(tensor)  # converts the dtype in place: no second host copy
+                loaded.add(target)
+                del tensor
+    return loaded
