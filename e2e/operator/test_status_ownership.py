@@ -58,6 +58,17 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
     result = {"steps": 10, "trainLoss": 1.75}
     allowed = _patch(cluster, runtime, namespace, "owned", {"checkpoint": ckpt, "result": result})
     assert allowed.returncode == 0, allowed.stderr
+    # A job may run its own code with this token: nothing it writes is free text, so nothing it read (a mounted
+    # claim, its own token) can be handed on through the status to whoever may read the job.
+    for status, field in (({"progress": {"summary": "password=hunter2"}}, "status.progress.summary"),
+                          ({"progress": {"eta": "hunter2"}}, "status.progress.eta"),
+                          ({"peakMemory": {"hunter2": 1}}, "status.peakMemory"),
+                          ({"workers": {"hunter2": {"ranks": 1}}}, "status.workers"),
+                          ({"workers": {"0": {"stage": "hunter2"}}}, "status.workers.0.stage"),
+                          ({"workers": {"0": {"pod": "Hunter2 secret"}}}, "status.workers.0.pod"),
+                          ({"checkpoint": {**ckpt, "path": "/hunter2"}}, "status.checkpoint.path")):
+        denied = _patch(cluster, runtime, namespace, "owned", status)
+        assert denied.returncode != 0 and field in denied.stderr, (status, denied.stderr)
     arch = {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kvHeads": 4, "vocab": 300}
     for status, field in (({"startTime": None}, "startTime"), ({"phase": "Succeeded"}, "phase"),
                           ({"node": "elsewhere"}, "node"), ({"conditions": []}, "conditions"),

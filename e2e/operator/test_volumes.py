@@ -142,19 +142,3 @@ def test_a_model_directory_that_cannot_be_read_fails_the_job_with_the_reason(mem
     failed = _condition(_status(cluster, ns), "Failed")
     assert failed["reason"] == "ModelInspectionFailed" and error in failed["message"], failed
     assert _training_pod(cluster, ns) is None
-
-
-def test_a_volume_pod_security_forbids_fails_the_job_once_with_the_reason(memstrata_cluster, ns, nodes):
-    """A hostPath volume in a namespace enforcing `restricted`: the API server's PodSecurity admission refuses
-    the pod (403), every time, so the job fails once with that reason instead of retrying for ever."""
-    cluster = memstrata_cluster
-    cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
-    nodes.add("gpu", dram_gib=1024)
-    doc = example("finetune.yaml")
-    doc["spec"]["volumes"][0] = {"name": "models", "hostPath": {"path": "/srv/models", "type": "Directory"}}
-    apply_yaml(cluster, doc, ns)
-    wait("Failed", lambda: _status(cluster, ns).get("phase") == "Failed")
-    failed = _condition(_status(cluster, ns), "Failed")
-    assert failed["reason"] == "PodRejected", failed
-    assert "violates PodSecurity" in failed["message"] and "hostPath" in failed["message"], failed
-    assert pods_of(cluster, ns, NAME) == []

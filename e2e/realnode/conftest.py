@@ -72,7 +72,10 @@ def helm_install(cp: ControlPlane, images: ImageSet, loops: list[str], *extra: s
                  "--set", f"{key}.image.pullPolicy=Never"]
     cp.helm("install", "memstrata", str(CHART), "--namespace", RELEASE_NS, *sets,
             "--set", f"nodeAgent.loopNamespaces={{{','.join(loops)}}}", "--set", "nodeAgent.rescanSeconds=2",
-            "--set", "operator.reportIntervalSeconds=2", *extra, "--wait", "--timeout", "5m", timeout=330)
+            "--set", "operator.reportIntervalSeconds=2",
+            # This machine's runtime image, and the tests' own commands (a process that grows until OOMKilled).
+            "--set", f"jobPolicy.images={{{images.runtime}}}", "--set", "jobPolicy.customCommands=true",
+            *extra, "--wait", "--timeout", "5m", timeout=330)
 
 
 @pytest.fixture(scope="session")

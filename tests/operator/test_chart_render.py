@@ -6,6 +6,8 @@ import pytest
 import yaml
 from helm_helpers import CHART, KUBE, REPO, run_helm
 
+from memstrata.operator.jobpolicy import JobPolicy
+
 
 def test_chart_crd_is_the_generated_crd():
     assert (CHART / "crds" / "finetunejob.yaml").read_text() == (REPO / "crds" / "finetunejob.yaml").read_text(), \
@@ -44,10 +46,13 @@ def test_rendered_operator_is_restricted_and_probed(tmp_path):
 
 
 @pytest.mark.parametrize("sets,expect", [
-    ((), {"lease": "memstrata-operator", "lease_namespace": "memstrata-system", "gid": 6, "seccomp": "RuntimeDefault"}),
+    ((), {"lease": "memstrata-operator", "lease_namespace": "memstrata-system", "gid": 6, "seccomp": "RuntimeDefault",
+          "jobs": JobPolicy()}),
     (("operator.leaderElection.enabled=false", "operator.replicas=1", "trainingPod.deviceGroup=null",
-      "trainingPod.seccompProfile=localhost/memstrata/io-uring.json"),
-     {"lease": None, "lease_namespace": "default", "gid": None, "seccomp": "localhost/memstrata/io-uring.json"}),
+      "trainingPod.seccompProfile=localhost/memstrata/io-uring.json", "jobPolicy.volumeTypes={nfs,csi}",
+      "jobPolicy.images={registry.corp/ml/*}", "jobPolicy.customCommands=true"),
+     {"lease": None, "lease_namespace": "default", "gid": None, "seccomp": "localhost/memstrata/io-uring.json",
+      "jobs": JobPolicy(("nfs", "csi"), ("registry.corp/ml/*",), True)}),
 ])
 def test_the_deployments_args_are_what_the_operator_accepts(tmp_path, sets, expect):
     """The chart's values become flags the operator's own parser takes, with the values meant."""
@@ -63,4 +68,5 @@ def test_the_deployments_args_are_what_the_operator_accepts(tmp_path, sets, expe
     assert config.lease == expect["lease"] and config.lease_namespace == expect["lease_namespace"]
     assert config.pod_security.device_gid == expect["gid"]
     assert config.pod_security.seccomp_profile == expect["seccomp"]
+    assert config.policy.jobs == expect["jobs"]  # what a job may ask for: the same values the job policy holds
     assert any(e["name"] == "POD_NAME" for e in c["env"])  # the replica's name in the Lease

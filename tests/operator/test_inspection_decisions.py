@@ -151,15 +151,15 @@ def test_a_job_that_states_its_shape_is_never_inspected():
 
 
 def test_the_inspection_pod_reads_the_volumes_and_nothing_else():
-    job = job_view(World(labels={"team": "nlp"}).job)
+    job = job_view(World(labels={"user.memstrata.dev/team": "nlp"}).job)
     pod = inspection.pod(job)
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "llama-inspect-uid1" and meta["labels"][names.LABEL_ROLE] == names.ROLE_INSPECT
-    assert meta["labels"][names.LABEL_JOB_UID] == "uid-1" and meta["labels"]["team"] == "nlp"
+    assert meta["labels"][names.LABEL_JOB_UID] == "uid-1" and meta["labels"]["user.memstrata.dev/team"] == "nlp"
     assert meta["ownerReferences"][0]["uid"] == "uid-1" and names.LABEL_ATTEMPT not in meta["labels"]
     (c,) = spec["containers"]
     assert c["command"] == ["memstrata", "inspect-model", "/models/Meta-Llama-3-8B-Instruct"]
-    assert c["image"] == job.spec.image and c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert c["image"] == job.spec.image and c["terminationMessagePolicy"] == "File"
     assert [(m["name"], m["mountPath"], m["readOnly"]) for m in c["volumeMounts"]] == [
         ("models", "/models", True), ("data", "/data", True), ("output", "/output", True)]
     assert spec["volumes"] == [v.model_dump(by_alias=True, exclude_none=True) for v in job.spec.volumes]

@@ -18,7 +18,7 @@ from memstrata.operator.observe import job_view
 from memstrata.operator.scheduling import place
 from memstrata.operator.render import attempt_objects, memory_bytes
 
-JOB = job_view(job_dict("llama", labels={"team": "nlp"}))
+JOB = job_view(job_dict("llama", labels={"user.memstrata.dev/team": "nlp"}))
 CXL_NODE = node_view(node_dict("cxl-1", inventory("cxl-1", dram_gib=512, cxl_gib=256)))
 PLACED = place(JOB.spec, [CXL_NODE], {})
 
@@ -62,7 +62,7 @@ def test_every_object_is_owned_by_the_job_and_labelled_with_its_uid():
         assert obj["metadata"]["labels"][names.LABEL_JOB_UID] == "uid-1"
         assert obj["metadata"]["namespace"] == "team-a"
     assert pod["metadata"]["name"] == "llama-2" and pod["metadata"]["labels"][names.LABEL_ATTEMPT] == "2"
-    assert pod["metadata"]["labels"]["team"] == "nlp"
+    assert pod["metadata"]["labels"]["user.memstrata.dev/team"] == "nlp"
 
 
 def test_configmap_carries_a_runtime_config_the_runtime_can_read():

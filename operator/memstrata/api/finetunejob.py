@@ -448,6 +448,14 @@ ConditionType = Literal["Inspected", "Created", "Scheduled", "Running", "Restart
                         "Suspended"]
 
 
+# What a job's pod writes into its status (api.report.RUNTIME_STATUS_FIELDS) it writes with its own token, and a
+# job may run its own code: so none of it is free text. Strings have a fixed form, maps fixed keys; what is left
+# is numbers and the job's own paths.
+DNS_NAME = r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+STRATA_KEYS: JsonDict = {"maxProperties": 4, "x-kubernetes-validations": [
+    cel("self.all(k, k in ['hbm', 'dram', 'cxl', 'nvme'])", "strata are hbm, dram, cxl and nvme")]}
+
+
 class Condition(ApiModel):
     type: ConditionType
     status: Literal["True", "False", "Unknown"]
@@ -468,8 +476,11 @@ class Progress(ApiModel):
     tokens_per_second: float | None = None
     percent: int = Field(0, ge=0, le=100)
     eta_seconds: float | None = None
-    eta: str | None = Field(None, description="The ETA for `kubectl get ftj`, e.g. 12m30s.")
-    summary: str | None = Field(None, description="step/total (percent), for `kubectl get ftj`.")
+    # Written by the job's pod, whose token a job's own code holds: no free text (DNS_NAME, above).
+    eta: str | None = Field(None, max_length=24, pattern=r"^[0-9]{1,12}(s|m[0-9]{2}s|h[0-9]{2}m)$",
+                            description="The ETA for `kubectl get ftj`, e.g. 12m30s.")
+    summary: str | None = Field(None, max_length=40, pattern=r"^[0-9]{1,15}/[0-9]{1,15} \([0-9]{1,3}%\)$",
+                                description="step/total (percent), for `kubectl get ftj`.")
 
 
 class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping fields: memstrata.api.jobstatus
@@ -480,7 +491,9 @@ class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping field
                                                       "or last attempt (node is node rank 0's).")
     plan: dict[str, Any] | None = Field(None, description="The plan for the chosen node (memstrata.plan.Plan).")
     progress: Progress | None = None
-    peak_memory: dict[str, int] | None = Field(None, description="Peak bytes per stratum, reported by the runtime: of the node of the job's rank 0, all its ranks together (every node's: status.workers).")
+    peak_memory: dict[str, int] | None = Field(
+        None, description="Peak bytes per stratum, reported by the runtime: of the node of the job's rank 0, all its "
+                          "ranks together (every node's: status.workers).", json_schema_extra=STRATA_KEYS)
     start_time: datetime | None = None
     completion_time: datetime | None = None
     restarts: int = 0
@@ -492,14 +505,16 @@ class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping field
     result: "ResultStatus | None" = Field(None, description="The final losses, once training has finished.")
     workers: "dict[str, WorkerStatus] | None" = Field(
         None, description="Per node of the job, keyed by its node rank (\"0\", \"1\", ...): each pod reports its "
-                          "own entry, so one pod's report never overwrites another's.")
+                          "own entry, so one pod's report never overwrites another's.",
+        json_schema_extra={"maxProperties": 64, "x-kubernetes-validations": [
+            cel("self.all(k, k.matches('^[0-9]{1,2}$'))", "workers are keyed by node rank: 0, 1, ...")]})
     model_config = ConfigDict(extra="allow")
 
 
 class OutputStatus(ApiModel):
     """The fine-tuned model the runtime wrote."""
 
-    path: str
+    path: str = Field(max_length=4096, pattern=r"^/")
     step: int = Field(ge=0, description="The optimizer step whose weights were saved.")
     files: int = Field(ge=0)
     bytes: int = Field(ge=0)
@@ -509,7 +524,7 @@ class OutputStatus(ApiModel):
 class CheckpointStatus(ApiModel):
     """The latest complete checkpoint the runtime wrote."""
 
-    path: str
+    path: str = Field(max_length=4096, pattern=r"^/.*/step-[0-9]{8,12}$")
     step: int = Field(ge=0)
     time: datetime
     bytes: int = Field(0, ge=0)
@@ -519,15 +534,16 @@ class CheckpointStatus(ApiModel):
 class WorkerStatus(ApiModel):
     """What one pod (one node of the job) reports about itself: its ranks fold into one entry."""
 
-    pod: str = ""
-    node: str | None = Field(None, description="The Kubernetes node the pod runs on.")
+    pod: str = Field("", max_length=253, pattern=DNS_NAME)
+    node: str | None = Field(None, max_length=253, pattern=DNS_NAME, description="The Kubernetes node the pod runs "
+                                                                                  "on.")
     ranks: int = Field(1, ge=1, description="Training processes in this pod.")
     step: int = Field(0, ge=0)
     attempt: int | None = Field(None, ge=0)
-    stage: str | None = Field(None, description="initializing, training, finished or failed.")
+    stage: Literal["initializing", "training", "finished", "failed"] | None = None
     tokens_per_second: float | None = Field(None, description="This node's ranks together.")
     peak_memory: dict[str, int] | None = Field(None, description="Peak bytes per stratum on this node (all its "
-                                                                 "ranks).")
+                                                                 "ranks).", json_schema_extra=STRATA_KEYS)
 
 
 class ResultStatus(ApiModel):

@@ -47,9 +47,8 @@ def pod(job: JobView, security: PodSecurity = PodSecurity()) -> dict[str, Any]:
         "name": names.INSPECT_CONTAINER,
         "image": spec.image,
         "command": inspect_command(spec.model.path),
-        # The command writes its answer (or its error) there; a container that dies before it can (no
-        # `memstrata` in the image) still says why, through the tail of its log.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+        # The command writes its answer (or its error) there; never the log's tail (raw output, render.pod).
+        "terminationMessagePolicy": "File",
         "resources": {"requests": dict(REQUESTS), "limits": dict(LIMITS)},
         "volumeMounts": user_mounts(spec, read_only=True),
         "securityContext": container_security_context(security),
@@ -96,12 +95,12 @@ def read(pods: list[PodView]) -> Inspection:
         except ValidationError as exc:
             return Inspection("failed", p.name, message=(
                 f"inspection pod {p.name} ended without a model shape in its termination message "
-                f"({describe_validation_error(exc, 'architecture')}); got {p.message[:200]!r}"))
+                f"({describe_validation_error(exc, 'architecture')}); got {p.message[:200]!r}"))  # sanitised (pod_view)
         return Inspection("succeeded", p.name, arch)
     if p.phase == "Failed":
         why = (p.message or p.reason or "no message").strip()
         code = f" with exit code {p.exit_code}" if p.exit_code is not None else ""
-        return Inspection("failed", p.name, message=f"inspection pod {p.name} failed{code}: {why[:1500]}")
+        return Inspection("failed", p.name, message=f"inspection pod {p.name} failed{code}: {why}")
     return Inspection("running", p.name, message=p.reason)  # e.g. why the scheduler cannot place it
 
 

@@ -45,6 +45,7 @@ from memstrata.operator.actions import (
     PatchStatus,
 )
 from memstrata.operator.conditions import StatusBuilder
+from memstrata.operator.jobpolicy import JobPolicy
 from memstrata.operator.names import FINALIZER, attempt_of, inspect_pod_name, pod_name
 from memstrata.operator.observe import JobView, PodView, format_time, parse_time
 from memstrata.operator.scheduling import Placement
@@ -58,6 +59,8 @@ class LifecyclePolicy:
     """Cap on that delay, as the Job controller's six minutes."""
     unschedulable_retry_seconds: float = 30.0
     """Re-place a waiting job this often even if no capacity event arrives (a safety net)."""
+    jobs: JobPolicy = JobPolicy()
+    """What a job may ask its pods for (volumes, image, command): a job that asks for more fails, with no pod."""
 
     def backoff(self, failures: int) -> float:
         if failures <= 0 or self.backoff_base_seconds <= 0:
@@ -149,6 +152,9 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
         return run.done()
     if job.spec is None:
         return run.finish("Failed", "InvalidSpec", job.spec_error)
+    refused = policy.jobs.refusal(job.spec)
+    if refused is not None:  # before any pod, the inspection pod included
+        return run.finish("Failed", "NotAllowed", refused)
     # Whatever comes next (even suspension: a pod being stopped may still write a checkpoint), the runtime's
     # news is told. Not for a finished job: its runtime has nothing left to say.
     run.actions += announce(run.b)
@@ -260,6 +266,7 @@ def _failures(run: _Run) -> list[str]:
              and (p.phase == "Failed" or p.deleting and not p.terminal) and not (p.deleting and p.name not in expected)]
     blamed = gang.blame(ended) if multi else [(p, p.describe_failure()) for p in sorted(ended, key=lambda p: p.attempt)]
     new, message = [p.name for p, _ in blamed], (blamed[-1][1] if blamed else "")
+    reason = blamed[-1][0].failure_reason if blamed else ""
     done |= {p.attempt for p, _ in blamed} if multi else set()
     nodes = run.b.get("nodes") or []
     for rank, name in enumerate(expected):
@@ -267,13 +274,15 @@ def _failures(run: _Run) -> list[str]:
             continue
         new.append(name)
         where = f" (node rank {rank} on node {nodes[rank]})" if multi and rank < len(nodes) else ""
-        message = f"pod {name}{where} disappeared before it finished"
+        message, reason = f"pod {name}{where} disappeared before it finished", "Disappeared"
         if multi:
             message += "; the attempt's other pods are stopped"
             done.add(attempt_of(run.job.name, name))
     if new:
         run.b.set("failedPods", known + new)
-        run.b.set("lastFailure", {"pod": new[-1], "message": message, "time": run.b.now_str})
+        # The reason from a fixed vocabulary; the message is the operator's, with at most a bounded, sanitised
+        # quote of what the container wrote (observe.container_text).
+        run.b.set("lastFailure", {"pod": new[-1], "reason": reason, "message": message, "time": run.b.now_str})
         run.b.set("message", message)
         run.b.set("activePod", None)
         run.b.condition_if_true("Running", "False", "PodFailed", message)

@@ -12,6 +12,7 @@ import os
 import socket
 import uuid
 
+from memstrata.operator.jobpolicy import RUNTIME_IMAGES, SAFE_VOLUME_TYPES, JobPolicy
 from memstrata.operator.leadership import LeaseTiming
 from memstrata.operator.lifecycle import LifecyclePolicy
 from memstrata.operator.render import DISK_GID, PodSecurity
@@ -53,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "containerd sets device_ownership_from_security_context (default: %(default)s, disk)")
     p.add_argument("--training-seccomp-profile", default="RuntimeDefault",
                    help="training pods' seccomp profile: RuntimeDefault or localhost/<file> (default: %(default)s)")
+    p.add_argument("--allowed-volume-type", action="append", default=[], metavar="TYPE",
+                   help="a volume type jobs may use beyond " + ", ".join(SAFE_VOLUME_TYPES) + " (repeatable; "
+                        "e.g. nfs, csi, hostPath: each gives every job's submitter what the type reaches)")
+    p.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
+                   help="an image jobs may run: a reference, or a prefix ending in * ('*' alone: any image); "
+                        "repeatable (default: " + ", ".join(RUNTIME_IMAGES) + ")")
+    p.add_argument("--allow-custom-commands", action="store_true",
+                   help="let spec.command be anything, not only the runtime's own entrypoint")
     p.add_argument("--verbose", "-v", action="store_true")
     return p
 
@@ -73,6 +82,12 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
                                seccomp_profile=args.training_seccomp_profile)
     except ValueError as exc:
         raise SystemExit(f"memstrata operator: --training-device-gid/--training-seccomp-profile: {exc}") from None
+    try:
+        jobs = JobPolicy(volume_types=tuple(args.allowed_volume_type),
+                         images=tuple(args.allowed_image) or RUNTIME_IMAGES,
+                         custom_commands=args.allow_custom_commands)
+    except ValueError as exc:
+        raise SystemExit(f"memstrata operator: --allowed-volume-type/--allowed-image: {exc}") from None
     identity = args.identity or f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
     return OperatorConfig(
         kubeconfig=args.kubeconfig,
@@ -85,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         workers=args.workers,
         policy=LifecyclePolicy(backoff_base_seconds=args.backoff_base_seconds,
                                backoff_max_seconds=args.backoff_max_seconds,
-                               unschedulable_retry_seconds=args.unschedulable_retry_seconds),
+                               unschedulable_retry_seconds=args.unschedulable_retry_seconds, jobs=jobs),
         report_interval_seconds=args.report_interval_seconds,
         pod_security=security,
     )

@@ -29,10 +29,14 @@ ROLE_INSPECT = "inspect-model"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "memstrata-operator"
 
-# Labels on a job that must never be copied to its pods: they would let a user
-# make a pod look like another job's child.
-RESERVED_PREFIXES = (f"{GROUP}/job-", f"{GROUP}/attempt", f"{GROUP}/node-rank", f"{GROUP}/role",
-                     "app.kubernetes.io/managed-by")
+# The only labels of a job that are copied onto its pods. Any other key could be one that something else selects
+# pods by: `app: web` copied would make the job's pod an endpoint of the web app's Service (or put it under that
+# app's NetworkPolicy or PodDisruptionBudget), and memstrata.dev/ keys are the operator's own selectors. A key under
+# this prefix is selected only by someone who means to select jobs' pods by what their submitters wrote. Kueue's
+# queue labels are copied too (README: a queue admits a job's pods together): only Kueue reads them, and it holds
+# a queue to the namespace's own LocalQueues.
+USER_LABEL_PREFIX = "user.memstrata.dev/"
+QUEUE_LABELS = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
 
 CONTAINER = "runtime"
 INSPECT_CONTAINER = "inspect-model"
@@ -118,5 +122,5 @@ def child_labels(job: str, uid: str) -> dict[str, str]:
 
 
 def user_labels(labels: dict[str, str] | None) -> dict[str, str]:
-    """The job's own labels that are copied onto its pods (so selectors and policies can match them)."""
-    return {k: v for k, v in (labels or {}).items() if not k.startswith(RESERVED_PREFIXES)}
+    """The job's own labels that are copied onto its pods: those under USER_LABEL_PREFIX and the QUEUE_LABELS."""
+    return {k: v for k, v in (labels or {}).items() if k.startswith(USER_LABEL_PREFIX) or k in QUEUE_LABELS}

@@ -2,9 +2,15 @@
 
 The lifecycle decides only from these views, so every decision can be tested
 with plain dicts shaped like what the API server returns.
+
+A container's termination message is the one thing in a pod's status that the container itself wrote, and
+the container may run a job's own code. The operator puts it into the job's status (lastFailure, the Failed
+condition, events), which whoever may read the job reads: so it is read here once, through container_text
+(bounded, printable, credentials redacted), and a failure's reason in status is one of FAILURE_REASONS.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Mapping
@@ -17,6 +23,30 @@ from memstrata.operator.bookkeeping import read as read_bookkeeping
 from memstrata.operator.names import LABEL_ATTEMPT, LABEL_NODE_RANK, LABEL_ROLE, ROLE_INSPECT
 
 TERMINAL = ("Succeeded", "Failed")
+# A failure's reason in status.lastFailure: the kubelet's own words for how a pod ended, and the operator's.
+FAILURE_REASONS = ("Error", "OOMKilled", "ContainerCannotRun", "StartError", "DeadlineExceeded", "Evicted",
+                   "Preempted", "NodeLost", "Shutdown", "Terminated", "UnexpectedAdmissionError", "Deleted",
+                   "Disappeared", "Failed")
+MESSAGE_CHARS = 512  # of a container's termination message in the job's status (the kubelet keeps 4 KiB)
+REDACTED = "[redacted]"
+_CREDENTIALS = re.compile(
+    r"-----BEGIN [A-Z0-9 ]+-----.*?(?:-----END [A-Z0-9 ]+-----|$)"  # a PEM key or certificate
+    r"|eyJ[\w-]+\.[\w-]+\.[\w-]*"  # a JWT, as a ServiceAccount token is
+    r"|[A-Za-z0-9+=_-]{40,}",  # a long unbroken run: a key, a token, a hash, base64
+    re.DOTALL)
+
+
+def container_text(raw: str) -> str:
+    """A container's termination message as the job's status may carry it: credentials redacted, printable
+    ASCII on one line, at most MESSAGE_CHARS characters."""
+    text = "".join(c if c.isascii() and c.isprintable() else " " for c in _CREDENTIALS.sub(REDACTED, raw))
+    text = " ".join(text.split())
+    return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS - 3] + "..."
+
+
+def failure_reason(reason: str) -> str:
+    """`reason` if it is one of FAILURE_REASONS, else "Failed"."""
+    return reason if reason in FAILURE_REASONS else "Failed"
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -81,7 +111,8 @@ class PodView:
     unschedulable: bool = False
     finished_at: datetime | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
-    message: str = ""  # the terminated container's termination message, as written
+    message: str = ""  # the terminated container's termination message, through container_text
+    ended: str = ""  # how it ended, in the kubelet's words (terminated.reason, or the pod's status.reason)
     inspection: bool = False  # the model inspection pod, not a training attempt
     node_rank: int = 0  # which node of a multi-node job (0 for a single-node job's pod)
 
@@ -93,6 +124,11 @@ class PodView:
     def active(self) -> bool:
         """Holding (or about to hold) the job's place on a node."""
         return not self.terminal and not self.deleting
+
+    @property
+    def failure_reason(self) -> str:
+        """Why it failed, one of FAILURE_REASONS."""
+        return "Deleted" if self.deleting and not self.terminal else failure_reason(self.ended)
 
     def describe_failure(self) -> str:
         bits = [f"pod {self.name}"]
@@ -125,13 +161,14 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
     except ValueError:
         node_rank = 0
     exit_code, reason, finished, message = None, status.get("reason") or "", None, ""
+    ended = reason
     for cs in status.get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
         if term:
             exit_code = term.get("exitCode")
-            reason = term.get("reason") or reason
+            reason = ended = term.get("reason") or reason
             if term.get("message"):
-                message = str(term["message"])
+                message = container_text(str(term["message"]))
                 reason = f"{reason}: {message}" if reason else message
             finished = parse_time(term.get("finishedAt"))
             if exit_code:
@@ -154,6 +191,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         finished_at=finished,
         labels=labels,
         message=message,
+        ended=ended,
         inspection=labels.get(LABEL_ROLE) == ROLE_INSPECT,
         node_rank=node_rank,
     )

@@ -10,8 +10,9 @@ so the kubelet enforces the DRAM budget the planner assumed.
 What the pod needs to use its devices on a real node, and nothing more (`PodSecurity`; the chart's
 README says why): the node's `disk` group as a supplemental group, because the device plugin's
 namespaces appear in the container as the host's root:disk 0660 nodes and the runtime runs as
-uid 1000; RuntimeDefault seccomp, under which the runtime's NVMe engine falls back from io_uring to
-pread/pwrite threads (or a Localhost profile the cluster admin installed that allows io_uring); and
+uid 1000 (only on a pod that is handed namespaces: the group opens every disk the container sees);
+RuntimeDefault seccomp, under which the runtime's NVMe engine falls back from io_uring to pread/pwrite
+threads (or a Localhost profile the cluster admin installed that allows io_uring); and
 no capability: CAP_IPC_LOCK would break `restricted` (and `baseline`) and never reaches a non-root
 process anyway, so the swap layer works within the runtime's RLIMIT_MEMLOCK, unlocked past it.
 """
@@ -24,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
-from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU, RESOURCE_MEMORY
+from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU, RESOURCE_MEMORY, RESOURCE_NVME
 from memstrata.api.runtimeconfig import (
     CONFIGMAP_KEY, ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_NAME, ENV_NODE_RANK, ENV_POD_NAME,
     ENV_RUNTIME_CONFIG, RENDEZVOUS_PORT, JobRef, RuntimeConfig,
@@ -273,9 +274,10 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
         "volumeMounts": [*user_mounts(spec),
                          {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
         "securityContext": container_security_context(security),
-        # The runtime writes why it failed to /dev/termination-log; a crash that could not (a traceback, an
-        # image without memstrata, a spec.command of the user's) leaves its log's tail there instead.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+        # The runtime writes why it failed to /dev/termination-log. Not the log's tail when it could not: that is
+        # the container's raw output, and the job's status, where the message goes, is readable by whoever may
+        # read the job (the operator bounds and sanitises even the message: observe.container_text).
+        "terminationMessagePolicy": "File",
     }
     if spec.command:
         container["command"] = list(spec.command)
@@ -293,7 +295,7 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
             **dns,
             "serviceAccountName": names.runtime_account_name(job.name, job.uid),
             "enableServiceLinks": False,
-            "securityContext": pod_security_context(security),
+            "securityContext": pod_security_context(security, device_group=bool(plan.requests.get(RESOURCE_NVME))),
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchExpressions": node_terms}]}}},
             "tolerations": [{"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}],
