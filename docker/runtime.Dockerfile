@@ -32,7 +32,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir "torch==${TORCH_VERSION}" /wheels/deepspeed-*.whl \
         /wheels/memstrata-0*.whl /wheels/memstrata_runtime-*.whl
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-# uid 1000 matches the operator's pod securityContext (memstrata.operator.render.RUNTIME_UID).
+# uid 1000 matches the operator's pod securityContext (memstrata.api.podidentity.RUNTIME_UID).
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin memstrata
 USER 1000:1000
 WORKDIR /home/memstrata

@@ -35,7 +35,7 @@ PYTHON = f"/{PREFIX}/bin/python"
 MIRROR = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
 # python3 is 3.11 in bookworm, the ABI of the CI venv's extensions (torch, DeepSpeed's ops).
 BASE_PACKAGES = ("python3", "python3-venv", "libaio1", "liburing2", "libnuma1", "ca-certificates", "netbase")
-# (uid, name, home): the runtime's user (memstrata.operator.render.RUNTIME_UID) and the operator's.
+# (uid, name, home): the runtime's user (memstrata.api.podidentity.RUNTIME_UID) and the operator's.
 USERS = ((1000, "memstrata", "/home/memstrata"), (65532, "nonroot", "/home/nonroot"))
 # Left out of the base: apt's state and the docs are dead weight in an image nobody apt-gets in;
 # /dev, /proc and /sys are the runtime's to mount.

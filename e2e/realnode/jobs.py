@@ -16,8 +16,8 @@ from typing import Any
 from e2e.cluster.controlplane import ControlPlane, ControlPlaneTimeout
 from e2e.realnode.hoststate import KUBELET_ROOT
 from e2e.realnode.node import RealNode
+from memstrata.api.podidentity import RUNTIME_UID
 
-RUNTIME_UID = 1000  # the runtime image's user (memstrata.operator.render.RUNTIME_UID)
 MODEL_DIR = "smollm2"
 
 

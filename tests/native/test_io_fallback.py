@@ -18,7 +18,7 @@ import pytest
 from native_helpers import child_env, unavailable
 from seccomp_helpers import IO_URING_REGISTER, IO_URING_SETUP, preexec, seccomp_unsupported
 
-from memstrata.operator.render import DISK_GID, RUNTIME_UID
+from memstrata.api.podidentity import DISK_GID, RUNTIME_UID
 from memstrata.runtime import _native
 from memstrata.runtime.strata import iobackend
 from memstrata.runtime.strata.nvme import NvmeEngine

@@ -15,7 +15,8 @@ from memstrata.operator.lifecycle import LifecyclePolicy, decide
 from memstrata.operator.main import build_parser, config_from_args
 from memstrata.operator.nodes import node_view
 from memstrata.operator.observe import MESSAGE_CHARS, container_text, job_view, pod_view
-from memstrata.operator.render import DISK_GID, attempt_objects
+from memstrata.api.podidentity import DISK_GID
+from memstrata.operator.render import attempt_objects
 from memstrata.operator.scheduling import place
 
 NODES = [node_view(node_dict("gpu-1", inventory("gpu-1", dram_gib=1024)))]

@@ -9,7 +9,8 @@ from ftj_factories import inventory, job_dict, node_dict
 
 from memstrata.operator.nodes import node_view
 from memstrata.operator.observe import job_view
-from memstrata.operator.render import DISK_GID, RUNTIME_UID, PodSecurity, attempt_objects, seccomp_profile
+from memstrata.api.podidentity import DISK_GID, RUNTIME_UID
+from memstrata.operator.render import PodSecurity, attempt_objects, seccomp_profile
 from memstrata.operator.scheduling import place
 
 JOB = job_view(job_dict("llama"))

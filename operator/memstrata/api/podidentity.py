@@ -18,7 +18,11 @@ def parse_device_gid(text: str) -> int | None:
         return None
     if not value.isdigit():
         raise ValueError(f"device group {text!r}: expected a numeric group id or 'none'")
-    gid = int(value)
+    return checked_device_gid(int(value))
+
+
+def checked_device_gid(gid: int) -> int:
+    """`gid`, or ValueError naming it where it cannot be the training pods' device group."""
     if not 0 < gid < 1 << 31:
         raise ValueError(f"device group {gid}: expected a group id from 1 to 2147483647 "
                          "(0, root's group, would defeat runAsNonRoot's purpose)")

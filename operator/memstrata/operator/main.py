@@ -15,7 +15,8 @@ import uuid
 from memstrata.operator.jobpolicy import RUNTIME_IMAGES, SAFE_VOLUME_TYPES, JobPolicy
 from memstrata.operator.leadership import LeaseTiming
 from memstrata.operator.lifecycle import LifecyclePolicy
-from memstrata.operator.render import DISK_GID, PodSecurity
+from memstrata.api.podidentity import DISK_GID, parse_device_gid
+from memstrata.operator.render import PodSecurity
 from memstrata.operator.settings import OperatorConfig
 
 
@@ -74,11 +75,8 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     except ValueError as exc:
         raise SystemExit(f"memstrata operator: --lease-duration-seconds/--renew-deadline-seconds/"
                          f"--retry-period-seconds: {exc}") from None
-    gid = args.training_device_gid.strip().lower()
     try:
-        if gid not in ("none", "") and not gid.isdigit():
-            raise ValueError(f"device group {args.training_device_gid!r}: expected a numeric group id or 'none'")
-        security = PodSecurity(device_gid=None if gid in ("none", "") else int(gid),
+        security = PodSecurity(device_gid=parse_device_gid(args.training_device_gid),
                                seccomp_profile=args.training_seccomp_profile)
     except ValueError as exc:
         raise SystemExit(f"memstrata operator: --training-device-gid/--training-seccomp-profile: {exc}") from None

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
+from memstrata.api.podidentity import DISK_GID, RUNTIME_UID, checked_device_gid
 from memstrata.api.inventory import LABEL_CXL, LABEL_MANAGED, RESOURCE_GPU, RESOURCE_MEMORY, RESOURCE_NVME
 from memstrata.api.runtimeconfig import (
     CONFIGMAP_KEY, ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_NAME, ENV_NODE_RANK, ENV_POD_NAME,
@@ -35,16 +36,12 @@ from memstrata.operator import names
 from memstrata.operator.observe import JobView
 from memstrata.api.strataplan import Plan
 
-RUNTIME_UID = 1000  # the runtime image's non-root user (docker/runtime.Dockerfile)
 # DRAM of one rank process that the plan does not count, because it is not the job's tensors:
 # the interpreter with torch and DeepSpeed imported (0.52 GiB), their allocator arenas, the swap
 # layer's locked pool growing in whole chunks, and on a GPU the CUDA runtime's host side (about
 # 1 GiB more). Measured on the CPU: the tiny example peaks at 0.83 GiB RSS for a 17 MiB plan.
 RUNTIME_PROCESS_BYTES = 2 * GiB
 MiB = 1 << 20
-# The `disk` group of Debian, Ubuntu, RHEL, Fedora, SUSE and Alpine: udev makes every block device,
-# NVMe namespaces included, root:disk 0660, and the device plugin passes the node's device through as is.
-DISK_GID = 6
 
 
 @dataclass(frozen=True)
@@ -61,9 +58,8 @@ class PodSecurity:
     seccomp_profile: str = "RuntimeDefault"
 
     def __post_init__(self) -> None:
-        if self.device_gid is not None and not 0 < self.device_gid < 1 << 31:
-            raise ValueError(f"device group {self.device_gid}: expected a group id from 1 to 2147483647 "
-                             "(0, root's group, would defeat runAsNonRoot's purpose)")
+        if self.device_gid is not None:
+            checked_device_gid(self.device_gid)
         seccomp_profile(self.seccomp_profile)
 
 
