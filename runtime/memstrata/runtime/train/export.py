@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from memstrata.api.finetunejob import OutputStatus
 from memstrata.runtime.train.hfmodel import INDEX, SINGLE
+from memstrata.runtime.train.owner import Ownership, own, reclaim
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-__all__ = ["OutputPathError", "atomic_output", "check_output_path", "finished_output", "module_tensors", "save_model",
-           "write_hf_model", "write_run_file"]
+__all__ = ["OutputPathError", "atomic_output", "check_output_path", "finished_output", "reclaim_partials",
+           "module_tensors", "save_model", "write_hf_model", "write_run_file"]
 
 RUN_FILE = "memstrata-run.json"  # which job and step wrote the model: lets a retry recognise its own finished work
 
@@ -185,8 +186,10 @@ def atomic_output(path: Path) -> Iterator[Path]:
     removed when it fails. `path` holds a whole output or nothing."""
     check_output_path(path)
     # A name of its own: two jobs given the same output path never write into each other's files.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(path), dir=path.parent))
+    owner: Ownership | None = None
     try:
+        owner = own(tmp)  # if this process is killed, the next run given this path removes the partial output
         yield tmp
         _fsync_tree(tmp)
         # rename(2) would silently replace an empty directory made meanwhile: check once more, then rename
@@ -197,6 +200,18 @@ def atomic_output(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if owner is not None and not tmp.exists():  # kept while a partial is left: the next run removes it
+            owner.release()
+
+
+def _partial_prefix(path: Path) -> str:
+    return f".{path.name}.partial-"
+
+
+def reclaim_partials(path: Path) -> list[Path]:
+    """Remove the partial outputs for `path` that runs killed while saving left (never a live run's)."""
+    return reclaim(path.parent, _partial_prefix(path))
 
 
 def write_run_file(into: Path, *, job: str, job_uid: str, step: int, validation_loss: float | None) -> None:

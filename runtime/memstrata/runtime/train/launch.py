@@ -10,7 +10,7 @@ MASTER_PORT for it (memstrata.runtime.train.recipe.Ranks reads them).
 Failure: `max_restarts` is 0, so one failed rank stops the node's others and the agent returns the failing
 rank's exit status (its error is on stderr, where the worker printed it); across nodes, the operator restarts
 the whole attempt. SIGTERM on the agent is passed on to its workers (torch elastic's own handler), each of
-which then ends its run as a lone process would (memstrata.runtime.train.pod._terminated).
+which then ends its run as a lone process would (`stop_on_sigterm`).
 
 c10d numbers the nodes in the order of their agents' (host name, pid), not by PET_NODE_RANK: global rank 0
 (which reports the job's progress and writes its output) is on whichever node sorts first. Each pod's
@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Ranks", "Rendezvous", "LaunchError", "launch", "local_rendezvous", "node_sums", "threads_per_rank",
-           "world_sum"]
+__all__ = ["Ranks", "Rendezvous", "LaunchError", "Terminated", "launch", "local_rendezvous", "node_sums",
+           "stop_on_sigterm", "threads_per_rank", "world_sum"]
 
 log = logging.getLogger("memstrata.launch")
 EXIT_FAILED = 1
@@ -185,8 +185,21 @@ def worker_setup(ranks: int) -> None:
     import torch
 
     torch.set_num_threads(_omp_threads(os.environ.get("OMP_NUM_THREADS"), ranks))
+    stop_on_sigterm()
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived: the run stops as it would on an error (every `finally`, its cleanup included, runs)
+    and the process ends with 128 + SIGTERM."""
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM an orderly stop of this process: `Terminated` raised in the main thread. Its default would
+    end the process at once, leaving the run's scratch directory, its swap files and a partial output behind."""
     signal.signal(signal.SIGTERM, _terminated)
 
 
 def _terminated(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+    # Once: a second SIGTERM must not cut the cleanup the first one started short (SIGKILL still ends it).
+    signal.signal(signum, signal.SIG_IGN)
+    raise Terminated(128 + signum)

@@ -30,7 +30,8 @@ from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.data import DatasetError
 from memstrata.runtime.train.hfmodel import ModelDirError
-from memstrata.runtime.train.launch import LaunchError, Ranks, launch, local_rendezvous, node_sums, worker_setup
+from memstrata.runtime.train.launch import (LaunchError, Ranks, Terminated, launch, local_rendezvous, node_sums,
+                                            stop_on_sigterm, worker_setup)
 from memstrata.runtime.train.memwatch import MemWatch
 from memstrata.runtime.train.metrics import MetricsError, MetricsWriter
 from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, Sample, render_report
@@ -76,15 +77,19 @@ def run_job(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Path 
         return EXIT_USAGE
     kwargs: dict[str, Any] = {"nvme_path": nvme_path, "report_json": report_json, "sample_prompt": sample_prompt,
                               "verbose": verbose, "resume": resume}
-    if resources.world_size() == 1:
-        return run_local(job, plan, **kwargs)
+    stop_on_sigterm()  # `kill`, a service manager, a batch system's time limit: an orderly stop, not a torn one
     try:
+        if resources.world_size() == 1:
+            return run_local(job, plan, **kwargs)
         _check_report_path(report_json)  # once, before any rank starts
         return launch(_local_rank, (job, plan, kwargs), ranks=resources.ranks(),
                       rendezvous=local_rendezvous(job.metadata.name))
     except (RecipeError, LaunchError) as exc:
         print(f"memstrata: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Terminated as stop:
+        print(f"memstrata: {job.metadata.name}: stopped by SIGTERM; its scratch files are removed", file=sys.stderr)
+        return int(stop.code or 1)
 
 
 def _local_rank(job: FineTuneJob, plan: Plan, kwargs: dict[str, Any]) -> None:
@@ -117,10 +122,13 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     ranks = Ranks.from_env()
     who = f"rank {ranks.rank}: " if ranks.world > 1 else ""
 
+    said: list[str] = []
+
     def fail(why: str) -> None:
         print(f"memstrata: {who}{why}", file=sys.stderr)
-        if on_error is not None:
+        if on_error is not None and not said:  # the first error says why the run failed, not a cleanup after it
             on_error(f"{who}{why}")
+        said.append(why)
     try:
         _check_report_path(report_json)
         recipe = FineTuneRecipe(job, plan, nvme_path, resume=resume, job_uid=job_uid,
@@ -229,11 +237,13 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
         report_to(node.stage(last.model_copy(update={"stage": "failed",
                                                      "message": f"{type(exc).__name__}: {exc}"})))
         return EXIT_FAILED
-    finally:
-        recipe.cleanup()
-        watch.stop()
-        if metrics is not None:
-            metrics.close()
+    finally:  # a failure here never replaces the run's own result, nor stops the steps after it
+        unclean = close_all(fail, ("removing the swap layer and scratch directory", recipe.cleanup),
+                            ("stopping the memory watch", watch.stop),
+                            ("closing the metrics", metrics.close if metrics is not None else None))
+    if unclean is not None:  # the run itself succeeded: the cleanup's failure is its result
+        report_to(node.stage(last.model_copy(update={"stage": "failed", "message": unclean})))
+        return EXIT_FAILED
 
     if sample is not None and recipe.output is not None:
         sample.after = _answer(Path(recipe.output.path), sample.prompt)
@@ -248,6 +258,22 @@ def run_local(job: FineTuneJob, plan: Plan, *, nvme_path: Path, report_json: Pat
     if report_json is not None:
         report_json.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
     return 0
+
+
+def close_all(fail: Callable[[str], None], *steps: tuple[str, Callable[[], None] | None]) -> str | None:
+    """Run every cleanup step whatever an earlier one raised; each failure is said in one line (after the run's
+    own error, if it had one: that stays the result). The first failure's message, or None."""
+    first: str | None = None
+    for what, step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - one line each, and the next step still runs
+            message = f"cleanup failed: {what}: {type(exc).__name__}: {exc}"
+            fail(message)
+            first = first or message
+    return first
 
 
 class _NodeReport:

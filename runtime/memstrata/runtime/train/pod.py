@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -49,7 +48,7 @@ from memstrata.api.runtimeconfig import (
 )
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.dsconfig import deepspeed_swap_refusal
-from memstrata.runtime.train.launch import LaunchError, Ranks, Rendezvous, launch, worker_setup
+from memstrata.runtime.train.launch import LaunchError, Ranks, Rendezvous, launch, stop_on_sigterm, worker_setup
 
 __all__ = ["PodConfigError", "StatusReporter", "load_config", "job_and_plan", "kubernetes_patcher", "pod_rendezvous",
            "run_pod"]
@@ -194,10 +193,6 @@ def _record_reason(message: str) -> None:
         pass  # not in a pod
 
 
-def _terminated(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def on_root_filesystem(path: Path) -> bool:
     """Whether `path` (or, while it does not exist yet, its nearest existing parent) is on the filesystem of
     `/`: in a pod, the container's own writable layer rather than a volume."""
@@ -260,7 +255,7 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
     # The kubelet stops a pod with SIGTERM, which PID 1 would ignore for the whole grace period while the next
     # attempt starts: end now (a checkpoint being written is removed, the last complete one stays). With
     # several ranks, torch elastic's agent takes SIGTERM over and passes it on to the ranks.
-    signal.signal(signal.SIGTERM, _terminated)
+    stop_on_sigterm()
     if rendezvous is None:
         rc = _train(cfg, job, plan, nvme_path, Ranks(), node_rank=0, patch=patch)
     else:

@@ -35,10 +35,11 @@ from memstrata.api.strataplan import Plan
 from memstrata.api.checkpoint import run_fingerprint
 from memstrata.runtime.train.checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, Found, Resumed
 from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
-from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output
+from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output, reclaim_partials
 from memstrata.runtime.train.metrics import MetricsError, check_metrics_dir
 from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
 from memstrata.runtime.train.launch import LaunchError, Ranks, world_sum
+from memstrata.runtime.train.owner import Ownership, own, reclaim
 from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchronizer
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.schedule import build_scheduler
@@ -49,6 +50,8 @@ from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces,
 
 if TYPE_CHECKING:
     import torch
+
+SWAP_DIR_PREFIX = "memstrata-run-"  # a run's scratch directory under the NVMe path (one per run and rank)
 
 
 class RecipeError(ValueError):
@@ -209,7 +212,8 @@ class FineTuneRecipe:
         self.on_gpu = on_gpu_for(spec.resources.gpus)
         # One directory per run and rank under the scratch path (the pid is the rank's own), so parallel runs and
         # the ranks of one run never share swap files.
-        self.swap_dir = nvme_path / (f"memstrata-run-{job.metadata.name}-{os.getpid()}-{int(time.time())}"
+        self.swap_owner: Ownership | None = None
+        self.swap_dir = nvme_path / (f"{SWAP_DIR_PREFIX}{job.metadata.name}-{os.getpid()}-{int(time.time())}"
                                      + (f"-rank{self.ranks.rank}" if self.ranks.world > 1 else ""))
         # With memstrata, DeepSpeed's own swap folder must stay empty (no silent fallback to the stock
         # path), so it is a subfolder of its own, apart from memstrata's file-backed namespaces.
@@ -232,6 +236,14 @@ class FineTuneRecipe:
         self.hbm_peak_bytes = 0  # the device memory held at its peak so far (GPU runs; memstrata.runtime.train.device)
 
     # --- setup ------------------------------------------------------------------------------------
+    def _reclaim(self) -> None:
+        """Remove the scratch directories and partial outputs of runs that died without cleaning up (never a
+        live run's: memstrata.runtime.train.owner)."""
+        out = self.spec.output
+        left = reclaim(self.swap_dir.parent, SWAP_DIR_PREFIX) + (reclaim_partials(Path(out.path)) if out else [])
+        for path in left:
+            logging.getLogger(__name__).warning("memstrata: removed %s, left by a run that was killed", path)
+
     def load_data(self) -> None:
         """Read and validate the dataset; a bad file fails here, before anything is written."""
         if self.data is None:
@@ -249,7 +261,10 @@ class FineTuneRecipe:
                                             env=os.environ, ranks=self.ranks.local_world)
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
-        self.swap_dir.mkdir(parents=True, exist_ok=False)
+        self._reclaim()
+        self.swap_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.swap_owner = own(self.swap_dir)  # a run killed before its cleanup leaves it to the next one to remove
+        self.swap_dir.mkdir(exist_ok=False)
         self.ds_swap_dir.mkdir(exist_ok=True)
         if self.strata is not None:
             create_file_namespaces(self.strata)
@@ -546,3 +561,5 @@ class FineTuneRecipe:
                     dist.destroy_process_group()
             finally:
                 shutil.rmtree(self.swap_dir, ignore_errors=True)
+                if self.swap_owner is not None and not self.swap_dir.exists():
+                    self.swap_owner.release()
