@@ -16,7 +16,7 @@ MANAGED_VALUE = "fake"
 # operator under test should schedule onto fake nodes unchanged.
 
 # Label that selects pods for the failure stage; its value is the exit code.
-FAIL_LABEL = "memstrata.dev/e2e-fail-exit-code"
+FAIL_LABEL = "user.memstrata.dev/e2e-fail-exit-code"  # a job label the operator copies onto its pods
 
 _BASE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "ephemeral-storage": "1Ti"}
 

@@ -22,7 +22,7 @@ from memstrata.api import NodeInventory, render_node
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "finetunejob.yaml"
 CHART = REPO / "charts" / "memstrata"
-SUCCEED_LABEL = "memstrata.dev/e2e-succeed"
+SUCCEED_LABEL = "user.memstrata.dev/e2e-succeed"  # a job label the operator copies onto its pods
 LEASE = "memstrata-e2e"  # in namespace default
 # Short, so takeovers in tests take seconds (production: 15/10/2).
 LEASE_TIMING = ("--lease-duration-seconds", "6", "--renew-deadline-seconds", "4", "--retry-period-seconds", "1")
