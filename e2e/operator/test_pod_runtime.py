@@ -24,7 +24,7 @@ import yaml
 from memstrata.api import load_job
 from memstrata.operator import names
 from memstrata.operator.observe import job_view
-from memstrata.operator.render import attempt_objects
+from memstrata.operator.render import gang_objects
 from memstrata.plan import plan_job
 from memstrata.node.local import local_inventory
 
@@ -62,7 +62,7 @@ def test_the_runtime_reports_into_its_jobs_status(memstrata_cluster: Any, namesp
     other = submit(cluster, namespace, "someone-else")
     job = load_job(TINY)
     plan = plan_job(job.spec, local_inventory(tmp_path / "nvme"))
-    companions, _ = attempt_objects(job_view(body), "this-machine", plan, attempt=0, report_interval_seconds=1)
+    companions, _ = gang_objects(job_view(body), ("this-machine",), plan, attempt=0, report_interval_seconds=1)
     cluster.apply(*[o for o in companions if o["kind"] != "ConfigMap"], namespace=namespace)
     config = tmp_path / "runtime-config.json"
     config.write_text(next(o for o in companions if o["kind"] == "ConfigMap")["data"]["runtime-config.json"])

@@ -186,14 +186,15 @@ def _job_objects(ns: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """What the operator creates for one attempt of one job (its ServiceAccount, Role, RoleBinding,
     ConfigMap and pod), as memstrata.operator.render makes them."""
     from memstrata.operator.observe import job_view
-    from memstrata.operator.render import attempt_objects
+    from memstrata.operator.render import gang_objects
     from memstrata.plan import plan_job
 
     body = job("by-hand")
     body["metadata"].update(namespace=ns, uid="5e1f0000-0000-4000-8000-000000000001")
     view = job_view(body)
     assert view.spec is not None, view.spec_error
-    return attempt_objects(view, NODE_A, plan_job(view.spec, inventory(NODE_A, dram_gib=64)), attempt=0)
+    companions, (pod,) = gang_objects(view, (NODE_A,), plan_job(view.spec, inventory(NODE_A, dram_gib=64)), attempt=0)
+    return companions, pod
 
 
 def test_the_operator_writes_in_the_watched_namespace_only(installed: Installed, tmp_path: Path,

@@ -20,7 +20,7 @@ kube = pytest.importorskip("kubernetes", reason="the operator's dependencies are
 from memstrata.api.inventory import NodeInventory  # noqa: E402
 from memstrata.operator import names  # noqa: E402
 from memstrata.operator.observe import job_view  # noqa: E402
-from memstrata.operator.render import attempt_objects  # noqa: E402
+from memstrata.operator.render import gang_objects  # noqa: E402
 from memstrata.plan import plan_job  # noqa: E402
 
 START = "2026-11-23T08:00:00Z"
@@ -45,7 +45,7 @@ def test_the_runtime_token_writes_progress_but_not_the_operators_fields(quiet_cl
                     "-p", json.dumps({"status": {"phase": "Running", "node": "n1", "startTime": START,
                                                  "activePod": "owned-1", "failedPods": ["owned-0"]}}))
     inv = NodeInventory.model_validate({"hostname": "n1", "numaNodes": [{"id": 0, "memoryBytes": "64Gi"}]})
-    companions, _ = attempt_objects(job_view(body), "n1", plan_job(job_view(body).spec, inv), attempt=0)
+    companions, _ = gang_objects(job_view(body), ("n1",), plan_job(job_view(body).spec, inv), attempt=0)
     cluster.apply(*[o for o in companions if o["kind"] != "ConfigMap"], namespace=namespace)
     runtime = token_kubeconfig(cluster, namespace, names.runtime_account_name("owned", body["metadata"]["uid"]), tmp_path / "runtime")
 

@@ -54,9 +54,9 @@ def test_a_layer_opened_without_a_process_group_uses_the_accelerators_backend(mo
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    from memstrata.runtime.swap import integration, seam
+    from memstrata.runtime.swap import integration, seamcheck
 
-    seam.ensure_verified()  # against the real DeepSpeed, before its entry point is stubbed
+    seamcheck.ensure_verified()  # against the real DeepSpeed, before its entry point is stubbed
     started: list[str] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)

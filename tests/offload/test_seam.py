@@ -23,9 +23,9 @@ pytestmark = pytest.mark.usefixtures("deepspeed_ready")
 
 
 def test_the_installed_deepspeed_matches_every_entry() -> None:
-    from memstrata.runtime.swap import seam
+    from memstrata.runtime.swap import seam, seamcheck
 
-    seam.verify()
+    seamcheck.verify()
     kinds = {e.kind for e in seam.SEAM}
     assert kinds == set(seam.Kind), f"kinds without an entry: {set(seam.Kind) - kinds}"
     paths = [(e.kind, e.path) for e in seam.SEAM]
@@ -34,10 +34,10 @@ def test_the_installed_deepspeed_matches_every_entry() -> None:
 
 def _mismatches() -> list[tuple[str, str | None]]:
     """(subject, entry path or None) of every mismatch verify() reports."""
-    from memstrata.runtime.swap import seam
+    from memstrata.runtime.swap import seam, seamcheck
 
     with pytest.raises(seam.SeamMismatch) as info:
-        seam.verify()
+        seamcheck.verify()
     message = str(info.value)
     for m in info.value.mismatches:
         assert m.subject in message and m.problem in message  # the one error names each, with what changed
@@ -144,10 +144,10 @@ def test_a_step_loop_with_another_call_is_named(monkeypatch: pytest.MonkeyPatch,
 def test_initialize_refuses_a_deepspeed_that_moved_an_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from memstrata.runtime.swap import seam
+    from memstrata.runtime.swap import seamcheck
     from memstrata.runtime.swap.integration import UnsupportedDeepSpeed, initialize
 
-    monkeypatch.setattr(seam, "_verified", False)
+    monkeypatch.setattr(seamcheck, "_verified", False)
     monkeypatch.delattr(DeepSpeedZeroOptimizer_Stage3, "_swappable_optimizer_subgroup")
     # Refused before a process group, a namespace or a pinned byte is made: the config is not even read.
     with pytest.raises(UnsupportedDeepSpeed, match=r"_swappable_optimizer_subgroup \[wrapped\]: is gone"):

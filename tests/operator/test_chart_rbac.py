@@ -56,7 +56,7 @@ def _job_objects() -> list[dict[str, Any]]:
 
     inv = NodeInventory.model_validate({"hostname": "n1", "numaNodes": [{"id": 0, "memoryBytes": "512Gi"}],
                                         "gpus": [{"index": 0, "hbmBytes": "80Gi"}]})
-    companions, pod = render.attempt_objects(view, "n1", plan_job(view.spec, inv), attempt=0)
+    companions, (pod,) = render.gang_objects(view, ("n1",), plan_job(view.spec, inv), attempt=0)
     # A job on two nodes adds its headless Service and a second pod.
     body["spec"]["resources"]["nodes"] = 2
     gang = job_view(body)

@@ -16,7 +16,7 @@ from memstrata.operator.main import build_parser, config_from_args
 from memstrata.operator.nodes import node_view
 from memstrata.operator.observe import MESSAGE_CHARS, container_text, job_view, pod_view
 from memstrata.api.podidentity import DISK_GID
-from memstrata.operator.render import attempt_objects
+from memstrata.operator.render import gang_objects
 from memstrata.operator.scheduling import place
 
 NODES = [node_view(node_dict("gpu-1", inventory("gpu-1", dram_gib=1024)))]
@@ -89,7 +89,7 @@ def test_the_disk_group_only_on_a_pod_handed_nvme_namespaces() -> None:
         nodes = [node_view(node_dict("gpu-1", inventory("gpu-1", dram_gib=dram)))]
         plan = place(job.spec, nodes, {}).plan  # type: ignore[arg-type]
         assert plan is not None
-        sc = attempt_objects(job, "gpu-1", plan, 0)[1]["spec"]["securityContext"]
+        sc = gang_objects(job, ("gpu-1",), plan, 0)[1][0]["spec"]["securityContext"]
         groups[bool(plan.requests.get("memstrata.dev/nvme-ns"))] = sc.get("supplementalGroups")
     assert groups == {True: [DISK_GID], False: None}
 

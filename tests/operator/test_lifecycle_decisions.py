@@ -436,9 +436,9 @@ def _config_of(w: World, create: CreateAttempt) -> dict[str, Any]:
     """The runtime config the reconciler renders for an attempt the lifecycle asked for."""
     import json
 
-    from memstrata.operator.render import attempt_objects
+    from memstrata.operator.render import gang_objects
 
-    companions, _ = attempt_objects(job_view(w.job), create.node, create.plan, create.attempt,
+    companions, _ = gang_objects(job_view(w.job), (create.node,), create.plan, create.attempt,
                                     architecture=create.architecture)
     cm = next(o for o in companions if o["kind"] == "ConfigMap")
     return json.loads(next(iter(cm["data"].values())))

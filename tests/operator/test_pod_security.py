@@ -10,7 +10,7 @@ from ftj_factories import inventory, job_dict, node_dict
 from memstrata.operator.nodes import node_view
 from memstrata.operator.observe import job_view
 from memstrata.api.podidentity import DISK_GID, RUNTIME_UID
-from memstrata.operator.render import PodSecurity, attempt_objects, seccomp_profile
+from memstrata.operator.render import PodSecurity, gang_objects, seccomp_profile
 from memstrata.operator.scheduling import place
 
 JOB = job_view(job_dict("llama"))
@@ -21,8 +21,8 @@ PLACED = place(JOB.spec, [NODE], {})
 def _pod(security: PodSecurity | None = None) -> dict[str, Any]:
     assert PLACED.plan is not None
     if security is None:
-        return attempt_objects(JOB, "nvme-1", PLACED.plan, 0)[1]
-    return attempt_objects(JOB, "nvme-1", PLACED.plan, 0, security=security)[1]
+        return gang_objects(JOB, ("nvme-1",), PLACED.plan, 0)[1][0]
+    return gang_objects(JOB, ("nvme-1",), PLACED.plan, 0, security=security)[1][0]
 
 
 def restricted_violations(pod: dict[str, Any]) -> list[str]:

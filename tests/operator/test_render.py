@@ -16,7 +16,7 @@ from memstrata.operator import names
 from memstrata.operator.nodes import node_view, pod_requests
 from memstrata.operator.observe import job_view
 from memstrata.operator.scheduling import place
-from memstrata.operator.render import attempt_objects, memory_bytes
+from memstrata.operator.render import gang_objects, memory_bytes
 
 JOB = job_view(job_dict("llama", labels={"user.memstrata.dev/team": "nlp"}))
 CXL_NODE = node_view(node_dict("cxl-1", inventory("cxl-1", dram_gib=512, cxl_gib=256)))
@@ -25,7 +25,8 @@ PLACED = place(JOB.spec, [CXL_NODE], {})
 
 def objects(attempt: int = 2):
     assert PLACED.plan is not None
-    return attempt_objects(JOB, "cxl-1", PLACED.plan, attempt, report_interval_seconds=5)
+    companions, (pod,) = gang_objects(JOB, ("cxl-1",), PLACED.plan, attempt, report_interval_seconds=5)
+    return companions, pod
 
 
 def test_pod_requests_exactly_what_the_plan_asks_and_is_pinned_to_the_node():
@@ -87,7 +88,7 @@ def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
     job = job_view(body)
     assert PLACED.plan is not None
     for attempt in (0, 3):
-        before, _ = attempt_objects(job, "cxl-1", PLACED.plan, attempt)
+        before, _ = gang_objects(job, ("cxl-1",), PLACED.plan, attempt)
         cm = next(o for o in before if o["kind"] == "ConfigMap")
         config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
         assert config.checkpoint == job.spec.checkpoint and config.attempt == attempt
@@ -96,11 +97,11 @@ def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
     # The newest checkpoint the status reports goes along: the runtime must find at least that far.
     body["status"] = {"checkpoint": {"path": "/output/ckpt/step-00000150", "step": 150,
                                      "time": "2026-11-23T10:00:00Z"}}
-    before, _ = attempt_objects(job_view(body), "cxl-1", PLACED.plan, 4)
+    before, _ = gang_objects(job_view(body), ("cxl-1",), PLACED.plan, 4)
     cm = next(o for o in before if o["kind"] == "ConfigMap")
     assert json.loads(cm["data"][CONFIGMAP_KEY])["checkpointStep"] == 150
     del body["spec"]["checkpoint"]
-    before, _ = attempt_objects(job_view(body), "cxl-1", PLACED.plan, 0)
+    before, _ = gang_objects(job_view(body), ("cxl-1",), PLACED.plan, 0)
     cm = next(o for o in before if o["kind"] == "ConfigMap")
     assert "checkpoint" not in json.loads(cm["data"][CONFIGMAP_KEY])
     assert "checkpointStep" not in json.loads(cm["data"][CONFIGMAP_KEY])
@@ -126,7 +127,7 @@ def test_a_volume_source_is_passed_as_written():
     body["spec"]["volumes"][0] = {"name": "models", "nfs": {"server": "10.0.0.5", "path": "/export/models",
                                                              "readOnly": True}}
     job = job_view(body)
-    _, pod = attempt_objects(job, "cxl-1", PLACED.plan, 0)
+    _, (pod,) = gang_objects(job, ("cxl-1",), PLACED.plan, 0)
     assert pod["spec"]["volumes"][0] == body["spec"]["volumes"][0]
 
 
@@ -135,7 +136,7 @@ def test_the_runtime_config_carries_the_shape_read_from_the_model_directory():
     del body["spec"]["model"]["architecture"]
     job = job_view(body)
     learned = JOB.spec.model.architecture
-    before, _ = attempt_objects(job, "cxl-1", PLACED.plan, 0, architecture=learned)
+    before, _ = gang_objects(job, ("cxl-1",), PLACED.plan, 0, architecture=learned)
     cm = next(o for o in before if o["kind"] == "ConfigMap")
     config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
     assert config.model.path == "/models/Meta-Llama-3-8B-Instruct" and config.model.architecture == learned
@@ -160,7 +161,7 @@ def test_runtime_role_may_only_touch_its_own_job():
 
 def test_long_job_names_still_give_valid_names_and_labels():
     long = job_view(job_dict("x" * 253))
-    _, pod = attempt_objects(long, "cxl-1", PLACED.plan, 7)
+    _, (pod,) = gang_objects(long, ("cxl-1",), PLACED.plan, 7)
     assert len(pod["metadata"]["name"]) <= 253 and pod["metadata"]["name"].endswith("-7")
     assert all(len(v) <= 63 for v in pod["metadata"]["labels"].values())
 
@@ -168,7 +169,7 @@ def test_long_job_names_still_give_valid_names_and_labels():
 def test_command_overrides_the_entrypoint():
     job = job_dict()
     job["spec"]["command"] = ["python", "-m", "my.trainer"]
-    _, pod = attempt_objects(job_view(job), "cxl-1", PLACED.plan, 0)
+    _, (pod,) = gang_objects(job_view(job), ("cxl-1",), PLACED.plan, 0)
     assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "my.trainer"]
 
 
@@ -190,12 +191,12 @@ def test_memory_request_and_limit_are_the_plans_host_memory_plus_the_process_ove
         _cat("weights", ("cxl", GiB))], requests={"memstrata.dev/nvme-ns": 1})
     cpu = job_dict()
     cpu["spec"]["resources"]["gpus"] = 0
-    _, pod = attempt_objects(job_view(cpu), "cxl-1", plan, 0)
+    _, (pod,) = gang_objects(job_view(cpu), ("cxl-1",), plan, 0)
     res = pod["spec"]["containers"][0]["resources"]
     assert res["requests"] == res["limits"] == {"memory": "9728Mi", "memstrata.dev/nvme-ns": "1"}
     two_gpus = job_dict()
     two_gpus["spec"]["resources"]["gpus"] = 2
-    _, pod = attempt_objects(job_view(two_gpus), "cxl-1", plan, 0)
+    _, (pod,) = gang_objects(job_view(two_gpus), ("cxl-1",), plan, 0)
     # One rank process per GPU: 7.5 GiB + 2 x 2 GiB = 11.5 GiB.
     assert pod["spec"]["containers"][0]["resources"]["limits"]["memory"] == "11776Mi"
 
@@ -211,7 +212,7 @@ def test_a_tighter_dram_budget_lowers_the_pods_memory_limit():
         job["spec"]["memory"]["dramBudget"] = budget
         placed = place(job_view(job).spec, [node], {})
         assert placed.plan is not None and placed.plan.feasible
-        _, pod = attempt_objects(job_view(job), "n", placed.plan, 0)
+        _, (pod,) = gang_objects(job_view(job), ("n",), placed.plan, 0)
         limits[budget] = int(pod["spec"]["containers"][0]["resources"]["limits"]["memory"].removesuffix("Mi"))
         assert limits[budget] * MiB >= placed.plan.bytes_on("dram") + 2 * GiB
     assert limits["8Mi"] < limits["1Gi"]

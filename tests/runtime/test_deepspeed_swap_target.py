@@ -13,7 +13,7 @@ from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.strataplan import Plan
 from memstrata.node.local import local_inventory
 from memstrata.operator.observe import job_view
-from memstrata.operator.render import attempt_objects
+from memstrata.operator.render import gang_objects
 from memstrata.plan import plan_job
 from memstrata.runtime.train import pod
 from memstrata.runtime.train.dsconfig import deepspeed_swap_refusal
@@ -70,7 +70,7 @@ def test_root_filesystem_is_told_from_a_mounted_one() -> None:
 def _rendered_deepspeed_config(tmp_path: Path) -> Path:
     spec = _spec("deepspeed")
     body = {"metadata": {"name": "ds-job", "namespace": "team-a", "uid": "u-1"}, "spec": spec.wire()}
-    companions, _ = attempt_objects(job_view(body), "node-1", _plan(spec, tmp_path), attempt=0)
+    companions, _ = gang_objects(job_view(body), ("node-1",), _plan(spec, tmp_path), attempt=0)
     cm = next(o for o in companions if o["kind"] == "ConfigMap")
     path = tmp_path / "runtime-config.json"
     path.write_text(cm["data"]["runtime-config.json"])

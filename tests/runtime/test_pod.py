@@ -14,7 +14,7 @@ import pytest
 from memstrata.api import load_job
 from memstrata.api.report import RuntimeReport
 from memstrata.operator.observe import job_view
-from memstrata.operator.render import attempt_objects
+from memstrata.operator.render import gang_objects
 from memstrata.plan import plan_job
 from memstrata.node.local import local_inventory
 from memstrata.runtime.train.pod import PodConfigError, StatusReporter, job_and_plan, load_config
@@ -30,7 +30,7 @@ def rendered_config(tmp_path: Path, **spec: Any) -> Path:
     plan = plan_job(job.spec, local_inventory(tmp_path / "nvme"))
     body = {"metadata": {"name": job.metadata.name, "namespace": "team-a", "uid": "u-1"},
             "spec": {**job.spec.wire(), **spec}}
-    companions, _ = attempt_objects(job_view(body), "node-1", plan, attempt=0, report_interval_seconds=3)
+    companions, _ = gang_objects(job_view(body), ("node-1",), plan, attempt=0, report_interval_seconds=3)
     cm = next(o for o in companions if o["kind"] == "ConfigMap")
     path = tmp_path / "runtime-config.json"
     path.write_text(cm["data"]["runtime-config.json"])
@@ -196,7 +196,7 @@ def test_the_rendered_pod_on_the_runtime_image_runs_the_runtime(tmp_path: Path, 
     plan = plan_job(job.spec, local_inventory(tmp_path / "nvme"))
     spec = job.spec.wire() | ({"command": user_command} if user_command else {})
     body = {"metadata": {"name": job.metadata.name, "namespace": "team-a", "uid": "u-1"}, "spec": spec}
-    companions, pod = attempt_objects(job_view(body), "node-1", plan, attempt=0)
+    companions, (pod,) = gang_objects(job_view(body), ("node-1",), plan, attempt=0)
     (container,) = pod["spec"]["containers"]
     argv = _container_argv(container, *_image_argv(REPO / "docker" / "runtime.Dockerfile"))
 

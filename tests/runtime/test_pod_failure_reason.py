@@ -11,7 +11,7 @@ import pytest
 from memstrata.api import load_job
 from memstrata.node.local import local_inventory
 from memstrata.operator.observe import job_view
-from memstrata.operator.render import attempt_objects
+from memstrata.operator.render import gang_objects
 from memstrata.plan import plan_job
 from memstrata.runtime.train import pod
 
@@ -25,7 +25,7 @@ def _config(tmp_path: Path, dataset: Path) -> Path:
                                                                           "path": str(dataset)})})
     body = {"metadata": {"name": "tiny", "namespace": "team-a", "uid": "u-1"}, "spec": spec.wire()}
     plan = plan_job(spec, local_inventory(tmp_path / "nvme"))
-    companions, _ = attempt_objects(job_view(body), "node-1", plan, attempt=0)
+    companions, _ = gang_objects(job_view(body), ("node-1",), plan, attempt=0)
     path = tmp_path / "runtime-config.json"
     path.write_text(next(o for o in companions if o["kind"] == "ConfigMap")["data"]["runtime-config.json"])
     return path

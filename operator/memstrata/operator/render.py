@@ -302,14 +302,6 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
     }
 
 
-def attempt_objects(job: JobView, node: str, plan: Plan, attempt: int, report_interval_seconds: float = 10.0,
-                    security: PodSecurity = PodSecurity(), architecture: ModelArchitecture | None = None,
-                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(the pod's companions, ServiceAccount first; the pod) of a single-node job: gang_objects for one node."""
-    companions, pods = gang_objects(job, (node,), plan, attempt, report_interval_seconds, security, architecture)
-    return companions, pods[0]
-
-
 def gang_objects(job: JobView, nodes: Sequence[str], plan: Plan, attempt: int, report_interval_seconds: float = 10.0,
                  security: PodSecurity = PodSecurity(), architecture: ModelArchitecture | None = None,
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -50,13 +50,14 @@ from typing import TYPE_CHECKING, Any
 from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, release_free_heap
 from memstrata.runtime.swap.stratamap import unplanned_namespace_bytes
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
-from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed, ensure_verified
+from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed
+from memstrata.runtime.swap.seamcheck import ensure_verified
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["SUPPORTED_DEEPSPEED", "SeamMismatch", "UnsupportedDeepSpeed", "check_version", "constructing",
-           "initialize", "open_layer", "swap_layer_of"]
+           "initialize", "open_layer"]
 
 SUPPORTED_DEEPSPEED = "0.19.8"
 
@@ -202,7 +203,7 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
 
     `swap` (or the MEMSTRATA_SWAP environment variable, JSON) configures the layer; `layer` is one
     `open_layer` already opened (the model was built into it), whose settings then apply. The returned
-    engine carries the layer as `engine.memstrata` (see `swap_layer_of`)."""
+    engine carries the layer as `engine.memstrata`."""
     check_version()
     ensure_verified()
     import deepspeed
@@ -229,7 +230,7 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
         layer.close()
         raise
     engine: Engine = result[0]
-    engine.memstrata = layer  # read back by swap_layer_of
+    engine.memstrata = layer  # for a caller that holds only the engine
     opt = _zero3(engine)
     swapper = opt.optimizer_swapper if opt is not None else None
     if opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
@@ -253,7 +254,3 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
         opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
     return result
 
-
-def swap_layer_of(engine: object) -> SwapLayer | None:
-    layer = getattr(engine, "memstrata", None)
-    return layer if isinstance(layer, SwapLayer) else None

@@ -85,7 +85,7 @@ class Engine(Protocol):
     """DeepSpeedEngine, as initialize finishes it: the ZeRO-3 optimizer and the precision."""
 
     optimizer: object
-    memstrata: SwapLayer  # memstrata's own, set by initialize: how swap_layer_of finds the layer
+    memstrata: SwapLayer  # memstrata's own, set by initialize: the engine's swap layer
 
     def fp16_enabled(self) -> bool: ...
 

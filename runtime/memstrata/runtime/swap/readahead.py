@@ -70,10 +70,6 @@ class ReadAhead:
         self._walk: list[torch.Tensor] = []  # this step's swappable fp32 sub-groups, in update order
         self._position: dict[str, int] = {}
 
-    @property
-    def walking(self) -> bool:
-        return bool(self._walk)
-
     def begin(self, walk: list[torch.Tensor]) -> None:
         """This step's swappable fp32 sub-groups in the order the loop updates them."""
         self.finish()

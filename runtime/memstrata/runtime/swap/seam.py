@@ -16,8 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Dependency", "Kind", "Mismatch", "SEAM", "STEP_LOOP", "SeamMismatch", "UnsupportedDeepSpeed",
-           "ensure_verified", "verify"]
+# Checked against the installed DeepSpeed by memstrata.runtime.swap.seamcheck (verify, ensure_verified).
+__all__ = ["Dependency", "Kind", "Mismatch", "SEAM", "STEP_LOOP", "SeamMismatch", "UnsupportedDeepSpeed"]
 
 
 class UnsupportedDeepSpeed(RuntimeError):
@@ -321,24 +321,3 @@ SEAM: tuple[Dependency, ...] = (
                set_in="_partition_param", on="param.ds_tensor"),
 )
 
-
-def verify() -> None:
-    """Check every entry of SEAM against the installed DeepSpeed; raise SeamMismatch listing all that differ."""
-    import deepspeed
-
-    from memstrata.runtime.swap.seamcheck import check
-
-    mismatches = check(SEAM)
-    if mismatches:
-        raise SeamMismatch(str(deepspeed.__version__), mismatches)
-
-
-_verified = False
-
-
-def ensure_verified() -> None:
-    """verify(), once per process: the installed DeepSpeed does not change under a running process."""
-    global _verified
-    if not _verified:
-        verify()
-        _verified = True

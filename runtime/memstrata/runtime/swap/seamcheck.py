@@ -13,7 +13,7 @@ import textwrap
 from collections.abc import Callable, Iterable
 from types import FunctionType
 
-from memstrata.runtime.swap.seam import Dependency, Kind, Mismatch
+from memstrata.runtime.swap.seam import SEAM, Dependency, Kind, Mismatch, SeamMismatch
 
 __all__ = ["assigned_attributes", "check", "parameter_names", "resolve", "undecorated"]
 
@@ -227,3 +227,23 @@ def check(seam: Iterable[Dependency]) -> list[Mismatch]:
     entries = list(seam)
     out = [Mismatch(entry.path, problem, entry) for entry in entries for problem in _check_entry(entry)]
     return out + _unaccounted(entries)
+
+
+def verify() -> None:
+    """Check every entry of SEAM against the installed DeepSpeed; raise SeamMismatch listing all that differ."""
+    import deepspeed
+
+    mismatches = check(SEAM)
+    if mismatches:
+        raise SeamMismatch(str(deepspeed.__version__), mismatches)
+
+
+_verified = False
+
+
+def ensure_verified() -> None:
+    """verify(), once per process: the installed DeepSpeed does not change under a running process."""
+    global _verified
+    if not _verified:
+        verify()
+        _verified = True

@@ -3,7 +3,7 @@
 ZeRO-3's `step()` (DeepSpeed 0.19.8, stage3.py) updates sub-groups in one
 fixed loop, `for sub_group_id, group in enumerate(self.fp16_groups)`, whose
 body calls the per-sub-group methods of `seam.STEP_LOOP` in turn,
-`_prepare_sub_group` first and `_release_sub_group` last (seam.verify checks
+`_prepare_sub_group` first and `_release_sub_group` last (seamcheck.verify checks
 that the installed DeepSpeed's loop still calls exactly those).
 Rather than copy `step()`, the hook wraps those methods on the optimizer
 *instance* so that, inside the loop only, the loop's position p is read as
