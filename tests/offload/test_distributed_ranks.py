@@ -27,7 +27,7 @@ from memstrata.api.runtimeconfig import JobRef, RuntimeConfig
 from memstrata.api.strataplan import Plan
 from memstrata.node.local import local_inventory
 from memstrata.plan import plan_job
-from memstrata.runtime.train.recipe import free_port
+from memstrata.runtime.train.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "finetune-tiny.yaml"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from memstrata.runtime.train.metrics import METRICS_FILE, MetricsError, MetricsWriter, check_metrics_dir
-from memstrata.runtime.train.recipe import StepResult
+from memstrata.runtime.train.metrics import StepResult
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -42,7 +42,7 @@ from memstrata.runtime.swap.protocols import ZeroOptimizer, ZeroParam
 from memstrata.runtime.swap.status import GradientStatus
 
 if TYPE_CHECKING:
-    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
+    from memstrata.runtime.swap.layer import SwapLayer
 
 __all__ = ["accumulation_config", "install_dram_gradients", "DramGradients"]
 
@@ -125,7 +125,7 @@ class DramGradients:
             view.copy_(src.narrow(0, offset, numel))
 
 
-def install_dram_gradients(optimizer: ZeroOptimizer, swapper: MemstrataOptimizerSwapper) -> DramGradients:
+def install_dram_gradients(optimizer: ZeroOptimizer, layer: SwapLayer) -> DramGradients:
     """Stop ZeRO-3 from copying and swapping gradients of NVMe sub-groups and of resident ones; the update
     widens them instead. Installed before memstrata.runtime.swap.suborder, whose wrappers then call these with
     real sub-group ids.
@@ -149,18 +149,13 @@ def install_dram_gradients(optimizer: ZeroOptimizer, swapper: MemstrataOptimizer
 
     optimizer._offload_grad_partition_at_boundary = at_boundary
     if resident:
-        _widen_resident_in_update(optimizer, grads, swapper, resident)
-    swapper.dram_gradients = grads
-    # Every byte of a sub-group's gradient buffer is now written by fill_fp32_gradients before use,
-    # so new buffers need no memset (stock's gradient path leaves holes, hence zeroing until now).
-    swapper.swap_buffer_manager.zero_new = False
+        _widen_resident_in_update(optimizer, grads, layer, resident)
     return grads
 
 
-def _widen_resident_in_update(optimizer: ZeroOptimizer, grads: DramGradients, swapper: MemstrataOptimizerSwapper,
+def _widen_resident_in_update(optimizer: ZeroOptimizer, grads: DramGradients, layer: SwapLayer,
                               resident: set[int]) -> None:
     """Resident sub-groups get their fp32 gradients only while the update works on them."""
-    layer = swapper.layer
     pool = layer.pool
     live: dict[int, torch.Tensor] = {}
     flat = optimizer.fp32_partitioned_groups_flat

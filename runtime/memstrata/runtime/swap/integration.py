@@ -241,7 +241,7 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
     if settings.dram_gradients and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
         from memstrata.runtime.swap.gradients import install_dram_gradients
 
-        layer.dram_gradients = install_dram_gradients(opt, swapper)
+        layer.dram_gradients = swapper.use_dram_gradients(install_dram_gradients(opt, layer))
     # The order hook also drives the pipelined update's read-ahead, so it is there whenever either is on.
     if ((settings.cache_subgroups > 0 or settings.prefetch_subgroups > 0) and opt is not None
             and isinstance(swapper, MemstrataOptimizerSwapper)):

@@ -114,6 +114,14 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         # Inert (stock's synchronous path) until memstrata.runtime.swap.suborder hands it a step's walk.
         self.readahead = ReadAhead(self, layer.settings.prefetch_subgroups)
 
+    def use_dram_gradients(self, grads: DramGradients) -> DramGradients:
+        """From now on the update widens gradients from `grads` (memstrata.runtime.swap.gradients)."""
+        self.dram_gradients = grads
+        # Every byte of a sub-group's gradient buffer is now written by fill_fp32_gradients before use,
+        # so new buffers need no memset (stock's gradient path leaves holes, hence zeroing until now).
+        self.swap_buffer_manager.zero_new = False
+        return grads
+
     # -- cache -------------------------------------------------------------------------------------
     def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: object = None) -> None:
         info: SwapInfo | None = self._get_param_swap_info(parameter)

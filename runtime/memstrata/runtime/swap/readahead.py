@@ -27,7 +27,7 @@ rank, so the read-ahead and the write-back never wait for each other's token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors, swap_out_tensors
@@ -36,9 +36,33 @@ from memstrata.runtime.swap.handle import ExtentSwapHandle
 from memstrata.runtime.swap.protocols import SwapInfo
 
 if TYPE_CHECKING:
-    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
+    from memstrata.runtime.swap.layer import SwapLayer
 
-__all__ = ["ReadAhead"]
+__all__ = ["ReadAhead", "StateSwapper"]
+
+
+class _Buffers(Protocol):
+    def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]: ...
+
+    def free(self, buffers: list[torch.Tensor]) -> None: ...
+
+
+class StateSwapper(Protocol):
+    """What the pipeline uses of memstrata's optimizer swapper (memstrata.runtime.swap.optimizer), which makes it:
+    typed here, so that the pipeline does not import its maker back."""
+
+    layer: SwapLayer
+    swap_buffer_manager: _Buffers
+    dtype: torch.dtype
+    aio_handle: Any
+    _cached: dict[str, list[torch.Tensor]]
+
+    def _get_param_swap_info(self, parameter: torch.Tensor) -> SwapInfo | None: ...
+
+    def _io_aligned_numel(self, numel: int) -> int: ...
+
+    def _swap_out_unpinned_tensors(self, aio_handle: Any, unpinned_tensors: list[torch.Tensor],
+                                   dest_paths: list[str], pinned_buffers: list[torch.Tensor]) -> None: ...
 
 
 class _Record(SwapInfo, Protocol):
@@ -58,7 +82,7 @@ class _Read:
 class ReadAhead:
     """One swapper's pipeline: `depth` reads ahead of the current sub-group, one write-back behind it."""
 
-    def __init__(self, swapper: MemstrataOptimizerSwapper, depth: int) -> None:
+    def __init__(self, swapper: StateSwapper, depth: int) -> None:
         self.swapper, self.depth = swapper, depth
         layer = swapper.layer
         # depth + 1 read handles: the current sub-group's read is still waited on its handle while the

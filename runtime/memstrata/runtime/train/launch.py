@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Mapping
@@ -105,10 +106,15 @@ class Rendezvous:
     local_addr: str | None = None  # this node's address as the others reach it (None: its FQDN)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def local_rendezvous(name: str) -> Rendezvous:
     """One node, this machine: 127.0.0.1 and a free port (`memstrata run`)."""
-    from memstrata.runtime.train.recipe import free_port
-
     return Rendezvous(nodes=1, node_rank=0, master_addr="127.0.0.1", master_port=free_port(),
                       run_id=f"{name}-{uuid.uuid4().hex[:8]}", local_addr="127.0.0.1")
 

@@ -33,9 +33,9 @@ from memstrata.runtime.train.hfmodel import ModelDirError
 from memstrata.runtime.train.launch import (LaunchError, Ranks, Terminated, launch, local_rendezvous, node_sums,
                                             stop_on_sigterm, worker_setup)
 from memstrata.runtime.train.memwatch import MemWatch
-from memstrata.runtime.train.metrics import MetricsError, MetricsWriter
+from memstrata.runtime.train.metrics import MetricsError, MetricsWriter, StepResult
 from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, Sample, render_report
-from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, StepResult, TrainResult
+from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, TrainResult
 from memstrata.runtime.train.schedule import describe
 
 EXIT_USAGE = 2

@@ -17,16 +17,32 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
 from pydantic import BaseModel
 
+from memstrata.api.finetunejob import CheckpointStatus
+
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from memstrata.runtime.train.recipe import StepResult
-
 METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step measured: made by the recipe, written here, reported by the run."""
+
+    step: int
+    loss: float
+    seconds: float
+    tokens: int
+    validation_loss: float | None = None
+    learning_rate: float | None = None  # the rate this step's update was made with
+    grad_norm: float | None = None  # DeepSpeed's global gradient norm before clipping (None if it gives none)
+    checkpoint: CheckpointStatus | None = None  # the checkpoint written after this step, if one was
+    checkpoint_error: str | None = None  # why the checkpoint due after this step could not be written
 
 # TensorBoard tag of each record field that is plotted.
 TAGS = {
@@ -138,7 +154,7 @@ class MetricsWriter:
                 self._tb.add_scalar(tag, value, global_step=record.step, walltime=record.wall_time)
         self._tb.flush()
 
-    def write_step(self, s: "StepResult") -> None:
+    def write_step(self, s: StepResult) -> None:
         """One optimizer step's record, stamped with the wall time now."""
         self.write(MetricsRecord(step=s.step, loss=s.loss, validation_loss=s.validation_loss,
                                  learning_rate=s.learning_rate, tokens=s.tokens,

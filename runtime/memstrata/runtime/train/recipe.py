@@ -22,23 +22,22 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import warnings
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from memstrata.api.finetunejob import CheckpointStatus, FineTuneJob, OutputStatus
+from memstrata.api.finetunejob import FineTuneJob, OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.api.checkpoint import run_fingerprint
 from memstrata.runtime.train.checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, Found, Resumed
 from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
 from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output, reclaim_partials
-from memstrata.runtime.train.metrics import MetricsError, check_metrics_dir
+from memstrata.runtime.train.metrics import MetricsError, StepResult, check_metrics_dir
 from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
-from memstrata.runtime.train.launch import LaunchError, Ranks, world_sum
+from memstrata.runtime.train.launch import LaunchError, Ranks, free_port, world_sum
 from memstrata.runtime.train.owner import Ownership, own, reclaim
 from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchronizer
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
@@ -70,29 +69,10 @@ class Phases:
 
 
 @dataclass
-class StepResult:
-    step: int
-    loss: float
-    seconds: float
-    tokens: int
-    validation_loss: float | None = None
-    learning_rate: float | None = None  # the rate this step's update was made with
-    grad_norm: float | None = None  # DeepSpeed's global gradient norm before clipping (None if it gives none)
-    checkpoint: CheckpointStatus | None = None  # the checkpoint written after this step, if one was
-    checkpoint_error: str | None = None  # why the checkpoint due after this step could not be written
-
-
-@dataclass
 class TrainResult:
     steps: list[StepResult] = field(default_factory=list)
     phases: Phases = field(default_factory=Phases)
     validation_losses: dict[int, float] = field(default_factory=dict)  # step (0: before training) -> loss
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def visible_gpus() -> int:
