@@ -60,7 +60,7 @@ test-fast: install
 	@$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 crd: install
-	$(MEMSTRATA) crd > crds/finetunejob.yaml
+	$(MEMSTRATA) crd > charts/memstrata/crds/finetunejob.yaml  # crds/finetunejob.yaml links to it
 
 clean-venv:
 	rm -rf $(VENV)

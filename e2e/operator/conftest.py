@@ -1,4 +1,4 @@
-"""Fixtures for the operator against the real control plane: the CRDs from crds/ and the chart,
+"""Fixtures for the operator against the real control plane: the CRD and the rest of the chart,
 kwok stages standing in for the runtime, and `memstrata operator` running as a subprocess."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - depends on the venv
 
 @pytest.fixture(scope="session")
 def memstrata_cluster(cluster: Any) -> Any:
-    """The control plane with the FineTuneJob CRD (from crds/, as a user installs it) and the kwok
+    """The control plane with the FineTuneJob CRD (the chart's, as a user installs it) and the kwok
     stages that play the runtime's part."""
     if MISSING:
         pytest.skip(MISSING)

@@ -20,7 +20,7 @@ from e2e.cluster.kwok import fake_node
 from memstrata.api import NodeInventory, render_node
 
 REPO = Path(__file__).resolve().parents[2]
-CRD = REPO / "crds" / "finetunejob.yaml"
+CRD = REPO / "charts" / "memstrata" / "crds" / "finetunejob.yaml"  # the one CRD (crds/ links to it)
 CHART = REPO / "charts" / "memstrata"
 SUCCEED_LABEL = "user.memstrata.dev/e2e-succeed"  # a job label the operator copies onto its pods
 LEASE = "memstrata-e2e"  # in namespace default

@@ -1,20 +1,29 @@
 """The committed CRD is exactly what the models generate, and carries what kubectl users rely on."""
 from __future__ import annotations
 
+import pytest
 import yaml
+from pydantic import ValidationError
 
 from memstrata.api.crd import crd_yaml, generate_crd
+from memstrata.api.finetunejob import FineTuneJobStatus
+from memstrata.api.strataplan import Plan
+
+
+CRD = "charts/memstrata/crds/finetunejob.yaml"  # what Helm installs; crds/finetunejob.yaml links to it
 
 
 def test_committed_crd_matches_models(repo) -> None:
-    committed = (repo / "crds/finetunejob.yaml").read_text()
-    assert committed == crd_yaml(), "crds/finetunejob.yaml is stale: run `memstrata crd > crds/finetunejob.yaml`"
+    """One CRD is committed, the chart's; crds/ holds a link to it, not a second copy."""
+    committed = (repo / CRD).read_text()
+    assert committed == crd_yaml(), f"{CRD} is stale: run `make crd`"
+    assert (repo / "crds/finetunejob.yaml").is_symlink() and (repo / "crds/finetunejob.yaml").resolve() == repo / CRD
 
 
 def test_cli_prints_the_same_crd(cli, repo) -> None:
     out = cli("crd")
     assert out.returncode == 0, out.stderr
-    assert out.stdout == (repo / "crds/finetunejob.yaml").read_text()
+    assert out.stdout == (repo / CRD).read_text()
 
 
 def test_crd_names_status_and_columns() -> None:
@@ -30,8 +39,6 @@ def test_crd_names_status_and_columns() -> None:
     assert (checkpoint["jsonPath"], checkpoint["type"]) == (".status.checkpoint.step", "integer")
     wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority")}
     assert wide == {"Loss": ".status.progress.loss", "Output": ".status.output.path"}
-    schema = version["schema"]["openAPIV3Schema"]["properties"]
-    assert schema["status"]["x-kubernetes-preserve-unknown-fields"] is True
 
 
 def _walk(node, path=()):
@@ -63,6 +70,23 @@ def test_cel_rules_cover_cross_field_constraints() -> None:
     training = spec["properties"]["training"]["properties"]
     assert training["steps"]["minimum"] == 0 and training["steps"]["exclusiveMinimum"] is True
     assert training["precision"]["enum"] == ["bf16", "fp16", "fp32"]
+
+
+def test_status_declares_every_field_typed_and_keeps_no_other() -> None:
+    """Nothing under status is kept unread: the API server prunes a field the schema does not declare and refuses
+    a declared one of the wrong type, and the model refuses both (status.plan too: the planner's Plan, by field)."""
+    status = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    kept = [".".join(map(str, p)) for p, node in _walk(status) if "x-kubernetes-preserve-unknown-fields" in node]
+    assert kept == [], f"status fields kept without a schema: {kept}"
+    plan = status["properties"]["plan"]
+    assert set(plan["properties"]) == set(Plan.model_fields) and plan["properties"]["feasible"]["type"] == "boolean"
+    assert plan["properties"]["categories"]["items"]["properties"]["placement"]["items"]["required"] == [
+        "stratum", "bytes"]
+    with pytest.raises(ValidationError, match="bogus"):
+        FineTuneJobStatus.model_validate({"phase": "Running", "bogus": 1})
+    with pytest.raises(ValidationError, match="plan.feasible"):
+        FineTuneJobStatus.model_validate({"plan": {"parameters": 1, "engine": "memstrata", "feasible": "maybe",
+                                                   "categories": [], "strata": []}})
 
 
 def test_crd_yaml_round_trips() -> None:

@@ -15,6 +15,7 @@ def test_the_runtimes_patch_writes_only_its_fields() -> None:
     report = RuntimeReport(stage="failed", step=3, total_steps=10, loss=2.5, message="out of memory",
                            strata={"dram": StratumCounters(peak_bytes=1 << 30)})
     assert set(report.status_patch()["status"]) <= set(RUNTIME_STATUS_FIELDS)
+    FineTuneJobStatus.model_validate(report.status_patch()["status"])  # declared, typed: none of it is pruned
 
 
 def test_the_policy_lets_the_runtime_write_exactly_its_fields() -> None:

@@ -1,17 +1,13 @@
-"""The chart without a cluster: its CRD is the generated one, `helm lint --strict` is clean, and the
-rendered operator meets the rules the API server will check (e2e/operator/test_chart.py checks them there)."""
+"""The chart without a cluster (its CRD is the generated one: tests/api/test_crd.py): `helm lint --strict` is
+clean, and the rendered operator meets the rules the API server will check (e2e/operator/test_chart.py checks them
+there)."""
 from __future__ import annotations
 
 import pytest
 import yaml
-from helm_helpers import CHART, KUBE, REPO, run_helm
+from helm_helpers import CHART, KUBE, run_helm
 
 from memstrata.operator.jobpolicy import JobPolicy
-
-
-def test_chart_crd_is_the_generated_crd():
-    assert (CHART / "crds" / "finetunejob.yaml").read_text() == (REPO / "crds" / "finetunejob.yaml").read_text(), \
-        "charts/memstrata/crds/finetunejob.yaml differs from crds/: cp crds/finetunejob.yaml charts/memstrata/crds/"
 
 
 def test_helm_lint_strict_is_clean(tmp_path):

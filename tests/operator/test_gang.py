@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from ftj_factories import at, inventory, job_dict, node_dict
 
+from memstrata.api.finetunejob import FineTuneJobStatus
 from memstrata.api.runtimeconfig import RENDEZVOUS_PORT
 from memstrata.operator import gang, names, render
 from memstrata.operator.actions import CreateAttempt, Decision, DeletePods, Event, PatchStatus
@@ -77,6 +78,7 @@ class Gang:
             if isinstance(a, PatchStatus):
                 for k, v in a.patch.items():
                     self.status.pop(k, None) if v is None else self.status.__setitem__(k, v)
+                FineTuneJobStatus.model_validate(self.status)  # every field the operator writes is declared, typed
             elif isinstance(a, Event):
                 self.events.append(a)
         return d

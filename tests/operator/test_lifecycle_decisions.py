@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from ftj_factories import at, inventory, job_dict, node_dict, pod_dict
 
+from memstrata.api.finetunejob import FineTuneJobStatus
 from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, DeleteJob, DeletePods, Event, PatchStatus,
 )
@@ -45,6 +46,7 @@ class World:
                 status = self.job["status"]
                 for k, v in a.patch.items():
                     status.pop(k, None) if v is None else status.__setitem__(k, v)
+                FineTuneJobStatus.model_validate(status)  # every field the operator writes is declared, typed
             elif isinstance(a, Event):
                 self.events.append(a)
             elif isinstance(a, DeleteJob):

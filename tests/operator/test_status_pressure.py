@@ -91,7 +91,7 @@ def test_a_malformed_bookkeeping_field_is_never_acted_on_and_is_repaired_with_a_
 
 
 def test_reading_keeps_what_reads_and_says_why_of_the_rest() -> None:
-    status, why = bookkeeping.read("llama", {
+    status, why, _ = bookkeeping.read("llama", {
         "phase": "Restarting", "attempts": 2, "activePod": "llama-1", "failedPods": ["llama-0", "abc"],
         "lastFailure": {"pod": "llama-0", "reason": "Error", "message": "m", "time": "2026-01-01T12:00:00+00:00"}})
     assert why == {"failedPods": "status.failedPods: 'abc' names no pod of job llama"}
@@ -101,6 +101,6 @@ def test_reading_keeps_what_reads_and_says_why_of_the_rest() -> None:
     assert bookkeeping.read("llama", {"attempts": 1, "activePod": "llama-1"})[1] == {
         "activePod": "status.activePod: 'llama-1' is attempt 2, but status.attempts says 1 were made"}
     values, problems = read_fields({"attempts": "x", "failedPods": "abc", "shortfalls": None})
-    assert values == {} and problems == {
+    assert values.model_fields_set == set() and problems == {
         "attempts": "status.attempts: Input should be a valid integer (got 'x')",
         "failedPods": "status.failedPods: Input should be a valid list (got 'abc')"}

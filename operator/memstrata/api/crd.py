@@ -136,10 +136,9 @@ def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
 def generate_crd() -> dict[str, Any]:
     spec = openapi_schema(FineTuneJobSpec)
     spec["x-kubernetes-validations"] = spec_rules()
+    # Every field anyone writes is declared (FineTuneJobStatus): the API server prunes any other, and refuses a
+    # declared one of the wrong type, so what the operator reads back is what its models say.
     status = openapi_schema(FineTuneJobStatus)
-    # Keep whatever a handler or the runtime writes: an unknown status field
-    # pruned on the way in is progress silently lost.
-    status["x-kubernetes-preserve-unknown-fields"] = True
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

@@ -7,7 +7,7 @@ CEL `x-kubernetes-validations` for the API server — and tests hold them togeth
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.json_schema import JsonDict
@@ -489,7 +489,6 @@ class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping field
     node: str | None = None
     nodes: list[str] | None = Field(None, description="A multi-node job's nodes by node rank, for the current "
                                                       "or last attempt (node is node rank 0's).")
-    plan: dict[str, Any] | None = Field(None, description="The plan for the chosen node (memstrata.plan.Plan).")
     progress: Progress | None = None
     peak_memory: dict[str, int] | None = Field(
         None, description="Peak bytes per stratum, reported by the runtime: of the node of the job's rank 0, all its "
@@ -508,7 +507,6 @@ class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping field
                           "own entry, so one pod's report never overwrites another's.",
         json_schema_extra={"maxProperties": 64, "x-kubernetes-validations": [
             cel("self.all(k, k.matches('^[0-9]{1,2}$'))", "workers are keyed by node rank: 0, 1, ...")]})
-    model_config = ConfigDict(extra="allow")
 
 
 class OutputStatus(ApiModel):

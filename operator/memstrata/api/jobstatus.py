@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError
 
 from memstrata.api.base import ApiModel
 from memstrata.api.manifest import describe_validation_error
+from memstrata.api.strataplan import Plan
 
 
 class LastFailure(ApiModel):
@@ -47,11 +48,16 @@ class OperatorStatus(ApiModel):
                                              description="The checkpoint step last told in an event.")
     announced_resume: int | None = Field(None, ge=0, strict=True,
                                          description="The attempt whose resume was last told in an event.")
+    # Its fields keep the planner's snake_case names on the wire: the name every plan was written under.
+    plan: Plan | None = Field(None, description="The plan of the current attempt, for its node rank 0's node "
+                                                "(memstrata.plan); the missing pods of an attempt created in part "
+                                                "are created with it.")
 
 
-def read_fields(status: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Each operator field present in `status`, by its wire name: its value as its model reads it, or (in the
-    second dict) why it cannot be read, naming the field. Each is read alone: one bad field spoils no other."""
+def read_fields(status: Mapping[str, Any]) -> tuple[OperatorStatus, dict[str, str]]:
+    """Each operator field present in `status` that reads as its model declares it (the model's fields_set says
+    which), and, in the dict, why each other one cannot be read, by its wire name, naming the field. Each is read
+    alone: one bad field spoils no other."""
     values: dict[str, Any] = {}
     problems: dict[str, str] = {}
     for name, info in OperatorStatus.model_fields.items():
@@ -63,5 +69,12 @@ def read_fields(status: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, st
         except ValidationError as exc:
             problems[key] = describe_validation_error(exc, "status")
             continue
-        values[key] = read.model_dump(mode="json", by_alias=True, exclude_none=True, include={name})[key]
-    return values, problems
+        values[name] = getattr(read, name)
+    # Each value was just validated as its field: constructing validates nothing twice.
+    return OperatorStatus.model_construct(_fields_set=set(values), **values), problems
+
+
+def wire_fields(own: OperatorStatus) -> dict[str, Any]:
+    """The fields `read_fields` read, as status holds them (camelCase; a plan's own snake_case)."""
+    out: dict[str, Any] = own.model_dump(mode="json", by_alias=True, exclude_none=True, include=own.model_fields_set)
+    return out

@@ -6,20 +6,29 @@ one that names no pod of this job (a hand edit, `activePod: zzz`), was acted on:
 pods, a current attempt that never existed as one that disappeared (either failed the job and deleted its running
 pod), `attempts: x` stopped every reconcile. Such a field reads as absent: the lifecycle goes by the pods it
 observes (the job's, by owner reference), and its next status patch removes the field, with a warning event that
-names it (memstrata.operator.conditions).
+names it (memstrata.operator.conditions). status.plan is read here once, typed, for the rule that acts on it
+(memstrata.operator.gang.rest).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
-from memstrata.api.jobstatus import read_fields
+from memstrata.api.jobstatus import read_fields, wire_fields
+from memstrata.api.strataplan import Plan
 from memstrata.operator.names import attempt_of
 
 
-def read(job: str, status: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+class Read(NamedTuple):
+    status: dict[str, Any]  # as the job holds it, the operator's fields that do not read taken out
+    malformed: dict[str, str]  # per field taken out, why
+    plan: Plan | None  # status.plan, typed
+
+
+def read(job: str, status: Mapping[str, Any]) -> Read:
     """`status` with the operator's fields as they read and those that do not read taken out (failedPods: only its
-    entries that name no pod of the job); and, per field taken out, why."""
-    values, problems = read_fields(status)
+    entries that name no pod of the job); per field taken out, why; and the plan it records."""
+    own, problems = read_fields(status)
+    values = wire_fields(own)
     out = {k: v for k, v in status.items() if k not in problems}
     out.update(values)
     failed = values.get("failedPods")
@@ -39,4 +48,4 @@ def read(job: str, status: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
                                      f"says {made} were made")
         if "activePod" in problems:
             del out["activePod"]
-    return out, problems
+    return Read(out, problems, own.plan)

@@ -16,8 +16,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from pydantic import ValidationError
-
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.strataplan import Plan
 from memstrata.operator.actions import CreateAttempt, Decision, DeletePods, PatchStatus
@@ -123,19 +121,17 @@ def unfinished(job: JobView, now: datetime, create: CreateAttempt, error: str, p
     return Decision(((PatchStatus(patch),) if patch else ()) + tuple(b.events()))
 
 
-def rest(status: Mapping[str, Any], pods: Sequence[PodView], nodes: int,
+def rest(status: Mapping[str, Any], plan: Plan | None, pods: Sequence[PodView], nodes: int,
          architecture: ModelArchitecture | None) -> CreateAttempt | DeletePods:
     """What to do with an attempt whose pods are not all there and that is not recorded as the current one (none
-    of its pods ended: no failure). With the nodes and plan `unfinished` recorded for it, create its missing pods
-    on their nodes (its existing pods are kept); else (a reconcile stopped between its creates, before it
-    recorded anything) delete its pods: the next attempt is created whole."""
+    of its pods ended: no failure). With the nodes and plan `unfinished` recorded for it (`plan`: status.plan as
+    read, JobView.plan), create its missing pods on their nodes (its existing pods are kept); else (a reconcile
+    stopped between its creates, before it recorded anything) delete its pods: the next attempt is created whole."""
     attempt, placed = pods[0].attempt, list(status.get("nodes") or [])
-    known = int(status.get("attempts") or 0) == attempt + 1 and len(placed) == nodes and status.get("plan")
-    if known and not any(p.node_rank >= nodes or (p.node and p.node != placed[p.node_rank]) for p in pods):
-        try:
-            plan, missing = Plan.model_validate(status["plan"]), set(range(nodes)) - {p.node_rank for p in pods}
-            return CreateAttempt(attempt, placed[0], plan, architecture, tuple(placed), tuple(sorted(missing)))
-        except ValidationError:
-            pass
+    known = int(status.get("attempts") or 0) == attempt + 1 and len(placed) == nodes
+    if plan is not None and known and not any(
+            p.node_rank >= nodes or (p.node and p.node != placed[p.node_rank]) for p in pods):
+        missing = set(range(nodes)) - {p.node_rank for p in pods}
+        return CreateAttempt(attempt, placed[0], plan, architecture, tuple(placed), tuple(sorted(missing)))
     return DeletePods(tuple(p.name for p in pods), f"attempt {attempt + 1} was not created whole "
                                                    f"({len(pods)} of {nodes} pods)")

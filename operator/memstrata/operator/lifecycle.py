@@ -325,7 +325,7 @@ def _track_gang(run: _Run, pods: list[PodView], failures: list[str]) -> Decision
             shape = _shape(run)
             if isinstance(shape, Decision):
                 return shape
-            rest = gang.rest(job.status, pods, nodes, shape[1])
+            rest = gang.rest(job.status, job.plan, pods, nodes, shape[1])
             if isinstance(rest, CreateAttempt):
                 return _create(run, failures, rest, f"completing attempt {pods[0].attempt + 1}, created in part")
             run.actions.append(rest)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.manifest import describe_validation_error
+from memstrata.api.strataplan import Plan
 from memstrata.operator.bookkeeping import read as read_bookkeeping
 from memstrata.operator.names import LABEL_ATTEMPT, LABEL_NODE_RANK, LABEL_ROLE, ROLE_INSPECT
 
@@ -73,6 +74,7 @@ class JobView:
     finalizers: tuple[str, ...] = ()
     resource_version: str = ""
     malformed: Mapping[str, str] = field(default_factory=dict)  # per field taken out of status, why
+    plan: Plan | None = None  # status.plan as read: the current attempt's
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
@@ -82,7 +84,7 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         error = ""
     except ValidationError as exc:
         spec, error = None, describe_validation_error(exc, "spec")
-    status, malformed = read_bookkeeping(meta.get("name", ""), body.get("status") or {})
+    status, malformed, plan = read_bookkeeping(meta.get("name", ""), body.get("status") or {})
     return JobView(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", "default"),
@@ -96,6 +98,7 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         finalizers=tuple(meta.get("finalizers") or ()),
         resource_version=str(meta.get("resourceVersion") or ""),
         malformed=malformed,
+        plan=plan,
     )
 
 
