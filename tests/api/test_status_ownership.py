@@ -19,8 +19,8 @@ def test_the_runtimes_patch_writes_only_its_fields() -> None:
 
 
 def test_the_policy_lets_the_runtime_write_exactly_its_fields() -> None:
-    """An allow-list: the runtime's fields pass, every other one (in the schema, or kept by the operator beyond
-    it, as activePod and failedPods) is guarded, and so is any field added later."""
+    """An allow-list: the runtime's fields pass, every other one of the schema (the operator's, activePod and
+    failedPods among them) is guarded, and so is any field added later."""
     (listed,) = re.findall(r'\$runtime := list ((?:"\w+" ?)+)', POLICY.read_text())
     allowed = re.findall(r'"(\w+)"', listed)
     assert allowed == list(RUNTIME_STATUS_FIELDS)
