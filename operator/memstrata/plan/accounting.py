@@ -31,9 +31,6 @@ DESCRIPTIONS: dict[str, str] = {
 GPU_RUNTIME_OVERHEAD = 1 << 30
 # DeepSpeed's default reduce_bucket_size (elements).
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
-# Activation bytes per token per hidden unit for one layer in 16-bit with flash
-# attention and no sequence parallelism (Korthikanti et al., 2022: 34·s·b·h).
-ACTIVATION_FACTOR = 34
 # memstrata streams optimizer state in sub-groups of one layer's slice of the flat
 # fp32 partition, capped so one huge layer cannot pin tens of GiB.
 SUB_GROUP_CAP = 1 << 27
@@ -106,10 +103,7 @@ def working_set(job: JobShape) -> int:
 
     = 2 gathered layers (current + prefetched) of weights and their gradients
     + the largest tensor (embedding or LM head) gathered once
-    + live activations, A = 34·s·b·h per layer in 16-bit (x2 in fp32):
-        with activation checkpointing, one layer's (A): the layer being recomputed in backward;
-        the per-layer hidden states it keeps are the `checkpoints` category, off the GPU;
-        without it, every layer's (layers·A), all held from forward until backward
+    + live activations, `activation_bytes`: the tensors autograd saves, counted from the layer's shapes
     + logits: s·b·vocab elements, each 2w + 8 B at the peak in backward (the 16-bit logits, their fp32 copy,
       the fp32 gradient of the loss and its cast into the head; measured: 11.9 B in bf16), or only
       lossChunkTokens of them when the loss is chunked (each chunk's logits are recomputed in backward)
@@ -119,21 +113,59 @@ def working_set(job: JobShape) -> int:
       (DeepSpeed's default 5e8 elements is 0.93 GiB of bf16, whatever the model's size)
     + a fixed 1 GiB for the CUDA runtime when on a GPU.
 
-    Llama-3-8B at s = 32768, b = 1, bf16: A = 34·32768·1·4096 = 4,563,402,752 B (4.25 GiB), so the
-    activations are 4.25 GiB with checkpointing and 32·A = 146,028,888,064 B (136 GiB) without: the
-    working set grows by 31·A = 131.75 GiB, far past one 80 GiB GPU.
+    Llama-3-8B at s = 32768, b = 1, bf16: one layer saves 201,352 B a token (`layer_activation_bytes`),
+    A = 6,597,902,336 B (6.14 GiB) a layer, so the activations are 2·A + 32768·32,768 (the head's input)
+    = 14,269,546,496 B (13.3 GiB) with checkpointing and 33·A + the same = 218,804,518,912 B (204 GiB) without.
     """
     m, w = job.model, job.weight_bytes
     tokens = job.sequence_length * job.micro_batch
     layers = 2 * m.layer_params() * w * 2
     largest = m.largest_tensor() * w
-    activations = activation_layers(job) * ACTIVATION_FACTOR * tokens * m.hidden * (w // 2)
     logit_tokens = min(tokens, job.loss_chunk_tokens) if job.loss_chunk_tokens else tokens
     logits = logit_tokens * m.vocab * (2 * w + 8)
     on_device = 0 if job.engine == "memstrata" else checkpoint_bytes(job) // job.ranks
     bucket = reduce_bucket_elements(m) * w
     runtime = GPU_RUNTIME_OVERHEAD if job.gpus else 0
-    return layers + largest + activations + logits + on_device + bucket + runtime
+    return layers + largest + activation_bytes(job) + logits + on_device + bucket + runtime
+
+
+def activation_bytes(job: JobShape) -> int:
+    """Per-rank bytes of activations live at the peak: every layer's saved tensors from forward to backward
+    without checkpointing (with it, the one layer being recomputed), one layer's more for the gradients flowing
+    back through a layer in backward, and what the final norm and the LM head keep of the last hidden state
+    (`head_input_bytes`). Exact for the runtime's sdpa attention: it keeps no s x s score matrix."""
+    m, w = job.model, job.weight_bytes
+    tokens = job.sequence_length * job.micro_batch
+    return tokens * ((activation_layers(job) + 1) * layer_activation_bytes(m, w) + head_input_bytes(m, w))
+
+
+def layer_activation_bytes(m: ModelArchitecture, w: int) -> int:
+    """Bytes one transformer layer saves for backward per token, in the training precision of w bytes, as
+    transformers' layers with sdpa attention save them (h hidden, i MLP width, kv the key/value width, n heads):
+
+    llama: each RMSNorm keeps its input upcast to fp32 (4h) and its normalized output (hw), with its fp32 rsqrt
+      (4 B); the q/k/v projections share their input (hw); the rotated query (hw), key and value (2·kv·w: sdpa
+      takes grouped-query attention without repeating them); sdpa's output, which o_proj keeps (hw), and its
+      fp32 log-sum-exp (4n); the rotary cos and sin (2·(h/n)·w); the MLP's input (hw), gate, SiLU(gate), up and
+      their product (4iw):  8h + 8 + 6hw + 2·kv·w + 4n + 2(h/n)w + 4iw.
+    gpt: both LayerNorms keep their input, output, mean and rstd (4hw + 4w); the fused q|k|v output (3hw);
+      sdpa's output (hw) and log-sum-exp (4n); the MLP's input (counted with the norm's output), c_fc's output,
+      the four tensors gelu_new's tanh formula keeps and c_proj's input (5iw):  8hw + 4w + 4n + 5iw.
+
+    Measured with torch's saved-tensor hooks on transformers 5.23 at b = 1, equal to the formula: Llama-3.2-1B
+    201,352 B in fp32, Qwen2.5-14B 217,768 in bf16, GPT-2 125M 43,064 in bf16 (at b > 1 the rotary tables are
+    per position, not per token: SmolLM2-135M at b = 2 saves 24,748 B of the formula's 24,876 in bf16).
+    """
+    h, i, n = m.hidden, m.intermediate, m.heads
+    if m.family == "gpt":
+        return 8 * h * w + 4 * w + 4 * n + 5 * i * w
+    return 8 * h + 8 + 6 * h * w + 2 * m.kv_dim * w + 4 * n + 2 * m.head_dim * w + 4 * i * w
+
+
+def head_input_bytes(m: ModelArchitecture, w: int) -> int:
+    """Bytes per token the final norm and the LM head keep of the last hidden state: Llama's RMSNorm its fp32
+    input and normalized output, the head its input ((4 + 2w)·h); GPT's LayerNorm its input and output (2hw)."""
+    return 2 * m.hidden * w if m.family == "gpt" else (4 + 2 * w) * m.hidden
 
 
 def reduce_bucket_elements(m: ModelArchitecture) -> int:

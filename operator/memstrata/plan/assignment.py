@@ -127,12 +127,18 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
     if job.gpus and work > hbm_per_gpu and node.gpus:
         short("hbm", "working", work - hbm_per_gpu,
               f"HBM: each GPU needs {format_bytes(work)} for its working set and has {format_bytes(hbm_per_gpu)} "
-              f"(short by {format_bytes(work - hbm_per_gpu)}); lower training.sequenceLength or microBatch")
+              f"(short by {format_bytes(work - hbm_per_gpu)}); {_smaller_working_set(job)}")
     total_work = work * ranks
     categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)], ranks)
-    free[compute] -= total_work
-    if compute == "hbm":
-        free["hbm"] = max(free["hbm"], 0)  # already reported per GPU above
+    if compute == "dram" and total_work > free["dram"]:
+        over = total_work - free["dram"]
+        short("dram", "working", over,
+              f"DRAM: the working set (live activations, logits, gathered layers) needs {format_bytes(total_work)} "
+              f"and the node has {format_bytes(free['dram'])} (short by {format_bytes(over)}); "
+              f"{_smaller_working_set(job)}")
+    # Each shortfall is reported once, where it arises: what follows is measured against what is left, never less
+    # than nothing.
+    free[compute] = max(free[compute] - total_work, 0)
 
     # --- building the model: a host transient, only ever in DRAM ----------------------------------
     # The checkpoint's tensors are read and converted by the CPU, so neither NVMe nor CXL can take them.
@@ -143,7 +149,7 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
               f"DRAM: building the model needs {format_bytes(build)} for a moment and {format_bytes(left)} is "
               f"left beside the working set (short by {format_bytes(build - left)})")
     categories["build"] = _cat("build", build, [Allocation(stratum="dram", bytes=build)], ranks)
-    free["dram"] -= build
+    free["dram"] = max(free["dram"] - build, 0)
     if policy.dram_budget is not None and free["dram"] > policy.dram_budget:
         # The budget bounds the offloaded state, not the compute itself.
         capacity["dram"] -= free["dram"] - policy.dram_budget
@@ -231,6 +237,16 @@ def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme
         rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in STRATA},
         notes=notes,
     )
+
+
+def _smaller_working_set(job: JobShape) -> str:
+    """What in the spec shrinks the working set, for a shortfall's message."""
+    fixes = ["lower training.sequenceLength or microBatch"]
+    if not job.activation_checkpointing:
+        fixes.append("set training.activationCheckpointing: true")
+    if not job.loss_chunk_tokens:
+        fixes.append("set training.lossChunkTokens (e.g. 4096)")
+    return ", or ".join(fixes)
 
 
 def _hold_for_big_subgroups(job: JobShape, dram: int, sizes: dict[str, int]) -> int:

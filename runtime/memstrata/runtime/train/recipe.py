@@ -43,6 +43,7 @@ from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchroni
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.schedule import build_scheduler
 from memstrata.runtime.swap.protocols import TrainingEngine
+from memstrata.runtime.swap.layer import bound_host_heap
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces, swap_settings
 
@@ -231,6 +232,7 @@ class FineTuneRecipe:
 
     def setup(self) -> None:
         t0 = time.perf_counter()
+        bound_host_heap()  # before the model exists: the heap then holds only what the plan counts
         self.load_data()
         self.ds = build_ds_config(self.plan, self.arch, self.spec.training, self.ds_swap_dir, self.on_gpu,
                                   world=self.ranks.world)
