@@ -22,6 +22,12 @@ CASES = {
     "wrong-type": (GOOD.replace("steps: 4", "steps: many"), "spec.training.steps: Input should be a valid integer"),
     "negative-steps": (GOOD.replace("steps: 4", "steps: -5"),
                        "spec.training.steps: Input should be greater than 0 (got -5)"),
+    # A typo that would otherwise be planned, placed and shown with an ETA of 31 billion hours.
+    "absurd-steps": (GOOD.replace("steps: 4", "steps: 1000000000000000000000"),
+                     "spec.training.steps: Input should be less than or equal to 10000000 "
+                     "(got 1000000000000000000000)"),
+    "absurd-micro-batch": (GOOD.replace("steps: 4", "steps: 4, microBatch: 100000000"),
+                           "spec.training.microBatch: Input should be less than or equal to 65536"),
     "two-model-sources": (GOOD.replace("{preset: gpt-tiny}", "{preset: gpt-tiny, path: /m}"),
                           "spec.model: set exactly one of model.preset or model.path"),
     # Valid without an architecture: the shape is then read from the directory, which is not there.

@@ -153,13 +153,23 @@ class Output(ApiModel):
         return self.metrics_path or f"{self.path.rstrip('/')}-metrics"
 
 
+# Bounds on the counts of a job, far past any real one, so that a typo (steps: 1e21) is refused naming its field
+# instead of being planned, scheduled and shown with an ETA of billions of hours: ten million optimizer steps
+# (years of the fastest steps), 65,536 sequences per micro-batch or accumulation, and a seed every RNG takes
+# (numpy's are 32-bit).
+MAX_STEPS: Final = 10_000_000
+MAX_BATCH: Final = 65_536
+MAX_SEED: Final = (1 << 32) - 1
+
+
 class Checkpoint(ApiModel):
     """Resumable training state: model (fp32 master weights), optimizer state, LR schedule, data position and
     every RNG, in one directory per step under `path`, completed by a marker file."""
 
     path: str = Field(min_length=1, description="A directory on a writable volume; `step-NNNNNNNN` directories "
                                                 "are written under it.")
-    every_steps: int | None = Field(None, gt=0, description="A checkpoint every this many optimizer steps.")
+    every_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="A checkpoint every this many optimizer "
+                                                                           "steps.")
     every_minutes: float | None = Field(
         None, gt=0, description="A checkpoint when this many minutes have passed since the last one (or the "
                                 "start); with neither field set: every 30 minutes.")
@@ -239,7 +249,7 @@ class LearningRateSchedule(ApiModel):
     `minLearningRateRatio` x learningRate at the last step (Hugging Face's schedules, with a floor)."""
 
     type: ScheduleType = "constant"
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps of linear warmup.")
     min_learning_rate_ratio: float = Field(0.0, ge=0, le=1, description="The decay's floor, as a fraction of "
                                                                         "learningRate (linear and cosine).")
 
@@ -265,12 +275,12 @@ class Training(ApiModel):
                                                "the base weights stay frozen (settings in `lora`).")
     lora: Lora | None = Field(None, description="LoRA's settings, for method: lora (defaults when absent).")
     sequence_length: int = Field(2048, gt=0, le=1 << 20)
-    micro_batch: int = Field(1, gt=0)
-    gradient_accumulation: int = Field(1, gt=0)
-    steps: int = Field(gt=0, description="Optimizer steps.")
+    micro_batch: int = Field(1, gt=0, le=MAX_BATCH)
+    gradient_accumulation: int = Field(1, gt=0, le=MAX_BATCH)
+    steps: int = Field(gt=0, le=MAX_STEPS, description="Optimizer steps.")
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
     precision: Precision = "bf16"
-    seed: int = Field(1234, ge=0)
+    seed: int = Field(1234, ge=0, le=MAX_SEED)
     activation_checkpointing: bool = Field(
         True, description="Keep one hidden state per layer and recompute the rest in backward (the planner "
                           "counts activations this way); false keeps every activation.")
@@ -279,7 +289,8 @@ class Training(ApiModel):
         description="The loss is taken over this many tokens at a time, each chunk's logits recomputed in backward, so "
                     "the sequence x vocabulary logits never exist whole (a 32K sequence of a 128K vocabulary would be "
                     "16 GiB in fp32); 0 computes them whole, as Hugging Face does.")
-    eval_interval: int = Field(0, ge=0, description="Validation loss every this many steps (0: at the end only).")
+    eval_interval: int = Field(0, ge=0, le=MAX_STEPS, description="Validation loss every this many steps (0: at the "
+                                                                  "end only).")
     schedule: LearningRateSchedule = LearningRateSchedule()
     optimizer: Optimizer = Optimizer()
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no "
