@@ -189,8 +189,8 @@ class LocalRun:
         # DeepSpeed's swap folder (with memstrata: must stay empty); a node's local rank 0 watches the launcher's
         # process tree, which holds all of the node's ranks.
         launched = self.ranks.world > 1 and "TORCHELASTIC_RUN_ID" in os.environ
-        self.watch = MemWatch(recipe.ds_swap_dir,
-                              root_pid=os.getppid() if launched and self.ranks.local_rank == 0 else None).start()
+        self.watch = MemWatch(recipe.ds_swap_dir, root_pid=os.getppid() if launched and self.ranks.local_rank == 0
+                              else None, cgroup=worker is not None).start()  # a pod's node: its container's peak
         self.bar = ProgressBar(self.job.spec.training.steps, quiet=not self.ranks.leader)
         self.node = NodeReport(recipe, self.watch, worker, node_rank)
         self.last = self.node.fill(RuntimeReport(stage="initializing", total_steps=self.job.spec.training.steps))

@@ -1,9 +1,11 @@
 """What a run costs in memory and storage, measured from outside the training code.
 
 - Peak RSS of the whole process tree (this process and every descendant,
-  summed), sampled in a background thread: these machines use cgroup v1, which
-  has no `memory.peak`, and DeepSpeed may start helper processes (compilers,
-  probes).
+  summed), sampled in a background thread: DeepSpeed may start helper processes
+  (compilers, probes). In a pod (`cgroup=True`), the container's memory cgroup's
+  own peak instead, which the kernel keeps exactly and the pod's limit is held
+  against: summed over two ranks, the tree's PSS said 5.9 GB where the cgroup
+  peaked at 4.6 GB.
 - Bytes this process moved to and from storage, from `/proc/self/io`
   (`write_bytes` / `read_bytes` count what reached the block layer, including
   DeepSpeed's O_DIRECT swap I/O from its aio threads).
@@ -119,11 +121,49 @@ def dir_usage(path: Path) -> DirUsage:
     return usage
 
 
-class MemWatch:
-    """Samples tree RSS and swap-directory usage every `interval` seconds until stopped; keeps the peaks."""
+def cgroup_peak_files(proc_cgroup: str, root: Path = Path("/sys/fs/cgroup")) -> list[Path]:
+    """Where the kernel keeps the peak of the memory cgroup a process is in (its /proc/<pid>/cgroup text), in the
+    order to try: v2 `memory.peak`, v1 `memory.max_usage_in_bytes`, each at the cgroup's path and then at the
+    mount's root (in a container without its own cgroup namespace, the container's cgroup is mounted there while
+    the path names the host's hierarchy)."""
+    files: list[Path] = []
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        rel = path.strip().lstrip("/")
+        if hierarchy == "0" and controllers == "":
+            files += [root / rel / "memory.peak", root / "memory.peak"]
+        elif "memory" in controllers.split(","):
+            files += [root / "memory" / rel / "memory.max_usage_in_bytes",
+                      root / "memory" / "memory.max_usage_in_bytes"]
+    return [f for i, f in enumerate(files) if f not in files[:i]]
 
-    def __init__(self, swap_dir: Path | None, interval: float = 0.05, root_pid: int | None = None) -> None:
+
+def own_cgroup_peak() -> int | None:
+    """The peak memory use of this process's memory cgroup, as the kernel counted it; None where it cannot be read
+    (no memory controller, or a hierarchy root, which keeps no peak)."""
+    try:
+        text = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return None
+    for path in cgroup_peak_files(text):
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class MemWatch:
+    """Samples tree RSS and swap-directory usage every `interval` seconds until stopped; keeps the peaks.
+    `cgroup`: the memory peak is this process's memory cgroup's (a pod's container), where it can be read."""
+
+    def __init__(self, swap_dir: Path | None, interval: float = 0.05, root_pid: int | None = None,
+                 cgroup: bool = False) -> None:
         self.swap_dir = swap_dir
+        self.cgroup = cgroup
         self.interval = interval
         self.root_pid = root_pid or os.getpid()
         self.peak_rss = 0
@@ -133,7 +173,11 @@ class MemWatch:
         self._io_start = IoCounters()
 
     def sample(self) -> None:
-        self.peak_rss = max(self.peak_rss, tree_rss(self.root_pid), _hwm(self.root_pid))
+        kernel = own_cgroup_peak() if self.cgroup else None
+        if kernel is not None:
+            self.peak_rss = max(self.peak_rss, kernel)
+        else:
+            self.peak_rss = max(self.peak_rss, tree_rss(self.root_pid), _hwm(self.root_pid))
         if self.swap_dir is not None and self.swap_dir.exists():
             now = dir_usage(self.swap_dir)
             if now.bytes > self.peak_swap.bytes or now.files > self.peak_swap.files:
