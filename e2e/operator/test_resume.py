@@ -261,8 +261,8 @@ def test_a_killed_attempt_is_resumed_from_its_checkpoint(memstrata_cluster: Any,
             print(f"[{a.name}] runtime log: {a.work / 'runtime.log'}")
     # Each attempt's config carried spec.checkpoint as the job states it, and nothing else told it where to resume.
     for a in attempts:
-        assert {k: a.config["checkpoint"].get(k) for k in ("path", "everySteps")} == \
-            {"path": str(ckpt), "everySteps": EVERY}, (a.name, a.config.get("checkpoint"))
+        assert {k: a.config["spec"]["checkpoint"].get(k) for k in ("path", "everySteps")} == \
+            {"path": str(ckpt), "everySteps": EVERY}, (a.name, a.config["spec"].get("checkpoint"))
 
     # --- what the job says -----------------------------------------------------------------------------
     final = status(cluster, ns)

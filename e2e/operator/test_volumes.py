@@ -70,7 +70,7 @@ def test_the_examples_volumes_are_mounted_where_the_job_says(memstrata_cluster, 
     assert config_mount["mountPath"] == names.CONFIG_MOUNT  # the operator's own mount is still there
     cm = cluster.get_json("configmap", names.configmap_name(NAME, ftj(cluster, ns, NAME)["metadata"]["uid"]), "-n", ns)
     config = json.loads(cm["data"]["runtime-config.json"])
-    assert config["output"]["path"] == "/output/llama3-8b-32k-chat" and config["dataset"]["format"] == "messages"
+    assert config["spec"]["output"]["path"] == "/output/llama3-8b-32k-chat" and config["spec"]["dataset"]["format"] == "messages"
     assert _inspection_pod(cluster, ns) is None  # the shape is stated: nothing to read first
 
 
@@ -125,7 +125,7 @@ def test_the_operator_reads_the_model_shape_with_a_pod_then_plans_with_it(memstr
     assert "ModelInspected" in [e["reason"] for e in events_of(cluster, ns, NAME)]
     # The runtime gets the shape the operator read, so its check against config.json holds.
     cm = cluster.get_json("configmap", names.configmap_name(NAME, uid), "-n", ns)
-    model = json.loads(cm["data"]["runtime-config.json"])["model"]
+    model = json.loads(cm["data"]["runtime-config.json"])["spec"]["model"]
     assert ModelArchitecture.model_validate(model["architecture"]) == llama
     assert _mounts(training)["/output"] == ("finetune-output", False)
 

@@ -114,10 +114,8 @@ def _pods(tmp: Path, name: str, engine: str, *, nodes: int = 2, ranks: int = 1, 
     job = FineTuneJob.model_validate(doc)
     plan = plan or plan_job(job.spec, local_inventory(work / "nvme"))
     assert plan.feasible, plan.verdict()
-    spec = job.spec
-    config = RuntimeConfig(job=JobRef(name=name, uid=f"uid-{name}"), model=spec.model, dataset=spec.dataset,
-                           training=spec.training, resources=spec.resources, memory=spec.memory, output=spec.output,
-                           plan=plan, node="test-node", attempt=0, report_interval_seconds=0.001)
+    config = RuntimeConfig(job=JobRef(name=name, uid=f"uid-{name}"), spec=job.spec, plan=plan, node="test-node",
+                           attempt=0, report_interval_seconds=0.001)
     (work / "runtime-config.json").write_text(config.model_dump_json(by_alias=True))
     port, procs = free_port(), []
     for node in range(nodes):

@@ -77,7 +77,7 @@ def test_configmap_carries_a_runtime_config_the_runtime_can_read():
     assert env["MEMSTRATA_RUNTIME_CONFIG"] == f"/etc/memstrata/{CONFIGMAP_KEY}"
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == names.CONFIG_VOLUME]
     assert volume["configMap"]["name"] == cm["metadata"]["name"]
-    assert config.output == JOB.spec.output and config.output.path == "/output/llama3-8b-32k-chat"
+    assert config.spec.output == JOB.spec.output and config.spec.output.path == "/output/llama3-8b-32k-chat"
 
 
 def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
@@ -91,8 +91,8 @@ def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
         before, _ = gang_objects(job, ("cxl-1",), PLACED.plan, attempt)
         cm = next(o for o in before if o["kind"] == "ConfigMap")
         config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
-        assert config.checkpoint == job.spec.checkpoint and config.attempt == attempt
-        assert json.loads(cm["data"][CONFIGMAP_KEY])["checkpoint"] == {"path": "/output/ckpt", "everySteps": 50,
+        assert config.spec.checkpoint == job.spec.checkpoint and config.attempt == attempt
+        assert json.loads(cm["data"][CONFIGMAP_KEY])["spec"]["checkpoint"] == {"path": "/output/ckpt", "everySteps": 50,
                                                                       "keep": 3}
     # The newest checkpoint the status reports goes along: the runtime must find at least that far.
     body["status"] = {"checkpoint": {"path": "/output/ckpt/step-00000150", "step": 150,
@@ -103,7 +103,7 @@ def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
     del body["spec"]["checkpoint"]
     before, _ = gang_objects(job_view(body), ("cxl-1",), PLACED.plan, 0)
     cm = next(o for o in before if o["kind"] == "ConfigMap")
-    assert "checkpoint" not in json.loads(cm["data"][CONFIGMAP_KEY])
+    assert "checkpoint" not in json.loads(cm["data"][CONFIGMAP_KEY])["spec"]
     assert "checkpointStep" not in json.loads(cm["data"][CONFIGMAP_KEY])
 
 
@@ -139,7 +139,7 @@ def test_the_runtime_config_carries_the_shape_read_from_the_model_directory():
     before, _ = gang_objects(job, ("cxl-1",), PLACED.plan, 0, architecture=learned)
     cm = next(o for o in before if o["kind"] == "ConfigMap")
     config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
-    assert config.model.path == "/models/Meta-Llama-3-8B-Instruct" and config.model.architecture == learned
+    assert config.spec.model.path == "/models/Meta-Llama-3-8B-Instruct" and config.spec.model.architecture == learned
 
 
 def test_runtime_role_may_only_touch_its_own_job():

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from memstrata.api import load_job
+from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.report import RuntimeReport
+from memstrata.api.runtimeconfig import RuntimeConfig
 from memstrata.operator.observe import job_view
 from memstrata.operator.render import gang_objects
 from memstrata.plan import plan_job
@@ -57,9 +59,9 @@ def test_the_checkpoint_spec_reaches_the_runtimes_job(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("edit, expected", [
-    (lambda d: d.update(version="memstrata.dev/runtime-config/v2"),
-     r"version 'memstrata.dev/runtime-config/v2' is not 'memstrata.dev/runtime-config/v1'"),
-    (lambda d: d["training"].update(steps=-1), r"training.steps: Input should be greater than 0"),
+    (lambda d: d.update(version="memstrata.dev/runtime-config/v3"),
+     r"version 'memstrata.dev/runtime-config/v3' is not 'memstrata.dev/runtime-config/v2'"),
+    (lambda d: d["spec"]["training"].update(steps=-1), r"spec.training.steps: Input should be greater than 0"),
     (lambda d: d.pop("plan"), r": plan: Field required"),
 ])
 def test_a_wrong_config_is_named_with_the_file_and_field(tmp_path: Path, edit: Any, expected: str) -> None:
@@ -233,3 +235,33 @@ def test_no_credentials_and_an_unusable_scratch_are_named(tmp_path: Path) -> Non
     proc = subprocess.run([sys.executable, "-m", "memstrata.cli", "pod"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and f"{blocker}/scratch: cannot create it" in proc.stderr, proc.stderr
+
+
+def test_every_spec_field_reaches_the_pods_job(tmp_path: Path) -> None:
+    """The config carries the spec whole: every field the job sets — volumes, image, run policy, checkpoint,
+    output, as well as training and memory — is the pod's job's, with nothing listed field by field."""
+    extra = {"checkpoint": {"path": "/data/ckpt", "everySteps": 5, "keep": 2},
+             "volumes": [{"name": "data", "emptyDir": {}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+             "image": "registry.example/runtime:7", "command": ["memstrata", "pod"],
+             "runPolicy": {"backoffLimit": 1}}
+    path = rendered_config(tmp_path, **extra)
+    job, _ = job_and_plan(load_config(path))
+    want = FineTuneJobSpec.model_validate({**load_job(TINY).spec.wire(), **extra})
+    assert job.spec == want and json.loads(path.read_text())["spec"] == want.wire()
+    # Not a copy field by field: a field added to FineTuneJobSpec reaches the pod without touching the config.
+    assert RuntimeConfig.model_fields["spec"].annotation is FineTuneJobSpec
+
+
+def test_a_config_of_the_previous_operator_is_refused_naming_its_version(tmp_path: Path) -> None:
+    """The operator and the runtime image come from one chart release: a pod left from before an upgrade says so
+    instead of misreading the old split fields."""
+    path = rendered_config(tmp_path)
+    data = json.loads(path.read_text())
+    spec = data.pop("spec")
+    old = {**data, "version": "memstrata.dev/runtime-config/v1",
+           **{k: spec[k] for k in ("model", "dataset", "training", "resources", "memory")}}
+    path.write_text(json.dumps(old))
+    with pytest.raises(PodConfigError, match=rf"^{path}: version 'memstrata.dev/runtime-config/v1' was written by an "
+                                             r"earlier memstrata operator; this runtime image reads "
+                                             r"'memstrata.dev/runtime-config/v2' only .*upgrade the operator"):
+        load_config(path)

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
-from memstrata.api.finetunejob import Dataset, Resources, Training, WorkerStatus  # noqa: E402
+from memstrata.api.finetunejob import Dataset, FineTuneJobSpec, Resources, Training, WorkerStatus  # noqa: E402
 from memstrata.api.report import RuntimeReport  # noqa: E402
 from memstrata.runtime.train.data import ByteTokenizer, build_data  # noqa: E402
 
@@ -59,7 +59,8 @@ def test_a_pod_meets_the_others_where_the_operator_says_and_refuses_a_wrong_env(
     from memstrata.runtime.train.pod import PodConfigError, pod_rendezvous
 
     cfg = RuntimeConfig.model_construct(job=JobRef(name="j", uid="u1"), attempt=2,
-                                        resources=Resources(gpus=0, nodes=2), plan=Plan.model_construct())
+                                        spec=FineTuneJobSpec.model_construct(resources=Resources(gpus=0, nodes=2)),
+                                        plan=Plan.model_construct())
     env = {"PET_NODE_RANK": "1", "PET_NNODES": "2", "MASTER_ADDR": "j-0.j", "MASTER_PORT": "29400"}
     r = pod_rendezvous(cfg, env)
     assert (r.nodes, r.node_rank, r.master_addr, r.master_port, r.run_id) == (2, 1, "j-0.j", 29400, "u1-2")

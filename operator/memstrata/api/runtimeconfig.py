@@ -1,8 +1,13 @@
 """RuntimeConfig: the only thing that crosses from the operator to the job's pod.
 
 The operator renders it into a ConfigMap (key `runtime-config.json`); the runtime
-reads it at start. `version` is checked so an older runtime image refuses a newer
-config with a clear message instead of misreading it.
+reads it at start. It carries the job's spec whole (a field added to FineTuneJobSpec
+reaches the pod with no change here) and the typed plan for the chosen node.
+
+`version` is checked so a runtime image refuses a config of another version with a
+clear message instead of misreading it. The operator and the runtime image come from one
+chart release, so a runtime reads its own version only: v1 (the spec split into seven
+fields) is refused, naming the version (`load_config`, memstrata.runtime.train.pod).
 """
 from __future__ import annotations
 
@@ -11,10 +16,12 @@ from typing import Final, Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import Checkpoint, Dataset, MemoryPolicy, ModelSource, Output, Resources, Training
+from memstrata.api.finetunejob import FineTuneJob, FineTuneJobSpec, Metadata
 from memstrata.api.strataplan import Plan
 
-RUNTIME_CONFIG_VERSION: Final = "memstrata.dev/runtime-config/v1"
+RUNTIME_CONFIG_VERSION: Final = "memstrata.dev/runtime-config/v2"
+# Versions an earlier operator wrote, which this runtime refuses by name (the chart upgrades both together).
+RETIRED_CONFIG_VERSIONS: Final = ("memstrata.dev/runtime-config/v1",)
 CONFIGMAP_KEY = "runtime-config.json"
 ENV_RUNTIME_CONFIG = "MEMSTRATA_RUNTIME_CONFIG"
 # The pod's place in a multi-node job, set by the operator on each pod (the names Kubeflow's PyTorchJob and
@@ -40,17 +47,11 @@ class JobRef(ApiModel):
 
 
 class RuntimeConfig(ApiModel):
-    version: Literal["memstrata.dev/runtime-config/v1"] = RUNTIME_CONFIG_VERSION
+    version: Literal["memstrata.dev/runtime-config/v2"] = RUNTIME_CONFIG_VERSION
     job: JobRef
-    model: ModelSource = Field(description="The job's model; with model.path, architecture is always filled in "
-                                           "(as the job states it, or as the operator read it from config.json).")
-    dataset: Dataset
-    training: Training
-    resources: Resources = Resources()
-    memory: MemoryPolicy = MemoryPolicy()
-    output: Output | None = Field(None, description="Where the fine-tuned model is written (spec.output).")
-    checkpoint: Checkpoint | None = Field(None, description="spec.checkpoint: the runtime resumes from the latest "
-                                                            "complete checkpoint there.")
+    spec: FineTuneJobSpec = Field(description="The job's spec, whole; with model.path, model.architecture is "
+                                              "always filled in (as the job states it, or as the operator read "
+                                              "it from config.json).")
     checkpoint_step: int | None = Field(
         None, ge=1, description="status.checkpoint.step when this attempt was created: finding no checkpoint that "
                                 "far (and none damaged) means the path lost them, and the runtime fails rather than "
@@ -59,3 +60,7 @@ class RuntimeConfig(ApiModel):
     node: str = ""
     attempt: int = Field(0, ge=0, description="Which pod attempt this is (0-based).")
     report_interval_seconds: float = Field(10.0, gt=0, description="How often the runtime patches job status.")
+
+    def finetune_job(self) -> FineTuneJob:
+        """The FineTuneJob a run takes: this config's job, with its spec as the operator passed it."""
+        return FineTuneJob(metadata=Metadata(name=self.job.name, namespace=self.job.namespace), spec=self.spec)

@@ -119,12 +119,10 @@ def runtime_config(job: JobView, node: str, plan: Plan, attempt: int, report_int
     if architecture is not None and spec.model.known_shape() is None:
         spec = spec.with_architecture(architecture)
     return RuntimeConfig(
-        job=JobRef(name=job.name, namespace=job.namespace, uid=job.uid),
-        model=spec.model, dataset=spec.dataset, training=spec.training, resources=spec.resources,
-        memory=spec.memory, output=spec.output, plan=plan, node=node, attempt=attempt,
+        job=JobRef(name=job.name, namespace=job.namespace, uid=job.uid), spec=spec, plan=plan, node=node,
+        attempt=attempt,
         # Every attempt gets the same checkpoint spec: the runtime itself resumes from the latest complete
         # checkpoint under spec.checkpoint.path, so a retry needs nothing else from the operator.
-        checkpoint=spec.checkpoint,
         checkpoint_step=_checkpoint_step(job) if spec.checkpoint is not None else None,
         report_interval_seconds=report_interval_seconds,
     )

@@ -3,8 +3,9 @@
 The operator mounts the RuntimeConfig (ConfigMap key `runtime-config.json`)
 and points `$MEMSTRATA_RUNTIME_CONFIG` at it; the device plugin hands the
 container its NVMe namespaces and CXL nodes through the environment, which
-memstrata.runtime.swap.stratamap prefers over the plan. This module turns the
-config back into the FineTuneJob and Plan a local run takes, runs it
+memstrata.runtime.swap.stratamap prefers over the plan. The config carries
+the job's spec whole and the typed plan: this module makes them the FineTuneJob
+and Plan a local run takes, runs it
 (memstrata.runtime.train.local), and merge-patches the job's status subresource
 with a RuntimeReport every `reportIntervalSeconds` and once at the end,
 through the ServiceAccount the operator made for the job (it may patch only
@@ -44,7 +45,7 @@ from memstrata.api.report import RuntimeReport
 from memstrata.api.runtimeconfig import (
     ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_NAME, ENV_NODE_RANK, ENV_POD_NAME, ENV_RUNTIME_CONFIG,
     RENDEZVOUS_PORT,
-    RUNTIME_CONFIG_VERSION, JobRef, RuntimeConfig,
+    RETIRED_CONFIG_VERSIONS, RUNTIME_CONFIG_VERSION, JobRef, RuntimeConfig,
 )
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.dsconfig import deepspeed_swap_refusal
@@ -76,6 +77,10 @@ def load_config(path: str | os.PathLike[str] | None) -> RuntimeConfig:
     if not isinstance(data, dict):
         raise PodConfigError(f"{p}: the runtime config must be a JSON object, got {type(data).__name__}")
     version = data.get("version")
+    if version in RETIRED_CONFIG_VERSIONS:
+        raise PodConfigError(f"{p}: version {version!r} was written by an earlier memstrata operator; this runtime "
+                             f"image reads {RUNTIME_CONFIG_VERSION!r} only (the operator and the runtime image come "
+                             "from one chart release): upgrade the operator with the chart, then retry the job")
     if version != RUNTIME_CONFIG_VERSION:
         raise PodConfigError(f"{p}: version {version!r} is not {RUNTIME_CONFIG_VERSION!r}, the one this runtime "
                              "image reads: run the runtime image that matches the operator")
@@ -86,22 +91,11 @@ def load_config(path: str | os.PathLike[str] | None) -> RuntimeConfig:
 
 
 def job_and_plan(cfg: RuntimeConfig) -> tuple[FineTuneJob, Plan]:
-    """The FineTuneJob and Plan a local run takes, from what the operator decided."""
+    """The FineTuneJob and Plan a local run takes: the config's spec and plan, as the operator decided them."""
     try:
-        job = FineTuneJob.model_validate({
-            "metadata": {"name": cfg.job.name, "namespace": cfg.job.namespace},
-            "spec": {"model": cfg.model.wire(), "dataset": cfg.dataset.wire(), "training": cfg.training.wire(),
-                     "resources": cfg.resources.wire(), "memory": cfg.memory.wire(),
-                     **({"output": cfg.output.wire()} if cfg.output is not None else {}),
-                     **({"checkpoint": cfg.checkpoint.wire()} if cfg.checkpoint is not None else {})},
-        })
+        return cfg.finetune_job(), cfg.plan
     except ValidationError as exc:
         raise PodConfigError(f"runtime config: {describe_validation_error(exc)}") from None
-    try:
-        plan = cfg.plan
-    except ValidationError as exc:
-        raise PodConfigError(f"runtime config: {describe_validation_error(exc, 'plan')}") from None
-    return job, plan
 
 
 class StatusReporter:
@@ -205,7 +199,7 @@ def on_root_filesystem(path: Path) -> bool:
 def pod_rendezvous(cfg: RuntimeConfig, env: Mapping[str, str]) -> Rendezvous:
     """Where this pod's agent meets the job's other pods: the operator's env (api.runtimeconfig); a one-node job
     needs none of it and meets itself on 127.0.0.1."""
-    nodes = cfg.resources.nodes
+    nodes = cfg.spec.resources.nodes
 
     def number(key: str, default: int) -> int:
         try:
