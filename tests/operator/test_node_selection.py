@@ -7,6 +7,7 @@ from ftj_factories import inventory, job_dict, node_dict, pod_dict
 from memstrata.operator.nodes import node_view, pod_use, quantity, usage_by_node
 from memstrata.operator.observe import job_view
 from memstrata.operator.scheduling import PlanCache, place
+from memstrata.plan import plan_job
 
 SPEC = job_view(job_dict()).spec  # Llama-3-8B, 32K context, 1 GPU, memstrata engine, 2 NVMe namespaces
 
@@ -162,5 +163,8 @@ def test_deepspeed_goes_only_where_nothing_swaps_to_raw_namespaces_and_else_fail
     p = place(spec, nodes(spill), {})
     assert p.outcome == "impossible" and p.reason == "EngineCannotUseNamespaces"
     assert "spec.memory.engine: deepspeed" in p.message and "memory.engine: memstrata" in p.message
+    # The words the pod and a local run refuse it with (tests/runtime/test_deepspeed_swap_target.py).
+    refusal = plan_job(spec, inventory("a-nvme", dram_gib=128)).stock_swap_refusal()
+    assert refusal is not None and p.message.startswith(refusal)
     chosen = place(spec, nodes(spill, roomy), {})
     assert chosen.outcome == "chosen" and chosen.node == "c-dram"

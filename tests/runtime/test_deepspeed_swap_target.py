@@ -38,27 +38,25 @@ def test_only_deepspeed_with_nvme_in_its_plan_is_refused_and_the_reason_names_th
     assert spilled.offload_device("weights") == spilled.offload_device("master", "optimizer") == "nvme"
     swap = Path("/var/tmp/memstrata")
 
-    granted = deepspeed_swap_refusal(spilled, "deepspeed", granted=NAMESPACES.split(","), swap_dir=swap,
-                                     swap_dir_on_root=False)
-    assert granted is not None and granted.startswith(
-        "spec.memory.engine: deepspeed cannot swap to this job's NVMe namespaces (/dev/nvme1n1, /dev/nvme2n1): "
-        "stock DeepSpeed writes the parameters and optimizer state it offloads as files under a directory")
-    assert "memory.engine: memstrata" in granted and f"nor let DeepSpeed swap to {swap} instead" in granted
+    granted = deepspeed_swap_refusal(spilled, granted=NAMESPACES.split(","), swap_dir=swap, swap_dir_on_root=False)
+    assert granted == spilled.stock_swap_refusal() and granted is not None and granted.startswith(
+        "spec.memory.engine: deepspeed cannot swap the parameters and optimizer state the plan puts on NVMe to raw "
+        "namespaces: stock DeepSpeed writes what it offloads as files under a directory (nvme_path)")
+    assert "memory.engine: memstrata" in granted
 
-    on_root = deepspeed_swap_refusal(spilled, "deepspeed", granted=[], swap_dir=swap, swap_dir_on_root=True)
+    on_root = deepspeed_swap_refusal(spilled, granted=[], swap_dir=swap, swap_dir_on_root=True)
     assert on_root is not None and on_root.startswith(
         f"spec.memory.engine: deepspeed would swap the parameters and optimizer state the plan puts on NVMe to "
         f"{swap}, on the container's root filesystem")
 
     # A scratch volume of its own (a local run's --nvme-path) is where the user asked DeepSpeed to swap.
-    assert deepspeed_swap_refusal(spilled, "deepspeed", granted=[], swap_dir=swap, swap_dir_on_root=False) is None
+    assert deepspeed_swap_refusal(spilled, granted=[], swap_dir=swap, swap_dir_on_root=False) is None
     # memstrata's engine writes the namespaces itself; a CPU-offload plan writes no swap file at all.
-    assert deepspeed_swap_refusal(_plan(_spec("memstrata"), tmp_path), "memstrata", granted=["/dev/nvme1n1"],
-                                  swap_dir=swap, swap_dir_on_root=True) is None
+    assert deepspeed_swap_refusal(_plan(_spec("memstrata"), tmp_path), granted=["/dev/nvme1n1"], swap_dir=swap,
+                                  swap_dir_on_root=True) is None
     in_dram = _plan(_spec("deepspeed", nvme_namespaces=0, dram_budget=None), tmp_path)
     assert in_dram.feasible and in_dram.offload_device("weights", "master", "optimizer") == "cpu"
-    assert deepspeed_swap_refusal(in_dram, "deepspeed", granted=["/dev/nvme1n1"], swap_dir=swap,
-                                  swap_dir_on_root=True) is None
+    assert deepspeed_swap_refusal(in_dram, granted=["/dev/nvme1n1"], swap_dir=swap, swap_dir_on_root=True) is None
 
 
 def test_root_filesystem_is_told_from_a_mounted_one() -> None:
@@ -74,7 +72,7 @@ def _rendered_deepspeed_config(tmp_path: Path) -> Path:
     cm = next(o for o in companions if o["kind"] == "ConfigMap")
     path = tmp_path / "runtime-config.json"
     path.write_text(cm["data"]["runtime-config.json"])
-    assert json.loads(path.read_text())["memory"]["engine"] == "deepspeed"
+    assert json.loads(path.read_text())["spec"]["memory"]["engine"] == "deepspeed"
     return path
 
 
@@ -94,7 +92,8 @@ def test_the_pod_refuses_before_training_and_says_why_in_its_termination_message
     patches: list[dict[str, object]] = []
     rc = pod.run_pod(scratch, config_path=str(config), patcher=lambda ref: patches.append)
     assert rc == pod.EXIT_USAGE
-    expected = ("deepspeed cannot swap to this job's NVMe namespaces (/dev/nvme1n1, /dev/nvme2n1)" if granted
+    expected = ("deepspeed cannot swap the parameters and optimizer state the plan puts on NVMe to raw namespaces"
+                if granted
                 else f"deepspeed would swap the parameters and optimizer state the plan puts on NVMe to {scratch}, "
                      "on the container's root filesystem")
     assert termination.read_text().startswith(f"error: spec.memory.engine: {expected}")
@@ -107,8 +106,31 @@ def test_a_local_run_refuses_granted_namespaces_too(tmp_path: Path, monkeypatch:
     job = job.model_copy(update={"spec": _spec("deepspeed")})
     plan = _plan(job.spec, tmp_path)
     monkeypatch.setenv("MEMSTRATA_NVME_DEVICES", "/dev/nvme1n1")
-    with pytest.raises(RecipeError, match=r"^spec.memory.engine: deepspeed cannot swap to this job's NVMe "
-                                          r"namespaces \(/dev/nvme1n1\)"):
+    with pytest.raises(RecipeError) as refused:
         FineTuneRecipe(job, plan, tmp_path / "scratch")
+    assert str(refused.value) == plan.stock_swap_refusal()
     monkeypatch.delenv("MEMSTRATA_NVME_DEVICES")
     FineTuneRecipe(job, plan, tmp_path / "scratch")  # the scratch directory the user gave: the baseline's own
+
+
+def test_the_refusal_says_the_same_in_the_pod_and_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One statement of why stock DeepSpeed cannot use raw namespaces (Plan.stock_swap_refusal): the pod's
+    termination message and a local run's error are it, word for word, as the operator's placement is
+    (tests/operator/test_node_selection.py)."""
+    spec = _spec("deepspeed")
+    plan = _plan(spec, tmp_path)
+    words = plan.stock_swap_refusal()
+    assert words is not None
+
+    monkeypatch.setenv("MEMSTRATA_NVME_DEVICES", NAMESPACES)
+    termination = tmp_path / "termination-log"
+    monkeypatch.setattr(pod, "TERMINATION_LOG", termination)
+    (tmp_path / "scratch").mkdir()
+    assert pod.run_pod(tmp_path / "scratch", config_path=str(_rendered_deepspeed_config(tmp_path)),
+                       patcher=lambda ref: lambda body: None) == pod.EXIT_USAGE
+    assert termination.read_text() == f"error: {words}"
+
+    with pytest.raises(RecipeError) as refused:
+        FineTuneRecipe(load_job(TINY).model_copy(update={"spec": spec}), plan, tmp_path / "run")
+    assert str(refused.value) == words

@@ -16,6 +16,7 @@ from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
 from memstrata.api.base import ApiModel
 from memstrata.api.jobstatus import OperatorStatus
 from memstrata.api.lora import Lora, check_targets
+from memstrata.api.strataplan import Engine
 from memstrata.api.units import Bytes, GiB
 
 GROUP = "memstrata.dev"
@@ -27,7 +28,6 @@ SINGULAR = "finetunejob"
 SHORT_NAMES = ["ftj"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Engine = Literal["memstrata", "deepspeed"]
 Method = Literal["full", "lora"]
 
 

@@ -3,12 +3,25 @@
 The planner (`memstrata.plan`) produces it; the operator renders it into the
 runtime config, and the runtime sizes its strata from it. Its home is the API
 because it is a contract that crosses from the operator to the pod.
+
+The engine: the job chooses it (spec.memory.engine), the planner plans for it and records it in
+`Plan.engine`, and from there on the plan is its one home: the runtime runs the engine its plan was
+made for. `stock_swap_refusal` is the one statement of why stock DeepSpeed cannot run a plan on raw
+namespaces: the operator's placement, the pod and a local run all say it with these words.
 """
 from __future__ import annotations
 
+from typing import Final, Literal
+
 from pydantic import BaseModel, Field
 
-__all__ = ["STRATA", "STRATUM_NAMES", "Allocation", "CategoryPlan", "Plan", "Shortfall", "StratumUse"]
+__all__ = ["STOCK_SWAP_FIX", "STRATA", "STRATUM_NAMES", "Allocation", "CategoryPlan", "Engine", "Plan", "Shortfall",
+           "StratumUse"]
+
+Engine = Literal["memstrata", "deepspeed"]
+# What a job refused for stock DeepSpeed's swap target can do instead.
+STOCK_SWAP_FIX: Final = ("use memory.engine: memstrata, whose engine writes raw namespaces directly, or "
+                         "memory.nvmeNamespaces: 0 (with DRAM enough for the plan) to offload to the CPU only")
 
 STRATA = ("hbm", "dram", "cxl", "nvme")
 STRATUM_NAMES = {"hbm": "HBM", "dram": "DRAM", "cxl": "CXL", "nvme": "NVMe"}
@@ -50,7 +63,8 @@ class Plan(BaseModel):
     trainable_parameters: int | None = Field(
         None, description="Parameters that train, when not all do (training.method lora: the adapters'); their "
                           "gradients, fp32 master weights and Adam moments are all the optimizer state there is.")
-    engine: str
+    engine: Engine = Field(description="The engine the plan was made for (spec.memory.engine): the one the "
+                                       "runtime runs.")
     activation_checkpointing: bool = Field(
         True, description="Whether the runtime must turn on gradient checkpointing: the working set was "
                           "counted with one layer's live activations (true) or every layer's (false).")
@@ -98,6 +112,17 @@ class Plan(BaseModel):
         return [name for name, device in (("parameters", self.offload_device("weights")),
                                           ("optimizer state", self.offload_device("master", "optimizer")))
                 if device == "nvme"]
+
+    def stock_swap_refusal(self) -> str | None:
+        """Why stock DeepSpeed cannot run this plan where the NVMe stratum is raw namespaces, or None (another
+        engine, or nothing it would swap to NVMe)."""
+        swapped = self.deepspeed_swapped() if self.engine == "deepspeed" else []
+        if not swapped:
+            return None
+        return (f"spec.memory.engine: deepspeed cannot swap the {' and '.join(swapped)} the plan puts on NVMe to raw "
+                "namespaces: stock DeepSpeed writes what it offloads as files under a directory (nvme_path), a "
+                "namespace is a raw device without a filesystem, and memstrata does not create one on a device; "
+                f"{STOCK_SWAP_FIX}")
 
     def verdict(self) -> str:
         if self.feasible:

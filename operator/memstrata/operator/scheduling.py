@@ -67,17 +67,13 @@ def place(spec: FineTuneJobSpec, nodes: Sequence[NodeView], usage: Mapping[str, 
         (ever if plan.feasible and not _over_capacity(spec, plan, node) else never).append((node, plan))
     if not ever:
         return _impossible(spec, never)
-    if spec.memory.engine == "deepspeed":
-        # A pod would refuse to start (the runtime's rule): decide it here, once, not per attempt.
-        fits = [(node, plan) for node, plan in ever if not plan.deepspeed_swapped()]
-        if not fits:
-            what = " and ".join(ever[0][1].deepspeed_swapped())
-            return Placement("impossible", f"spec.memory.engine: deepspeed: on every node that can hold this job "
-                                           f"the {what} must go to NVMe, and stock DeepSpeed swaps to files under a "
-                                           "directory, not to raw namespaces; use memory.engine: memstrata, or a "
-                                           "node with DRAM enough to keep them off NVMe",
-                             reason="EngineCannotUseNamespaces")
-        ever = fits
+    # A pod would refuse to start (Plan.stock_swap_refusal, the runtime's rule): decided here, once, not per attempt.
+    fits = [(node, plan) for node, plan in ever if plan.stock_swap_refusal() is None]
+    if not fits:
+        return Placement("impossible", f"{ever[0][1].stock_swap_refusal()} (on every node that can hold this "
+                                       "job: only a node with DRAM enough would keep it off NVMe)",
+                         reason="EngineCannotUseNamespaces")
+    ever = fits
 
     ready: list[tuple[tuple[int, int, int, str], NodeView, Plan]] = []
     if spec.resources.nodes > 1 and _largest_group(ever) < spec.resources.nodes:

@@ -11,7 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from memstrata.api.architecture import ModelArchitecture
-from memstrata.api.finetunejob import Engine, Precision
+from memstrata.api.finetunejob import Precision
+from memstrata.api.strataplan import Engine
 from memstrata.plan.stock import DS_ALIGN_ELEMENTS, pinned_pool_bytes, tensor_sizes
 
 Category = Literal["working", "pinned", "build", "gradients", "master", "optimizer", "weights", "checkpoints"]

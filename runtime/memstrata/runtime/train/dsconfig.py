@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Training
-from memstrata.api.strataplan import Plan
+from memstrata.api.strataplan import STOCK_SWAP_FIX, Plan
 from memstrata.plan.accounting import (
     DS_REDUCE_BUCKET_ELEMENTS, memstrata_subgroup_elements, reduce_bucket_elements,
 )
@@ -47,32 +47,22 @@ class DsConfig(BaseModel):
     offload_optimizer: str
 
 
-def deepspeed_swap_refusal(plan: Plan, engine: str, *, granted: Sequence[str], swap_dir: Path,
-                           swap_dir_on_root: bool) -> str | None:
-    """Why `memory.engine: deepspeed` must not start here, or None.
+def deepspeed_swap_refusal(plan: Plan, *, granted: Sequence[str], swap_dir: Path, swap_dir_on_root: bool) -> str | None:
+    """Why a run of `plan` must not start here, or None.
 
-    Stock ZeRO-Infinity swaps to files under `nvme_path`, a directory; a raw namespace has no
-    filesystem, and memstrata never creates one on a device (a namespace is offered precisely because
-    it has none). So where the device plugin `granted` namespaces, DeepSpeed would ignore them and
-    write `swap_dir` instead; and in a pod that directory is on the container's root filesystem
-    (`swap_dir_on_root`), which the swap would fill and lose with the container. Both are refused,
-    naming the field; a plan that offloads nothing to NVMe writes no swap file and is fine anywhere."""
-    if engine != "deepspeed":
-        return None
-    swapped = plan.deepspeed_swapped()
-    if not swapped:
-        return None
-    what = " and ".join(swapped)
-    fix = ("use memory.engine: memstrata, whose engine writes raw namespaces directly, or memory.nvmeNamespaces: 0 "
-           "(with DRAM enough for the plan) to offload to the CPU only")
-    if granted:
-        return (f"spec.memory.engine: deepspeed cannot swap to this job's NVMe namespaces ({', '.join(granted)}): "
-                f"stock DeepSpeed writes the {what} it offloads as files under a directory (nvme_path), the "
-                f"namespaces are raw devices without a filesystem, and memstrata does not create one on a device "
-                f"nor let DeepSpeed swap to {swap_dir} instead; {fix}")
+    Stock ZeRO-Infinity swaps to files under `nvme_path`, a directory. Where the device plugin `granted` namespaces,
+    the NVMe stratum is raw devices, which it cannot use: `Plan.stock_swap_refusal` says why, in the words the
+    operator's placement uses too. In a pod granted none, `swap_dir` is on the container's root filesystem
+    (`swap_dir_on_root`), which the swap would fill and lose with the container. A plan that offloads nothing to
+    NVMe (or is memstrata's) writes no swap file and is fine anywhere; a local run's own scratch directory is
+    where the user asked DeepSpeed to swap."""
+    refusal = plan.stock_swap_refusal()
+    if refusal is None or granted:
+        return refusal
     if swap_dir_on_root:
-        return (f"spec.memory.engine: deepspeed would swap the {what} the plan puts on NVMe to {swap_dir}, on the "
-                f"container's root filesystem (the pod was granted no NVMe namespace); {fix}")
+        return (f"spec.memory.engine: deepspeed would swap the {' and '.join(plan.deepspeed_swapped())} the plan puts "
+                f"on NVMe to {swap_dir}, on the container's root filesystem (the pod was granted no NVMe namespace); "
+                f"{STOCK_SWAP_FIX}")
     return None
 
 

@@ -238,7 +238,7 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
         _say_why(f"error: {exc}")
         return EXIT_USAGE
     granted = [p.strip() for p in os.environ.get(ENV_NVME_DEVICES, "").split(",") if p.strip()]
-    refusal = deepspeed_swap_refusal(plan, job.spec.memory.engine, granted=granted, swap_dir=nvme_path,
+    refusal = deepspeed_swap_refusal(plan, granted=granted, swap_dir=nvme_path,
                                      swap_dir_on_root=on_root_filesystem(nvme_path))
     if refusal is not None:
         _say_why(f"error: {refusal}")

@@ -124,9 +124,11 @@ class FineTuneRecipe:
         reported, which must still be there."""
         spec = self.spec = job.spec
         self.job, self.plan = job, plan
-        self.engine_name = spec.memory.engine
-        if self.engine_name not in ("deepspeed", "memstrata"):
-            raise RecipeError(f"spec.memory.engine: {self.engine_name!r} is not 'deepspeed' or 'memstrata'")
+        # The engine's home is the plan (api.strataplan): the run is the one its bytes were counted for.
+        self.engine_name = plan.engine
+        if plan.engine != spec.memory.engine:
+            raise RecipeError(f"plan.engine: the plan was made for {plan.engine!r}, but spec.memory.engine is "
+                              f"{spec.memory.engine!r}: plan the job again")
         try:
             self.ranks = Ranks.from_env()
         except LaunchError as exc:
@@ -157,7 +159,7 @@ class FineTuneRecipe:
         self.resumed: Resumed | None = None
         if spec.checkpoint is not None:
             self.checkpointer = Checkpointer(spec.checkpoint, job=job.metadata.name, job_uid=job_uid, arch=self.arch,
-                                             precision=spec.training.precision, engine_name=spec.memory.engine,
+                                             precision=spec.training.precision, engine_name=self.engine_name,
                                              fingerprint=run_fingerprint(spec.training, spec.dataset))
             try:
                 self.checkpointer.check_path()
@@ -202,8 +204,7 @@ class FineTuneRecipe:
         # Namespaces a device plugin granted are the NVMe stratum; stock DeepSpeed cannot write them and
         # would silently swap to the scratch directory instead. (`memstrata pod` also refuses its root filesystem.)
         granted = [p.strip() for p in os.environ.get(ENV_NVME_DEVICES, "").split(",") if p.strip()]
-        refusal = deepspeed_swap_refusal(plan, self.engine_name, granted=granted, swap_dir=self.ds_swap_dir,
-                                         swap_dir_on_root=False)
+        refusal = deepspeed_swap_refusal(plan, granted=granted, swap_dir=self.ds_swap_dir, swap_dir_on_root=False)
         if refusal is not None:
             raise RecipeError(refusal)
         self.strata: SwapStrata | None = None

@@ -127,7 +127,7 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         parameters=plan.parameters,
         trainable_parameters=plan.trainable_parameters,
         precision=spec.training.precision,
-        engine=spec.memory.engine,
+        engine=plan.engine,
         offload={"param": ds.offload_param, "optimizer": ds.offload_optimizer},
         steps=len(result.steps),
         tokens=tokens,
