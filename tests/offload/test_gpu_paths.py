@@ -138,3 +138,25 @@ def test_on_a_gpu_the_fp16_overflow_flag_is_reduced_by_nccl(monkeypatch: pytest.
             assert _one_pass_has_overflow(layer)(optimizer) is overflow  # type: ignore[arg-type]
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_a_planned_layer_takes_nothing_from_deepspeeds_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The plan names the layer's namespaces (or none): nothing of memstrata's rides in DeepSpeed's config, so one
+    without any nvme_path opens it; only a layer with no plan and no directory is refused, saying what to give."""
+    import deepspeed
+    from deepspeed import comm as dist
+
+    from memstrata.runtime.swap import integration, seamcheck
+
+    seamcheck.ensure_verified()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda dist_backend, verbose=True: None)
+    bare: dict[str, object] = {"zero_optimization": {"stage": 3}}
+    integration.open_layer(bare, SwapSettings(no_nvme=True, lock_memory=False), numel=0).close()
+    layer = integration.open_layer(bare, SwapSettings(lock_memory=False), numel=1000, swap_dir=tmp_path / "own")
+    layer.close()
+    assert (tmp_path / "own").is_dir()
+    with pytest.raises(ValueError, match="name no NVMe namespace and the DeepSpeed config has no "
+                                         r"zero_optimization.offload_\*.nvme_path"):
+        integration.open_layer(bare, SwapSettings(lock_memory=False), numel=1000)

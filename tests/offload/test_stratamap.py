@@ -146,3 +146,20 @@ def load_node_example() -> NodeInventory:
 
 def plan_arch() -> ModelArchitecture:
     return load_job(REPO / "examples/finetune.yaml").spec.model.shape()
+
+
+def test_each_rank_takes_the_plans_own_share_whatever_the_environment_says(tmp_path: Path) -> None:
+    """The plan says how many ranks share the node (ranks_per_node) and counted each rank's bytes with it: the
+    swap layer's DRAM shares are that split, not one recomputed from the process's environment."""
+    job = JobShape(model=ARCH, sequence_length=128, micro_batch=1, gpus=0, engine="memstrata",
+                   ranks_per_node=2)
+    node = NODE.model_copy(update={"nvme_namespaces": [NvmeNamespace(name=f"/s{i}", size_bytes=1 << 40, free=True)
+                                                       for i in range(2)]})
+    plan = plan_for_node(job, node, MemoryPolicy(engine="memstrata", dram_budget=672 * MiB))
+    assert plan.feasible and plan.ranks_per_node == 2, plan.verdict()
+    assert _on(plan, "dram", "master", "optimizer") > 0
+    for env in ({}, {"LOCAL_WORLD_SIZE": "1"}, {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}):
+        settings = swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env=env).settings
+        assert settings.resident_state_bytes == _on(plan, "dram", "master", "optimizer") // 2
+    with pytest.raises(ValueError, match=r"MEMSTRATA_NVME_DEVICES: 1 namespaces cannot serve the node's 2 ranks"):
+        swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env={"MEMSTRATA_NVME_DEVICES": "/dev/nvme1n1"})

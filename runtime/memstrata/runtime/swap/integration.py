@@ -133,6 +133,17 @@ def _trim_after_step(optimizer: ZeroOptimizer, layer: SwapLayer) -> None:
     optimizer.step = step_then_trim
 
 
+def _unplanned_dir(settings: SwapSettings, config: dict[str, Any] | str | os.PathLike[str] | None,
+                   swap_dir: Path | None) -> Path | None:
+    """Where a layer creates its one file-backed namespace when its settings name none (a script of one's own, with
+    no plan): `swap_dir`, else the DeepSpeed config's offload nvme_path, where `deepspeed.initialize` itself would
+    have swapped (the drop-in's contract). A planned layer (the plan's namespaces, or `no_nvme`) needs no such
+    directory and takes nothing from DeepSpeed's config."""
+    if settings.nvme or settings.no_nvme:
+        return None
+    return swap_dir if swap_dir is not None else _nvme_path(config)
+
+
 def _nvme_path(config: dict[str, Any] | str | os.PathLike[str] | None) -> Path:
     cfg = config if isinstance(config, dict) else {}
     if isinstance(config, (str, os.PathLike)):
@@ -144,8 +155,9 @@ def _nvme_path(config: dict[str, Any] | str | os.PathLike[str] | None) -> Path:
         path = (zero.get(key) or {}).get("nvme_path")
         if path:
             return Path(path)
-    raise ValueError("memstrata.runtime.initialize: the DeepSpeed config has no zero_optimization.offload_*"
-                     ".nvme_path; memstrata's swap layer replaces ZeRO-3's NVMe offload, so one must be set")
+    raise ValueError("memstrata.runtime.initialize: the swap settings name no NVMe namespace and the DeepSpeed "
+                     "config has no zero_optimization.offload_*.nvme_path for a file-backed one; name namespaces "
+                     "(swap nvme) or set nvme_path")
 
 
 def _settings(swap: SwapSettings | dict[str, Any] | None) -> SwapSettings:
@@ -163,9 +175,11 @@ def _zero3(engine: Engine) -> ZeroOptimizer | None:
 
 
 def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
-               swap: SwapSettings | dict[str, Any] | None = None, *, numel: int) -> SwapLayer:
+               swap: SwapSettings | dict[str, Any] | None = None, *, numel: int,
+               swap_dir: Path | None = None) -> SwapLayer:
     """The swap layer for a model of `numel` parameters, opened before the model exists, so the model can be
-    built straight into it (`constructing`) and then handed to `initialize(..., layer=...)`."""
+    built straight into it (`constructing`) and then handed to `initialize(..., layer=...)`. `swap_dir`: where an
+    unplanned layer makes its file-backed namespace (`_unplanned_dir`)."""
     check_version()
     ensure_verified()
     import deepspeed
@@ -182,8 +196,8 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     return SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank, local_world=local_world,
-                          fallback_dir=_nvme_path(config), needed_bytes=unplanned_namespace_bytes(numel),
-                          device=accelerator.current_device_name())
+                          fallback_dir=_unplanned_dir(settings, config, swap_dir),
+                          needed_bytes=unplanned_namespace_bytes(numel), device=accelerator.current_device_name())
 
 
 @contextlib.contextmanager

@@ -229,8 +229,8 @@ class SwapLayer:
         self.io_log: list[tuple[str, float, float]] | None = None  # tests: (kind, start, end) per I/O batch
 
     @classmethod
-    def open(cls, settings: SwapSettings, *, rank: int, local_rank: int, local_world: int, fallback_dir: Path,
-             needed_bytes: int, device: Any = None) -> SwapLayer:
+    def open(cls, settings: SwapSettings, *, rank: int, local_rank: int, local_world: int,
+             fallback_dir: Path | None, needed_bytes: int, device: Any = None) -> SwapLayer:
         paths = ([p for i, p in enumerate(settings.nvme) if i % local_world == local_rank] if settings.nvme_shared
                  else list(settings.nvme))
         created: list[str] = []
@@ -243,6 +243,9 @@ class SwapLayer:
             raise ValueError(f"memstrata nvme: {len(settings.nvme)} namespaces cannot serve {local_world} ranks "
                              f"of this node; give at least one per rank")
         if not paths:
+            if fallback_dir is None:
+                raise ValueError("memstrata nvme: the settings name no namespace and no directory was given for a "
+                                 "file-backed one")
             path = fallback_dir / f"memstrata-nvme-rank{rank}.img"
             size = settings.file_bytes or needed_bytes
             fallback_dir.mkdir(parents=True, exist_ok=True)

@@ -85,16 +85,16 @@ def subgroup_state_bytes(arch: ModelArchitecture, ranks: int = 1) -> int:
     return align_elements(elements) * STATE_BYTES_PER_ELEMENT
 
 
-def resident_state_bytes(plan: Plan, ranks: int = 1) -> int:
+def resident_state_bytes(plan: Plan) -> int:
     """Optimizer state each rank keeps in DRAM for good: the plan's DRAM bytes for master + moments, split
-    evenly over the node's ranks."""
-    return _bytes(plan, OPTIMIZER_STATE, "dram") // max(ranks, 1)
+    evenly over the node's ranks (the plan's ranks_per_node: the split it was counted with)."""
+    return _bytes(plan, OPTIMIZER_STATE, "dram") // plan.ranks_per_node
 
 
-def resident_weight_bytes(plan: Plan, ranks: int = 1) -> int:
-    """16-bit weights each rank keeps in DRAM (or CXL) although some spill to NVMe."""
+def resident_weight_bytes(plan: Plan) -> int:
+    """16-bit weights each rank keeps in DRAM (or CXL) although some spill to NVMe (per rank, as above)."""
     kept = sum(_bytes(plan, ("weights",), s) for s in ("hbm", "dram", "cxl"))
-    return kept // max(ranks, 1)
+    return kept // plan.ranks_per_node
 
 
 def nvme_state_bytes(plan: Plan, arch: ModelArchitecture | None = None) -> int:
@@ -152,10 +152,11 @@ def io_token_scope(env: Mapping[str, str]) -> str:
     return hashlib.sha256(f"{run}/{env.get('GROUP_RANK', '0')}".encode()).hexdigest()[:16]
 
 
-def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Path, env: Mapping[str, str],
-                  ranks: int = 1) -> SwapStrata:
-    """The swap layer's settings for one rank of a node of `ranks` ranks, `run_dir` being that rank's own
-    directory. Raises ValueError naming the env/plan field when unusable."""
+def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Path, env: Mapping[str, str]
+                  ) -> SwapStrata:
+    """The swap layer's settings for one rank of a node of the plan's `ranks_per_node` ranks, `run_dir` being that
+    rank's own directory. Raises ValueError naming the env/plan field when unusable."""
+    ranks = plan.ranks_per_node
     cxl_env = _env_list(env, ENV_CXL_NODES)
     try:
         cxl = [int(n) for n in cxl_env] if cxl_env else list(plan.cxl_nodes)
@@ -170,9 +171,9 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
     weights_on_cxl = _bytes(plan, ("weights",), "cxl") >= _bytes(plan, ("weights",), "dram")
     base = SwapSettings(job=job, cxl_nodes=cxl, activations_on_cxl=on_cxl, weights_on_cxl=weights_on_cxl,
                         cache_subgroups=MIN_CACHE_SUBGROUPS,
-                        resident_state_bytes=resident_state_bytes(plan, ranks),
+                        resident_state_bytes=resident_state_bytes(plan),
                         prefetch_subgroups=plan.optimizer_read_ahead,
-                        resident_weight_bytes=resident_weight_bytes(plan, ranks) if spills_weights else None,
+                        resident_weight_bytes=resident_weight_bytes(plan) if spills_weights else None,
                         io_token_scope=io_token_scope(env))
     devices = _env_list(env, ENV_NVME_DEVICES)
     if devices:

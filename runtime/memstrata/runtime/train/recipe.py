@@ -241,7 +241,7 @@ class FineTuneRecipe:
             try:
                 # The plan's bytes size the DRAM cache and the namespaces of the node; its ranks share them.
                 self.strata = swap_settings(self.plan, self.arch, job=self.job.metadata.name, run_dir=self.swap_dir,
-                                            env=os.environ, ranks=self.ranks.local_world)
+                                            env=os.environ)
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
         self._reclaim()
@@ -320,8 +320,9 @@ class FineTuneRecipe:
         if self.strata is not None:
             from memstrata.runtime.swap.integration import constructing, open_layer
 
-            # Opened before the model exists, so the model is built straight into memstrata's strata.
-            layer = open_layer(ds.config, self.strata.settings, numel=self.arch.parameters())
+            # Opened before the model exists, so the model is built straight into memstrata's strata. The plan named
+            # them (swap_settings), so the layer needs nothing from DeepSpeed's config.
+            layer = open_layer(None, self.strata.settings, numel=self.arch.parameters())
         try:
             with constructing(layer) if layer is not None else contextlib.nullcontext():
                 # memstrata's engine moves each activation checkpoint to the stratum the plan gave them.
