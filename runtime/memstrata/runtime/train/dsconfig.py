@@ -11,7 +11,7 @@ Pure: no I/O, no torch import.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def offload_devices(plan: Plan) -> tuple[str, str]:
 CPU_ADAM_DEFAULTS: dict[str, Any] = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 
 
-def _adamw_params(training: Training, note: Callable[[str, Any, Any, str], Any]) -> dict[str, Any]:
+def _adamw_params(training: Training, note: Note) -> dict[str, Any]:
     """AdamW's hyperparameters from spec.training.optimizer; the learning rate is the schedule's peak (the
     scheduler multiplies it every step)."""
     opt = training.optimizer
@@ -100,84 +100,125 @@ def _adamw_params(training: Training, note: Callable[[str, Any, Any, str], Any])
     }
 
 
+class Note:
+    """Collects the `Setting`s of one config: `note(key, value, default, why)` records one and returns `value`."""
+
+    def __init__(self) -> None:
+        self.settings: list[Setting] = []
+
+    def __call__(self, key: str, value: Any, default: Any, why: str) -> Any:
+        self.settings.append(Setting(key=key, value=value, default=default, why=why))
+        return value
+
+    def differences(self) -> list[Setting]:
+        """Only real differences from DeepSpeed's defaults (and the aio block, always shown)."""
+        return [s for s in self.settings if s.value != s.default or s.key.startswith("aio.")]
+
+
 def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swap_dir: Path,
                     on_gpu: bool, world: int = 1) -> DsConfig:
     """The ds_config for one rank of `world` running `training` with `plan`'s offload devices (microBatch and
     gradientAccumulation are per rank, so the global batch is their product times `world`)."""
-    settings: list[Setting] = []
-
-    def note(key: str, value: Any, default: Any, why: str) -> Any:
-        settings.append(Setting(key=key, value=value, default=default, why=why))
-        return value
-
+    note = Note()
     param_dev, optim_dev = offload_devices(plan)
-    largest = largest_param(arch)
-    tensors = param_tensors(arch)
+    # In the order the record lists them: offload, sub-groups and buckets, precision, then the rest.
+    offload_param = _offload_param(note, plan, arch, param_dev, swap_dir, on_gpu)
+    offload_optimizer = _offload_optimizer(note, plan, optim_dev, swap_dir, on_gpu)
+    sub_group = _sub_group(note, plan, arch)
+    zero = {**_stage3(note), "offload_param": offload_param, "offload_optimizer": offload_optimizer,
+            "sub_group_size": sub_group, **_buckets(note, arch)}
+    precision = _precision(note, training)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": training.micro_batch,
+        "gradient_accumulation_steps": training.gradient_accumulation,
+        "train_batch_size": training.micro_batch * training.gradient_accumulation * world,
+        "steps_per_print": note("steps_per_print", 1 << 30, 10,
+                                "memstrata's progress bar reports every step; DeepSpeed's own lines would break it"),
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": _adamw_params(training, note)},
+        "gradient_clipping": note("gradient_clipping", training.gradient_clipping, 0.0,
+                                  "from spec.training.gradientClipping: the global gradient norm is clipped to it "
+                                  "(the default 1.0 keeps an early large gradient from derailing a short run)"),
+        **precision,
+        "zero_optimization": zero,
+        "aio": _aio(note),
+    }
+    return DsConfig(config=config, settings=note.differences(), offload_param=param_dev, offload_optimizer=optim_dev)
+
+
+def _pinned(note: Note, key: str, plan: Plan, on_gpu: bool) -> bool:
     # Stock: torch's pin_memory() needs an accelerator (on a CPU-only node it raises). memstrata's engine serves
     # every pin from its exact pools (memstrata.runtime.swap.pinning), on the CPU too.
-    pin = on_gpu or plan.engine == "memstrata"
-    pin_why = ("memstrata's engine: what ZeRO-3 pins comes from its exact-size pools, placed where the plan put it "
-               "and registered with the GPU (never torch's power-of-two pinned allocator)" if plan.engine == "memstrata"
-               else "pinned host memory needs an accelerator; without a GPU torch refuses to pin")
+    why = ("memstrata's engine: what ZeRO-3 pins comes from its exact-size pools, placed where the plan put it "
+           "and registered with the GPU (never torch's power-of-two pinned allocator)" if plan.engine == "memstrata"
+           else "pinned host memory needs an accelerator; without a GPU torch refuses to pin")
+    return bool(note(f"zero_optimization.{key}.pin_memory", on_gpu or plan.engine == "memstrata", True, why))
 
-    offload_param: dict[str, Any] = {
-        "device": note("zero_optimization.offload_param.device", param_dev, "none",
+
+def _offload_param(note: Note, plan: Plan, arch: ModelArchitecture, device: str, swap_dir: Path,
+                   on_gpu: bool) -> dict[str, Any]:
+    largest, tensors = largest_param(arch), param_tensors(arch)
+    offload: dict[str, Any] = {
+        "device": note("zero_optimization.offload_param.device", device, "none",
                        "from the plan: nvme when any byte of the 16-bit weights is placed on NVMe, else cpu"),
-        "pin_memory": note("zero_optimization.offload_param.pin_memory", pin, True, pin_why),
+        "pin_memory": _pinned(note, "offload_param", plan, on_gpu),
     }
-    if param_dev == "nvme":
-        buffer_size = note(
-            "zero_optimization.offload_param.buffer_size", align_elements(largest), int(1e8),
-            f"every parameter is swapped in whole into one buffer, so it must hold the largest tensor "
-            f"({largest} elements, aligned to {DS_ALIGN_ELEMENTS}); 1e8 would pin 5 x 200 MB for nothing")
-        buffer_count = note(
-            "zero_optimization.offload_param.buffer_count", param_buffer_count(arch), 5,
-            f"one buffer per parameter tensor in flight; 5 ran gpt-tiny here, 8 leaves the prefetcher room "
-            f"(with too few the swapper asserts 'Not enough buffers'); never more than the "
-            f"model's {tensors} tensors")
-        offload_param.update(
-            nvme_path=str(swap_dir), buffer_size=buffer_size, buffer_count=buffer_count,
-            max_in_cpu=note("zero_optimization.offload_param.max_in_cpu", 0, int(1e9),
-                            "no cached parameter copies in DRAM beyond the swap buffers (memstrata's engine keeps the "
-                            "plan's DRAM share of the weights resident by itself)"),
-        )
+    if device != "nvme":
+        return offload
+    buffer_size = note(
+        "zero_optimization.offload_param.buffer_size", align_elements(largest), int(1e8),
+        f"every parameter is swapped in whole into one buffer, so it must hold the largest tensor "
+        f"({largest} elements, aligned to {DS_ALIGN_ELEMENTS}); 1e8 would pin 5 x 200 MB for nothing")
+    buffer_count = note(
+        "zero_optimization.offload_param.buffer_count", param_buffer_count(arch), 5,
+        f"one buffer per parameter tensor in flight; 5 ran gpt-tiny here, 8 leaves the prefetcher room "
+        f"(with too few the swapper asserts 'Not enough buffers'); never more than the "
+        f"model's {tensors} tensors")
+    # DeepSpeed's own swap folder (stock ZeRO-Infinity's files); memstrata's engine never reads it back.
+    return {**offload, "nvme_path": str(swap_dir), "buffer_size": buffer_size, "buffer_count": buffer_count,
+            "max_in_cpu": note("zero_optimization.offload_param.max_in_cpu", 0, int(1e9),
+                               "no cached parameter copies in DRAM beyond the swap buffers (memstrata's engine keeps "
+                               "the plan's DRAM share of the weights resident by itself)")}
 
-    offload_optimizer: dict[str, Any] = {
-        "device": note("zero_optimization.offload_optimizer.device", optim_dev, "none",
+
+def _offload_optimizer(note: Note, plan: Plan, device: str, swap_dir: Path, on_gpu: bool) -> dict[str, Any]:
+    offload: dict[str, Any] = {
+        "device": note("zero_optimization.offload_optimizer.device", device, "none",
                        "from the plan (offload_devices): stock, nvme when any byte of the fp32 master weights or Adam "
                        "moments is on NVMe; memstrata's engine, always nvme (it keeps the plan's DRAM share resident)"),
-        "pin_memory": note("zero_optimization.offload_optimizer.pin_memory", pin, True, pin_why),
+        "pin_memory": _pinned(note, "offload_optimizer", plan, on_gpu),
     }
-    if optim_dev == "nvme":
-        offload_optimizer.update(
-            nvme_path=str(swap_dir),
-            buffer_count=OPTIMIZER_BUFFER_COUNT,
-            pipeline_read=False,
-            pipeline_write=False,
-        )
+    if device == "nvme":
+        offload.update(nvme_path=str(swap_dir), buffer_count=OPTIMIZER_BUFFER_COUNT, pipeline_read=False,
+                       pipeline_write=False)
+    return offload
 
+
+def _stage3(note: Note) -> dict[str, Any]:
+    return {"stage": note("zero_optimization.stage", 3, 0,
+                          "ZeRO-3 is the only stage that offloads parameters; ZeRO-2 with offload_optimizer nvme "
+                          "silently falls back to CPU and writes no swap files")}
+
+
+def _sub_group(note: Note, plan: Plan, arch: ModelArchitecture) -> int:
     # The planner sizes the locked buffers from the same sub-group size (memstrata.plan.accounting).
     if plan.engine == "memstrata":
-        sub_group = note(
+        return int(note(
             "zero_optimization.sub_group_size", memstrata_subgroup_elements(arch), int(1e9),
             "memstrata's engine: about one transformer layer per sub-group, a big tensor (the embedding) alone "
             "(memstrata.plan.accounting.group_tensors), so the DRAM budget keeps the big ones resident and the "
-            "streamed ones need small buffers")
-    else:
-        sub_group = note(
-            "zero_optimization.sub_group_size", sub_group_size(arch), int(1e9),
-            "the optimizer swapper pins buffer_count x sub-group fp32 elements and streams one sub-group at a "
-            "time: one transformer layer per sub-group bounds that to the planner's estimate (1e9 pins 16 GB); at "
-            "least the largest tensor, and at least 1 MiB of fp32, because DeepSpeed never swaps a smaller tensor "
-            "to NVMe")
+            "streamed ones need small buffers"))
+    return int(note(
+        "zero_optimization.sub_group_size", sub_group_size(arch), int(1e9),
+        "the optimizer swapper pins buffer_count x sub-group fp32 elements and streams one sub-group at a "
+        "time: one transformer layer per sub-group bounds that to the planner's estimate (1e9 pins 16 GB); at "
+        "least the largest tensor, and at least 1 MiB of fp32, because DeepSpeed never swaps a smaller tensor "
+        "to NVMe"))
 
-    zero = {
-        "stage": note("zero_optimization.stage", 3, 0,
-                      "ZeRO-3 is the only stage that offloads parameters; ZeRO-2 with offload_optimizer nvme "
-                      "silently falls back to CPU and writes no swap files"),
-        "offload_param": offload_param,
-        "offload_optimizer": offload_optimizer,
-        "sub_group_size": sub_group,
+
+def _buckets(note: Note, arch: ModelArchitecture) -> dict[str, Any]:
+    largest = largest_param(arch)
+    return {
         "stage3_param_persistence_threshold": note(
             "zero_optimization.stage3_param_persistence_threshold", 0, int(1e5),
             "tensors below the threshold are never partitioned or offloaded; 0 sends every tensor where the plan "
@@ -186,7 +227,8 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
             "zero_optimization.stage3_max_reuse_distance", 0, int(1e9),
             "a parameter reused within this many elements stays gathered and keeps its swap buffer; 0 releases "
             "it after use so the buffer pool bounds what is live (a 162M-parameter GPT died with the default "
-            "at step 1: 'Not enough buffers 0 for swapping 1'). Cost measured on gpt-tiny: ~2x fewer tokens/s than the default, which re-reads nothing"),
+            "at step 1: 'Not enough buffers 0 for swapping 1'). Cost measured on gpt-tiny: ~2x fewer tokens/s than "
+            "the default, which re-reads nothing"),
         "stage3_prefetch_bucket_size": note(
             "zero_optimization.stage3_prefetch_bucket_size", align_elements(largest), int(5e7),
             "prefetch about one largest tensor ahead: enough to overlap I/O, small enough to leave buffers free"),
@@ -200,36 +242,24 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
             "about two layers gathered at once, as the planner's working-set estimate assumes"),
     }
 
+
+def _precision(note: Note, training: Training) -> dict[str, Any]:
     precision = training.precision
     fp16: dict[str, Any] = {"enabled": precision == "fp16"}
     if precision == "fp16":
         fp16["initial_scale_power"] = note("fp16.initial_scale_power", 12, 16,
                                            "start the loss scale at 4096: fewer skipped overflow steps early on")
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": training.micro_batch,
-        "gradient_accumulation_steps": training.gradient_accumulation,
-        "train_batch_size": training.micro_batch * training.gradient_accumulation * world,
-        "steps_per_print": note("steps_per_print", 1 << 30, 10,
-                                "memstrata's progress bar reports every step; DeepSpeed's own lines would break it"),
-        "wall_clock_breakdown": False,
-        "optimizer": {"type": "AdamW", "params": _adamw_params(training, note)},
-        "gradient_clipping": note("gradient_clipping", training.gradient_clipping, 0.0,
-                                  "from spec.training.gradientClipping: the global gradient norm is clipped to it "
-                                  "(the default 1.0 keeps an early large gradient from derailing a short run)"),
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": fp16,
-        "zero_optimization": zero,
-        "aio": {
-            "block_size": note("aio.block_size", AIO_BLOCK_SIZE, AIO_BLOCK_SIZE,
-                               "1 MiB: DeepSpeed's default, the size at which NVMe reaches its sequential bandwidth"),
-            "queue_depth": AIO_QUEUE_DEPTH,
-            "intra_op_parallelism": note("aio.intra_op_parallelism", 1, 1,
-                                         "one I/O thread per handle: the node has 2 cores, both busy with compute"),
-            "single_submit": False,
-            "overlap_events": True,
-            "use_gds": False,
-        },
+    return {"bf16": {"enabled": precision == "bf16"}, "fp16": fp16}
+
+
+def _aio(note: Note) -> dict[str, Any]:
+    return {
+        "block_size": note("aio.block_size", AIO_BLOCK_SIZE, AIO_BLOCK_SIZE,
+                           "1 MiB: DeepSpeed's default, the size at which NVMe reaches its sequential bandwidth"),
+        "queue_depth": AIO_QUEUE_DEPTH,
+        "intra_op_parallelism": note("aio.intra_op_parallelism", 1, 1,
+                                     "one I/O thread per handle: the node has 2 cores, both busy with compute"),
+        "single_submit": False,
+        "overlap_events": True,
+        "use_gds": False,
     }
-    # Keep only real differences from DeepSpeed's defaults in the record.
-    settings = [s for s in settings if s.value != s.default or s.key.startswith("aio.")]
-    return DsConfig(config=config, settings=settings, offload_param=param_dev, offload_optimizer=optim_dev)
