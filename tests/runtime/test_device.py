@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from memstrata.runtime.train.device import PhaseClock
-from memstrata.runtime.train.recipe import RecipeError, accelerator_env, on_gpu_for
+from memstrata.runtime.train.preflight import RecipeError, accelerator_env, on_gpu_for
 
 REPO = Path(__file__).resolve().parents[2]
 

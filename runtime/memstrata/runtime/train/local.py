@@ -34,7 +34,8 @@ from memstrata.runtime.train.launch import (LaunchError, Ranks, Terminated, laun
 from memstrata.runtime.train.memwatch import MemWatch
 from memstrata.runtime.train.metrics import MetricsError, MetricsWriter, StepResult
 from memstrata.runtime.train.progress import ProgressBar, Sample, render_report
-from memstrata.runtime.train.recipe import FineTuneRecipe, RecipeError, TrainResult
+from memstrata.runtime.train.preflight import RecipeError
+from memstrata.runtime.train.recipe import FineTuneRecipe, TrainResult
 from memstrata.runtime.train.runreport import NodeReport, build_report, close_all, step_status
 
 EXIT_USAGE = 2

@@ -3,9 +3,10 @@ with memstrata's swap layer in its place (`memory.engine: memstrata`).
 
 Read it in order, torchtune style: `__init__` rejects settings that cannot run
 here (before anything is written): the model directory, the tokenizer, the
-dataset and the output path are all checked there; `setup` builds the swap
-directory, the model (straight into its ZeRO-3 partitions, weights streamed in)
-and the DeepSpeed engine, in dependency order; `train` is one linear loop with
+dataset and the output path are all checked there (memstrata.runtime.train.preflight);
+`setup` builds the swap directory, the model (straight into its ZeRO-3 partitions,
+weights streamed in) and the DeepSpeed engine, in dependency order
+(memstrata.runtime.train.building); `train` is one linear loop with
 validation; `save` writes the fine-tuned model; `cleanup` tears down the
 process group and removes the swap directory. Gloo on the CPU, NCCL on a GPU.
 
@@ -31,17 +32,18 @@ from typing import TYPE_CHECKING, Any, Callable
 from memstrata.api.finetunejob import FineTuneJob, OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
-from memstrata.api.checkpoint import run_fingerprint
-from memstrata.runtime.train.checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, Found, Resumed
+from memstrata.runtime.train.checkpoint import CheckpointError, CheckpointWriteError, Resumed
 from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
-from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output, reclaim_partials
-from memstrata.runtime.train.metrics import MetricsError, StepResult, check_metrics_dir
-from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
-from memstrata.runtime.train.launch import LaunchError, Ranks, free_port, world_sum
+from memstrata.runtime.train.export import reclaim_partials
+from memstrata.runtime.train.metrics import StepResult
+from memstrata.runtime.train.launch import world_sum
 from memstrata.runtime.train.owner import Ownership, own, reclaim
 from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchronizer
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
-from memstrata.runtime.train.schedule import build_scheduler
+from memstrata.runtime.train.preflight import (
+    RecipeError, check_adapter, checkpoints, engine_of, hf_config, loss_chunk_tokens, on_gpu_for, rank_of, read_inputs,
+)
+from memstrata.runtime.train.building import build_engine, setup_distributed, torch_dtype
 from memstrata.runtime.swap.protocols import TrainingEngine
 from memstrata.runtime.swap.layer import bound_host_heap
 from memstrata.runtime.swap.status import SwapStatus
@@ -52,10 +54,6 @@ if TYPE_CHECKING:
     import torch
 
 SWAP_DIR_PREFIX = "memstrata-run-"  # a run's scratch directory under the NVMe path (one per run and rank)
-
-
-class RecipeError(ValueError):
-    """The job cannot run locally as written; the message names the field and why."""
 
 
 @dataclass
@@ -76,45 +74,6 @@ class TrainResult:
     validation_losses: dict[int, float] = field(default_factory=dict)  # step (0: before training) -> loss
 
 
-def visible_gpus() -> int:
-    """The CUDA devices torch sees here (CUDA_VISIBLE_DEVICES and the container's devices applied). Asked of torch,
-    not of the driver's /proc files: a container can be handed a GPU without them."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def on_gpu_for(gpus: int, visible: Callable[[], int] = visible_gpus) -> bool:
-    """Whether a job asking for `gpus` GPUs (spec.resources.gpus) trains on them here: never silently on the CPU
-    instead. RecipeError naming the field when this process sees none. (Each rank takes cuda:LOCAL_RANK; a rank
-    beyond the GPUs it sees fails there, naming its device.)"""
-    if gpus < 1:
-        return False
-    seen = visible()
-    if seen < 1:
-        raise RecipeError(f"spec.resources.gpus: the job asks for {gpus} GPU(s) and this process sees none (torch "
-                          f"finds no CUDA device: no NVIDIA driver, a CUDA_VISIBLE_DEVICES that hides them, or a "
-                          f"container not given the GPU); set gpus: 0 to train on the CPU")
-    return True
-
-
-def accelerator_env(on_gpu: bool, env: dict[str, str] | Any = os.environ) -> str:
-    """Set DS_ACCELERATOR to the run's device before DeepSpeed is imported (it picks its accelerator then, once per
-    process): an inherited value that says otherwise would put a GPU run's DeepSpeed on the CPU, or the reverse.
-    RecipeError when DeepSpeed was already set up in this process for another accelerator."""
-    import sys
-
-    wanted = "cuda" if on_gpu else "cpu"
-    env["DS_ACCELERATOR"] = wanted
-    loaded = sys.modules.get("deepspeed.accelerator.real_accelerator")
-    chosen = getattr(loaded, "ds_accelerator", None) if loaded is not None else None
-    name = chosen.device_name() if chosen is not None else wanted
-    if name != wanted:
-        raise RecipeError(f"DS_ACCELERATOR: DeepSpeed was already set up in this process for {name!r}, but this run "
-                          f"trains on {wanted!r} (spec.resources.gpus); start it in a new process")
-    return wanted
-
-
 class FineTuneRecipe:
     def __init__(self, job: FineTuneJob, plan: Plan, nvme_path: Path, *, resume: bool = False,
                  job_uid: str = "", expected_checkpoint: int | None = None) -> None:
@@ -123,70 +82,18 @@ class FineTuneRecipe:
         uid, which a checkpoint must share; `expected_checkpoint`: the newest checkpoint step the job's status
         reported, which must still be there."""
         spec = self.spec = job.spec
-        self.job, self.plan = job, plan
-        # The engine's home is the plan (api.strataplan): the run is the one its bytes were counted for.
-        self.engine_name = plan.engine
-        if plan.engine != spec.memory.engine:
-            raise RecipeError(f"plan.engine: the plan was made for {plan.engine!r}, but spec.memory.engine is "
-                              f"{spec.memory.engine!r}: plan the job again")
-        try:
-            self.ranks = Ranks.from_env()
-        except LaunchError as exc:
-            raise RecipeError(str(exc)) from None
-        if self.ranks.world != spec.resources.world_size() and "WORLD_SIZE" in os.environ:
-            raise RecipeError(f"spec.resources: nodes {spec.resources.nodes} x {spec.resources.ranks()} ranks per node "
-                              f"is a world of {spec.resources.world_size()}, but this process was started as rank "
-                              f"{self.ranks.rank} of {self.ranks.world} (WORLD_SIZE)")
-        # Every input is checked here, before a byte is written: a bad model directory, tokenizer, dataset or
-        # output path fails in seconds, not after the model was built.
-        self.model_dir: ModelDir | None = None
-        self.job_uid = job_uid
-        try:
-            if spec.model.path is not None:
-                self.model_dir = read_model_dir(Path(spec.model.path), spec.model.architecture)
-            # A retry of a job that saved its model and died before it could report so is finished, not refused.
-            self.finished = (finished_output(Path(spec.output.path), job=job.metadata.name, job_uid=job_uid,
-                                             steps=spec.training.steps)
-                             if spec.output is not None and resume else None)
-            if spec.output is not None and self.finished is None:
-                check_output_path(Path(spec.output.path))
-                check_metrics_dir(Path(spec.output.metrics_dir()))
-        except (ModelDirError, OutputPathError, MetricsError) as exc:
-            raise RecipeError(str(exc)) from None
+        self.job, self.plan, self.job_uid = job, plan, job_uid
+        self.engine_name = engine_of(spec, plan)
+        self.ranks = rank_of(spec)
+        self.model_dir, self.finished = read_inputs(spec, job=job.metadata.name, job_uid=job_uid, resume=resume)
         self.arch = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
-        self.checkpointer: Checkpointer | None = None
-        self.found: Found | None = None  # the checkpoint this run resumes from
         self.resumed: Resumed | None = None
-        if spec.checkpoint is not None:
-            self.checkpointer = Checkpointer(spec.checkpoint, job=job.metadata.name, job_uid=job_uid, arch=self.arch,
-                                             precision=spec.training.precision, engine_name=self.engine_name,
-                                             fingerprint=run_fingerprint(spec.training, spec.dataset))
-            try:
-                self.checkpointer.check_path()
-                self.found = self.checkpointer.to_resume(resume=resume, steps=spec.training.steps,
-                                                         expected_step=expected_checkpoint)
-            except CheckpointError as exc:
-                raise RecipeError(str(exc)) from None
-        self.hf_config: Any = None
-        if self.model_dir is not None:
-            from transformers import AutoConfig
-
-            try:
-                self.hf_config = AutoConfig.from_pretrained(self.model_dir.path, local_files_only=True)
-            except (ValueError, KeyError, OSError) as exc:  # an unknown model_type, a config transformers refuses
-                raise RecipeError(f"{self.model_dir.path / 'config.json'}: transformers cannot build this model: "
-                                  f"{exc}") from None
-        self.loss_chunk_tokens = self._loss_chunk_tokens()
-        self.adapter = spec.training.adapter()  # LoRA's settings (None: a full fine-tune)
-        if self.adapter is not None:
-            from memstrata.runtime.train.hfmodel import preset_config
-            from memstrata.runtime.train.lora import LoraError, check_lora
-
-            try:
-                check_lora(self.hf_config or preset_config(self.arch, spec.training.sequence_length), self.adapter,
-                           self.arch, preset=self.model_dir is None, output=spec.output is not None)
-            except LoraError as exc:
-                raise RecipeError(str(exc)) from None
+        self.checkpointer, self.found = checkpoints(spec, job=job.metadata.name, job_uid=job_uid, arch=self.arch,
+                                                    engine=self.engine_name, resume=resume,
+                                                    expected=expected_checkpoint)
+        self.hf_config = hf_config(self.model_dir)
+        self.loss_chunk_tokens = loss_chunk_tokens(spec.training, self.hf_config)
+        self.adapter = check_adapter(spec, self.hf_config, self.arch, preset=self.model_dir is None)
         self.tokenizer = (load_tokenizer(self.model_dir.path, self.arch.vocab) if self.model_dir is not None
                           else ByteTokenizer())
         if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
@@ -280,100 +187,18 @@ class FineTuneRecipe:
         return build_data(self.spec.dataset, self.spec.training, self.tokenizer)
 
     def _setup_distributed(self) -> None:
-        """torch.distributed as the launcher set it up, or, alone, a world of one set up the way it would."""
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
-            os.environ.setdefault(key, value)
-        accelerator_env(self.on_gpu)
-        if self.on_gpu:
-            import torch
-
-            torch.cuda.set_device(self.ranks.local_rank)  # one GPU per rank: cuda:LOCAL_RANK
-        import deepspeed
-
-        for name in ("DeepSpeed", "deepspeed"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        # torch 2.13 warns on every step that ZeRO-3 calls the old collective names; once is noise enough.
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-        deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", verbose=False)
+        setup_distributed(self.on_gpu, self.ranks.local_rank)
 
     def _dtype(self) -> "torch.dtype":
-        """The torch dtype of the job's precision: the model is built, trained and saved in it."""
-        import torch
-
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.spec.training.precision]
+        return torch_dtype(self.spec.training.precision)
 
     def _setup_engine(self, ds: DsConfig) -> TrainingEngine:
-        import contextlib
-        import functools
+        return build_engine(ds, self.spec.training, self.arch, dtype=self._dtype(), hf_config=self.hf_config,
+                            model_dir=self.model_dir, swap=self.strata.settings if self.strata is not None else None,
+                            loss_chunk_tokens=self.loss_chunk_tokens, adapter=self.adapter, built=self._built)
 
-        import deepspeed
-
-        from memstrata.runtime.train.hfmodel import build_model, load_weights, preset_config
-        from memstrata.runtime.train.lora import add_adapters, trainable
-        from memstrata.runtime.train.loss import install_chunked_loss
-
-        t = self.spec.training
-        dtype = self._dtype()
-        config = self.hf_config if self.hf_config is not None else preset_config(self.arch, t.sequence_length)
-        layer, handed = None, False
-        if self.strata is not None:
-            from memstrata.runtime.swap.integration import constructing, open_layer
-
-            # Opened before the model exists, so the model is built straight into memstrata's strata. The plan named
-            # them (swap_settings), so the layer needs nothing from DeepSpeed's config.
-            layer = open_layer(None, self.strata.settings, numel=self.arch.parameters())
-        try:
-            with constructing(layer) if layer is not None else contextlib.nullcontext():
-                # memstrata's engine moves each activation checkpoint to the stratum the plan gave them.
-                offload = (layer.activation_offload().checkpoint
-                           if layer is not None and t.activation_checkpointing else None)
-                model = build_model(config, ds.config, dtype, checkpointing=t.activation_checkpointing, seed=t.seed,
-                                    pretrained=self.model_dir, checkpoint_function=offload)
-                if self.model_dir is not None:
-                    load_weights(model, self.model_dir)
-            if self.loss_chunk_tokens:
-                try:
-                    install_chunked_loss(model, self.loss_chunk_tokens)
-                except ValueError as exc:
-                    raise RecipeError(str(exc)) from None
-            if self.adapter is not None:
-                model = add_adapters(model, self.adapter, self.arch.family, seed=t.seed)
-            self.model = model
-            # DeepSpeed calls this with its basic optimizer, steps the scheduler after every applied optimizer
-            # step and keeps it as engine.lr_scheduler (saved in its checkpoints).
-            scheduler = functools.partial(build_scheduler, training=t)
-            if layer is None:
-                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model),
-                                                       config=ds.config, lr_scheduler=scheduler)
-                return engine
-            from memstrata.runtime.swap.integration import initialize
-
-            handed = True  # from here on, initialize closes the layer if it fails
-            engine, _, _, _ = initialize(model=model, model_parameters=trainable(model), config=ds.config,
-                                         lr_scheduler=scheduler, layer=layer)
-            return engine
-        except BaseException:
-            if layer is not None and not handed:
-                layer.close()
-            raise
-
-    def _loss_chunk_tokens(self) -> int:
-        """spec.training.lossChunkTokens, unless the model's own loss is more than the LM head's cross-entropy:
-        then the default quietly computes the logits whole (with a warning), and a value the job set is refused."""
-        t = self.spec.training
-        if not t.loss_chunk_tokens or self.hf_config is None:
-            return t.loss_chunk_tokens
-        from memstrata.runtime.train.loss import chunked_loss_refusal
-
-        why = chunked_loss_refusal(self.hf_config)
-        if why is None:
-            return t.loss_chunk_tokens
-        if "loss_chunk_tokens" in t.model_fields_set:
-            raise RecipeError(f"spec.training.lossChunkTokens: {why}: set lossChunkTokens: 0")
-        logging.getLogger(__name__).warning("memstrata: %s: the loss is computed over whole logits "
-                                            "(lossChunkTokens 0)", why)
-        return 0
+    def _built(self, model: Any) -> None:
+        self.model = model  # the transformers model inside the engine, kept for cleanup even if initialize fails
 
     def _device(self) -> "torch.device":
         import torch
@@ -471,18 +296,22 @@ class FineTuneRecipe:
                 record.validation_loss = self.evaluate()
                 if record.validation_loss is not None:
                     result.validation_losses[step] = record.validation_loss
-            if self.checkpointer is not None and self.checkpointer.due(step):
-                try:
-                    record.checkpoint = self.checkpointer.save(
-                        self.engine, step=step, micro_batches=step * t.gradient_accumulation * world,
-                        loss=value, validation_loss=record.validation_loss)
-                except CheckpointWriteError as exc:
-                    # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
-                    # the partial write is gone, the previous checkpoint stays the latest, training goes on.
-                    record.checkpoint_error = f"{type(exc).__name__}: {exc}"
+            self._checkpoint(record, micro_batches=step * t.gradient_accumulation * world)
             result.steps.append(record)
             on_step(record)
         return result
+
+    def _checkpoint(self, record: StepResult, micro_batches: int) -> None:
+        """Save a checkpoint after `record`'s step when one is due."""
+        if self.checkpointer is None or not self.checkpointer.due(record.step):
+            return
+        try:
+            record.checkpoint = self.checkpointer.save(self.engine, step=record.step, micro_batches=micro_batches,
+                                                       loss=record.loss, validation_loss=record.validation_loss)
+        except CheckpointWriteError as exc:
+            # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
+            # the partial write is gone, the previous checkpoint stays the latest, training goes on.
+            record.checkpoint_error = f"{type(exc).__name__}: {exc}"
 
     # --- save ----------------------------------------------------------------------------------------
     def save(self, step: int, validation_loss: float | None) -> OutputStatus | None:
