@@ -176,7 +176,8 @@ def configmap(job: JobView, config: RuntimeConfig) -> dict[str, Any]:
 
 
 def service_account(job: JobView) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_meta(job, names.runtime_account_name(job.name, job.uid))}
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": child_meta(job, names.runtime_account_name(job.name, job.uid))}
 
 
 def role(job: JobView) -> dict[str, Any]:
@@ -235,23 +236,13 @@ def _gang_env(job: JobView, node_rank: int, nodes: int) -> list[dict[str, Any]]:
             {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
 
 
-def pod(job: JobView, node: str, plan: Plan, attempt: int,
-        security: PodSecurity = PodSecurity(), node_rank: int = 0) -> dict[str, Any]:
-    """The pod of node rank `node_rank` (of spec.resources.nodes) for this attempt, pinned to `node`."""
+def _container(job: JobView, plan: Plan, security: PodSecurity, node_rank: int) -> dict[str, Any]:
+    """The training container of node rank `node_rank`'s pod."""
     spec = job.spec
     assert spec is not None
     nodes = spec.resources.nodes
     amounts = {r: f"{n // MiB}Mi" if r == RESOURCE_MEMORY else str(n)
                for r, n in sorted(container_requests(spec, plan).items())}
-    labels = {**names.user_labels(dict(job.labels)), names.LABEL_ATTEMPT: str(attempt)}
-    if nodes > 1:
-        labels[names.LABEL_NODE_RANK] = str(node_rank)
-    node_terms = [
-        {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]},
-        {"key": LABEL_MANAGED, "operator": "In", "values": ["true"]},
-    ]
-    if plan.cxl_nodes:
-        node_terms.append({"key": LABEL_CXL, "operator": "In", "values": ["true"]})
     container: dict[str, Any] = {
         "name": names.CONTAINER,
         "image": spec.image,
@@ -275,6 +266,25 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
     }
     if spec.command:
         container["command"] = list(spec.command)
+    return container
+
+
+def pod(job: JobView, node: str, plan: Plan, attempt: int,
+        security: PodSecurity = PodSecurity(), node_rank: int = 0) -> dict[str, Any]:
+    """The pod of node rank `node_rank` (of spec.resources.nodes) for this attempt, pinned to `node`."""
+    spec = job.spec
+    assert spec is not None
+    nodes = spec.resources.nodes
+    labels = {**names.user_labels(dict(job.labels)), names.LABEL_ATTEMPT: str(attempt)}
+    if nodes > 1:
+        labels[names.LABEL_NODE_RANK] = str(node_rank)
+    node_terms = [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]},
+        {"key": LABEL_MANAGED, "operator": "In", "values": ["true"]},
+    ]
+    if plan.cxl_nodes:
+        node_terms.append({"key": LABEL_CXL, "operator": "In", "values": ["true"]})
+    container = _container(job, plan, security, node_rank)
     # A stable DNS name through the job's headless Service, the same in every attempt (MASTER_ADDR).
     dns = ({"hostname": names.pod_hostname(job.name, node_rank), "subdomain": names.service_name(job.name, job.uid)}
            if nodes > 1 else {})
@@ -295,7 +305,8 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
             "tolerations": [{"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [container],
             "volumes": [*user_volumes(spec), {"name": names.CONFIG_VOLUME, "configMap": {
-                "name": names.configmap_name(job.name, job.uid), "items": [{"key": CONFIGMAP_KEY, "path": CONFIGMAP_KEY}]}}],
+                "name": names.configmap_name(job.name, job.uid),
+                "items": [{"key": CONFIGMAP_KEY, "path": CONFIGMAP_KEY}]}}],
         },
     }
 
