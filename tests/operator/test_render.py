@@ -8,10 +8,10 @@ from pathlib import Path
 
 from ftj_factories import REPO, inventory, job_dict, node_dict
 
-from memstrata.api.inventory import NodeInventory, NumaNode, NvmeNamespace, RESOURCE_CXL_GIB, RESOURCE_NVME
+from memstrata.api.inventory import NodeInventory, NumaNode, NvmeNamespace
 from memstrata.api.runtimeconfig import CONFIGMAP_KEY, RuntimeConfig
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan
-from memstrata.nodeagent.devices import DEVICES, grant
+from memstrata.nodeagent.devices import resources
 from memstrata.operator import names
 from memstrata.operator.nodes import node_view, pod_requests
 from memstrata.operator.observe import job_view
@@ -278,9 +278,9 @@ def test_every_env_var_the_pod_the_device_plugin_or_the_chart_sets_is_read():
     _, pod = objects()
     set_by = {f"pod {pod['metadata']['name']}": {e["name"] for c in pod["spec"]["containers"] for e in c["env"]}}
     inv = inventory("n", dram_gib=64, cxl_gib=4)
-    for resource in (RESOURCE_NVME, RESOURCE_CXL_GIB):
-        devices = DEVICES[resource](inv)
-        set_by[f"device plugin {resource}"] = set(grant(resource, [devices[0].id], devices).envs)
+    for resource in resources():
+        devices = resource.devices(inv)
+        set_by[f"device plugin {resource.name}"] = set(resource.grant([devices[0]]).envs)
     set_by["chart"] = _set_in_chart()
     read = names_read_from_the_environment()
     # The scanner itself finds the readers it must (so an empty result cannot pass for "all read").

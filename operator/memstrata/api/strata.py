@@ -6,7 +6,7 @@ categories of model state it may hold and in what order the planner fills it, th
 requests for it, the inventory field that lists it, and the runtime façade that drives it. The planner, the
 node inventory's rendering, the node agent's device plugins, the operator's memory request and the swap layer
 all read `registry()`; adding a stratum is adding a descriptor here (and, where it needs one, a device-plugin
-resource object in memstrata.nodeagent.resources and a capacity rule in memstrata.plan.capacity).
+resource object in memstrata.nodeagent.devices and a capacity rule in memstrata.plan.capacity).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from memstrata.api.inventory import NodeInventory
 
 __all__ = ["REGISTRY", "RESOURCE_CXL_GIB", "RESOURCE_GPU", "RESOURCE_NVME", "RESOURCE_PREFIX", "Bandwidth",
-           "Stratum", "default_bandwidth", "names", "preferred_strata", "registry", "stratum", "titles", "with_resource"]
+           "Stratum", "default_bandwidth", "names", "preferred_strata", "registry", "stratum", "titles",
+           "with_resource"]
 
 # The API group of memstrata's extended resources (its labels and annotations too: memstrata.api.inventory).
 RESOURCE_PREFIX = "memstrata.dev"
