@@ -4,8 +4,9 @@ Reads in lifecycle order: start (serve on our socket) → register (tell the
 kubelet on kubelet.sock) → ListAndWatch (the whole list first, again on
 every change published) → GetPreferredAllocation → Allocate → stop. What is
 offered, preferred and granted is decided by the server's resource object
-(`memstrata.nodeagent.devices.Resource`); this module is only the wire. Restarts (kubelet restart, SIGHUP) are the caller's event
-loop: it stops a server and starts a new one.
+(`memstrata.nodeagent.devices.Resource`); this module is only the wire.
+Restarts (kubelet restart, SIGHUP) are the caller's event loop: it stops a
+server and starts a new one.
 """
 from __future__ import annotations
 
