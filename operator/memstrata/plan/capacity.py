@@ -41,21 +41,31 @@ class Ledger:
 
 
 Rule = Callable[[JobShape, NodeInventory, MemoryPolicy, Ledger], None]
+# The strata whose capacity follows the job and its policy, by name; each rule says which stratum it is for.
+RULES: dict[str, Rule] = {}
+
+
+def rule(name: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        RULES[name] = fn
+        return fn
+    return register
 
 
 def capacities(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Ledger:
     """The ledger with every registered stratum's capacity (free = capacity) on `node` for `job`."""
     ledger = Ledger(free={s.name: 0 for s in strata.registry()})
     for s in strata.registry():
-        rule = RULES.get(s.name)
-        if rule is not None:
-            rule(job, node, policy, ledger)
+        fill = RULES.get(s.name)
+        if fill is not None:
+            fill(job, node, policy, ledger)
         else:
             ledger.free[s.name] = s.node_bytes(node)
     ledger.capacity = dict(ledger.free)
     return ledger
 
 
+@rule("hbm")
 def _hbm(job: JobShape, node: NodeInventory, policy: MemoryPolicy, ledger: Ledger) -> None:
     if not job.gpus:
         return
@@ -66,11 +76,13 @@ def _hbm(job: JobShape, node: NodeInventory, policy: MemoryPolicy, ledger: Ledge
     ledger.detail["hbm"] = f"{job.gpus} x {format_bytes(ledger.hbm_per_gpu)}"
 
 
+@rule("dram")
 def _dram(job: JobShape, node: NodeInventory, policy: MemoryPolicy, ledger: Ledger) -> None:
     ledger.free["dram"] = int(node.dram_bytes * (1 - policy.dram_reserve_fraction))
     ledger.detail["dram"] = f"{format_bytes(node.dram_bytes)} less {policy.dram_reserve_fraction:.0%} reserve"
 
 
+@rule("cxl")
 def _cxl(job: JobShape, node: NodeInventory, policy: MemoryPolicy, ledger: Ledger) -> None:
     if policy.require_cxl and not node.cxl_nodes:
         ledger.short("cxl", "checkpoints", 0, "CXL: memory.requireCxl is set and the node has no CXL memory")
@@ -80,13 +92,11 @@ def _cxl(job: JobShape, node: NodeInventory, policy: MemoryPolicy, ledger: Ledge
         ledger.detail["cxl"] = f"interleaved over NUMA nodes {','.join(map(str, ledger.cxl_nodes))}"
 
 
+@rule("nvme")
 def _nvme(job: JobShape, node: NodeInventory, policy: MemoryPolicy, ledger: Ledger) -> None:
     if policy.nvme_namespaces:
         ledger.namespaces, ledger.free["nvme"], ledger.detail["nvme"] = _namespaces(
             job, node, policy.nvme_namespaces, ledger)
-
-
-RULES: dict[str, Rule] = {"hbm": _hbm, "dram": _dram, "cxl": _cxl, "nvme": _nvme}
 
 
 def namespaces_wanted(requested: int, ranks: int) -> int:
