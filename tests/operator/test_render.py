@@ -209,7 +209,7 @@ def test_a_tighter_dram_budget_lowers_the_pods_memory_limit():
     limits = {}
     # A model whose offloadable state outweighs its CPU working set: the tiny example's state (8 MB) is smaller
     # than its activations now that the plan counts them, so no budget moves its limit by a whole MiB.
-    for budget in ("64Mi", "2Gi"):
+    for budget in ("1Gi", "4Gi"):
         job = job_dict(spec_file=spec_file)
         job["spec"]["model"] = {"preset": "gpt-125m"}
         job["spec"]["memory"]["dramBudget"] = budget
@@ -218,7 +218,7 @@ def test_a_tighter_dram_budget_lowers_the_pods_memory_limit():
         _, (pod,) = gang_objects(job_view(job), ("n",), placed.plan, 0)
         limits[budget] = int(pod["spec"]["containers"][0]["resources"]["limits"]["memory"].removesuffix("Mi"))
         assert limits[budget] * MiB >= placed.plan.bytes_on("dram") + 2 * GiB
-    assert limits["64Mi"] + 256 < limits["2Gi"]
+    assert limits["1Gi"] + 512 < limits["4Gi"]
 
 
 # --- every environment variable set for a container is read by some module -------------------------------------
