@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-__all__ = ["STRATA", "STRATUM_NAMES", "Allocation", "CategoryPlan", "Plan", "Shortfall", "StratumUse"]
-
-STRATA = ("hbm", "dram", "cxl", "nvme")
-STRATUM_NAMES = {"hbm": "HBM", "dram": "DRAM", "cxl": "CXL", "nvme": "NVMe"}
+__all__ = ["Allocation", "CategoryPlan", "Plan", "Shortfall", "StratumUse"]
 
 
 class Allocation(BaseModel):
