@@ -43,7 +43,7 @@ CASES = {
                              "spec.volumeMounts[0]: mountPath /etc/memstrata/x: must not be at or under /etc/memstrata"),
     "volume-twice": (GOOD + "  volumes: [{name: data, emptyDir: {}}, {name: data, hostPath: {path: /d}}]\n",
                      "spec: volumes[1].name: 'data' is given twice"),
-    "unknown-preset": (GOOD.replace("gpt-tiny", "gpt-5"), "spec.model.preset: Input should be 'gpt-tiny'"),
+    "unknown-preset": (GOOD.replace("gpt-tiny", "gpt-5"), "spec.model.preset: unknown preset 'gpt-5' (known: gpt-tiny,"),
     "too-long-for-preset": (GOOD.replace("sequenceLength: 64", "sequenceLength: 4096"),
                             "exceeds the model's 512 positions"),
     "wrong-kind": (GOOD.replace("kind: FineTuneJob", "kind: PyTorchJob"), "kind: expected FineTuneJob, got 'PyTorchJob'"),

@@ -1,5 +1,5 @@
 """Real fine-tuning of Hugging Face models: a pretrained SmolLM2 (Llama family) and small random Qwen2 (sharded,
-Q/K/V bias), GPT-2 and Mistral checkpoints saved by `transformers` go in; memstrata's forward loss equals
+Q/K/V bias), GPT-2, Mistral and Gemma checkpoints saved by `transformers` go in; memstrata's forward loss equals
 `transformers`' own; a few steps lower the validation loss on both engines; the saved output reloads in
 `transformers` and gives the trained engine's logits."""
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_smollm2_fine_tunes_on_stock_deepspeed_and_reloads(tmp_path: Path, smoll
 
 def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
     """A small random checkpoint of `family`, saved by transformers itself, with SmolLM2's tokenizer."""
-    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
     config = {
@@ -143,6 +143,9 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
         "gpt2": GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **{**common, "tie_word_embeddings": True}),
         "mistral": MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=1, sliding_window=32, **common),
+        # Gemma ties its head by default (its config.json then leaves tie_word_embeddings out).
+        "gemma": GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=16, **{**common, "tie_word_embeddings": True}),
     }[family]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -155,7 +158,7 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral", "gemma"])
 def test_families_load_train_and_reload(tmp_path: Path, smollm2_dir: Path, family: str) -> None:
     model = _small(tmp_path, family, smollm2_dir)
     if family == "qwen2":

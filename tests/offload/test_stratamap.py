@@ -163,3 +163,22 @@ def test_each_rank_takes_the_plans_own_share_whatever_the_environment_says(tmp_p
         assert settings.resident_state_bytes == _on(plan, "dram", "master", "optimizer") // 2
     with pytest.raises(ValueError, match=r"MEMSTRATA_NVME_DEVICES: 1 namespaces cannot serve the node's 2 ranks"):
         swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env={"MEMSTRATA_NVME_DEVICES": "/dev/nvme1n1"})
+
+
+def test_weights_on_any_addressable_stratum_stay_resident(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stratum that loads and stores reach (the registry says so) keeps its weights resident; one reached by
+    block I/O, like NVMe, does not: a stratum added to the registry is counted with no change here."""
+    from dataclasses import replace
+
+    from memstrata.api import strata as registry
+    from memstrata.runtime.swap.stratamap import resident_weight_bytes
+
+    pmem = replace(registry.stratum("cxl"), name="pmem", title="PMem", resource=None, served=False)
+    monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY, pmem))
+    weights = CategoryPlan(category="weights", description="weights", bytes=7 * GiB, placement=[
+        Allocation(stratum="dram", bytes=1 * GiB), Allocation(stratum="pmem", bytes=2 * GiB),
+        Allocation(stratum="nvme", bytes=4 * GiB)])
+    plan = Plan(parameters=1, engine="memstrata", feasible=True, categories=[weights], strata=[])
+    assert resident_weight_bytes(plan) == 3 * GiB
+    monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY[:-1], replace(pmem, addressable=False)))
+    assert resident_weight_bytes(plan) == 1 * GiB

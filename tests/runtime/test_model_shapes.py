@@ -21,6 +21,9 @@ SHAPES = {
     # Qwen2-style Q/K/V biases, tied head, no GQA.
     "qwen2-qkv-bias-tied": ModelArchitecture(family="llama", layers=2, hidden=64, intermediate=160, heads=4,
                                              kv_heads=4, vocab=300, tied=True, qkv_bias=True),
+    # Gemma: Llama's layout, multi-query attention, a tied head.
+    "gemma-mqa": ModelArchitecture(family="gemma", layers=2, hidden=64, intermediate=192, heads=4, kv_heads=1,
+                                   vocab=300, tied=True),
 }
 
 
@@ -48,7 +51,8 @@ def test_preset_config_reads_back_as_the_same_shape(name: str) -> None:
 def test_family_decides_the_transformers_class() -> None:
     kinds = {name: type(random_model(arch, 64, seed=0)).__name__ for name, arch in SHAPES.items()}
     assert kinds == {"gpt-tiny": "GPT2LMHeadModel", "gpt-untied": "GPT2LMHeadModel",
-                     "llama-gqa": "LlamaForCausalLM", "qwen2-qkv-bias-tied": "Qwen2ForCausalLM"}
+                     "llama-gqa": "LlamaForCausalLM", "qwen2-qkv-bias-tied": "Qwen2ForCausalLM",
+                     "gemma-mqa": "GemmaForCausalLM"}
 
 
 def test_gpt_125m_matches_planner_exactly() -> None:

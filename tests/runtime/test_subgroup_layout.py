@@ -1,6 +1,6 @@
 """The planner's picture of a model's tensors and sub-groups is the real model's: the ordered tensor list the
-planner cuts into sub-groups (memstrata.plan.stock.tensor_sizes) equals `model.parameters()` of the
-`transformers` model memstrata builds, for every preset family, so the buffers it plans are the ones a run
+planner cuts into sub-groups (ModelArchitecture.tensor_sizes, from its family) equals `model.parameters()` of
+the `transformers` model memstrata builds, for every preset family, so the buffers it plans are the ones a run
 needs."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 from memstrata.api.architecture import PRESETS
 from memstrata.plan.accounting import JobShape, group_tensors, memstrata_subgroup_elements, subgroup_sizes
-from memstrata.plan.stock import tensor_sizes
 
 
 def _real_sizes(name: str) -> list[int]:
@@ -22,9 +21,9 @@ def _real_sizes(name: str) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-125m", "llama3-8b", "qwen2.5-14b", "mistral-7b"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-125m", "llama3-8b", "qwen2.5-14b", "mistral-7b", "gemma-2b"])
 def test_the_planned_tensor_list_is_the_models(name: str) -> None:
-    assert tensor_sizes(PRESETS[name]) == _real_sizes(name)
+    assert PRESETS[name].tensor_sizes() == _real_sizes(name)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
@@ -32,7 +31,7 @@ def test_sub_groups_hold_every_element_once_and_big_tensors_alone(world: int) ->
     arch = PRESETS["gpt-125m"]
     job = JobShape(model=arch, sequence_length=128, micro_batch=1, gpus=0, engine="memstrata",
                    ranks_per_node=world)
-    parts = [-(-n // world) for n in tensor_sizes(arch)]
+    parts = [-(-n // world) for n in arch.tensor_sizes()]
     unit = memstrata_subgroup_elements(arch)
     groups = group_tensors(parts, unit)
     assert sorted(i for g in groups for i in g) == list(range(len(parts)))

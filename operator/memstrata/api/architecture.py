@@ -5,21 +5,33 @@ whose model directory sits on a volume it cannot read.
 """
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, WithJsonSchema, model_validator
 
 from memstrata.api.base import ApiModel
+from memstrata.api.families import FAMILIES, ModelFamily, family
 
-Family = Literal["gpt", "llama"]
+
+def _one_of(known: Mapping[str, Any], what: str) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if value not in known:
+            raise ValueError(f"unknown {what} {value!r} (known: {', '.join(known)})")
+        return value
+    return check
+
+
+# A family's name: one of the registry's (memstrata.api.families), which the CRD's enum lists.
+Family = Annotated[str, AfterValidator(_one_of(FAMILIES, "family")),
+                   WithJsonSchema({"enum": list(FAMILIES), "type": "string"})]
 
 
 class ModelArchitecture(ApiModel):
-    """The shape of a decoder-only transformer.
-
-    `gpt`: GPT-2 style — learned positions, LayerNorm with bias, biased
-    projections, a 2-matrix GELU MLP. `llama`: RMSNorm, rotary positions,
-    a 3-matrix SwiGLU MLP, no biases (except Q/K/V when `qkvBias`, as in Qwen2).
+    """The shape of a decoder-only transformer of a family, which counts its parts: `gpt` (GPT-2 style — learned
+    positions, LayerNorm with bias, biased projections, a 2-matrix GELU MLP), `llama` (RMSNorm, rotary positions,
+    a 3-matrix SwiGLU MLP, no biases except Q/K/V when `qkvBias`, as in Qwen2) or another of
+    memstrata.api.families.
     """
 
     family: Family = "llama"
@@ -49,26 +61,23 @@ class ModelArchitecture(ApiModel):
     def kv_dim(self) -> int:
         return self.head_dim * self.kv_heads
 
+    @property
+    def spec(self) -> ModelFamily:
+        """What the family says of models of this shape."""
+        return family(self.family)
+
     def embedding_params(self) -> int:
-        pos = self.max_positions * self.hidden if self.family == "gpt" else 0
-        return self.vocab * self.hidden + pos
+        return self.spec.embedding_params(self)
 
     def attention_params(self) -> int:
-        h, kv = self.hidden, self.kv_dim
-        weights = h * h + 2 * h * kv + h * h  # q, k, v, o
-        if self.family == "gpt":
-            return weights + h + 2 * kv + h
-        return weights + ((h + 2 * kv) if self.qkv_bias else 0)
+        return self.spec.attention_params(self)
 
     def mlp_params(self) -> int:
-        h, i = self.hidden, self.intermediate
-        if self.family == "gpt":
-            return 2 * h * i + i + h
-        return 3 * h * i
+        return self.spec.mlp_params(self)
 
     def norm_params(self) -> int:
         """One norm's parameters (LayerNorm has a bias, RMSNorm does not)."""
-        return 2 * self.hidden if self.family == "gpt" else self.hidden
+        return self.spec.norm_params(self)
 
     def layer_params(self) -> int:
         return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
@@ -85,32 +94,23 @@ class ModelArchitecture(ApiModel):
             + self.head_params()
         )
 
+    def tensor_sizes(self) -> list[int]:
+        """Elements of every parameter tensor of the `transformers` model of this shape, in `model.parameters()`
+        order (shared tensors once): the planner's layout, which the memstrata engine's sub-groups follow."""
+        return self.spec.tensor_sizes(self)
+
     def largest_tensor(self) -> int:
         """Elements of the largest single parameter (the embedding or LM head here)."""
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)
 
 
-def _gpt(layers: int, hidden: int, heads: int, vocab: int = 50304, positions: int = 2048) -> ModelArchitecture:
-    return ModelArchitecture(
-        family="gpt", layers=layers, hidden=hidden, intermediate=4 * hidden, heads=heads,
-        kv_heads=heads, vocab=vocab, tied=True, max_positions=positions,
-    )
+def _presets() -> dict[str, ModelArchitecture]:
+    return {name: ModelArchitecture(family=f.name, **fields) for f in FAMILIES.values()
+            for name, fields in f.presets.items()}
 
 
-PRESETS: dict[str, ModelArchitecture] = {
-    # Small enough to fine-tune on a 2-core CPU with NVMe offload in minutes.
-    "gpt-tiny": _gpt(layers=2, hidden=128, heads=4, vocab=512, positions=512),
-    "gpt-125m": _gpt(layers=12, hidden=768, heads=12),
-    "gpt-350m": _gpt(layers=24, hidden=1024, heads=16),
-    # Shapes only: for planning real jobs (random weights build too: the long-context benchmark on a GPU).
-    "llama3.2-1b": ModelArchitecture(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256,
-                                     tied=True),
-    "llama3-8b": ModelArchitecture(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256),
-    "llama3-70b": ModelArchitecture(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=128256),
-    "qwen2.5-14b": ModelArchitecture(
-        layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8, vocab=152064, qkv_bias=True
-    ),
-    "mistral-7b": ModelArchitecture(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000),
-}
-
-PresetName = Literal["gpt-tiny", "gpt-125m", "gpt-350m", "llama3.2-1b", "llama3-8b", "llama3-70b", "qwen2.5-14b", "mistral-7b"]
+# Every family's presets, in the registry's order.
+PRESETS: dict[str, ModelArchitecture] = _presets()
+# A preset's name: one of PRESETS, which the CRD's enum lists.
+PresetName = Annotated[str, AfterValidator(_one_of(PRESETS, "preset")),
+                       WithJsonSchema({"enum": list(PRESETS), "type": "string"})]

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonDict
 
 from memstrata.api.architecture import PRESETS
+from memstrata.api.families import FAMILIES
 from memstrata.api.finetunejob import (
     GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, FineTuneJobSpec, FineTuneJobStatus, cel,
 )
@@ -58,17 +59,17 @@ def spec_rules() -> list[JsonDict]:
         cel("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
             "self.volumes.exists(v, v.name == m.name))",
             "every volumeMounts[].name must be one of spec.volumes[].name", ".volumeMounts"),
-        cel("!has(self.model.architecture) || self.model.architecture.family != 'gpt' || "
-            "self.training.sequenceLength <= self.model.architecture.maxPositions",
-            "training.sequenceLength must not exceed model.architecture.maxPositions for a gpt model",
-            ".training.sequenceLength"),
+        *[cel(f"!has(self.model.architecture) || self.model.architecture.family != '{f.name}' || "
+              "self.training.sequenceLength <= self.model.architecture.maxPositions",
+              f"training.sequenceLength must not exceed model.architecture.maxPositions for a {f.name} model",
+              ".training.sequenceLength") for f in FAMILIES.values() if f.learned_positions],
         cel("!has(self.checkpoint) || !has(self.output) || !(self.checkpoint.path == self.output.path || "
             "self.checkpoint.path.startsWith(self.output.path + '/'))",
             "checkpoint.path must not be output.path or inside it: the model directory is created whole at the end",
             ".checkpoint.path"),
     ]
     for name, arch in PRESETS.items():
-        if arch.family == "gpt":
+        if arch.spec.learned_positions:
             rules.append(cel(
                 f"!has(self.model.preset) || self.model.preset != '{name}' || "
                 f"self.training.sequenceLength <= {arch.max_positions}",

@@ -419,7 +419,8 @@ class FineTuneJobSpec(ApiModel):
         adapter = self.training.adapter()
         if shape is not None and adapter is not None:
             check_targets(adapter, shape)  # a model directory's own modules are checked again by the runtime
-        if shape is not None and shape.family == "gpt" and self.training.sequence_length > shape.max_positions:
+        if shape is not None and shape.spec.learned_positions \
+                and self.training.sequence_length > shape.max_positions:
             raise ValueError(
                 f"training.sequenceLength ({self.training.sequence_length}) exceeds the model's "
                 f"{shape.max_positions} positions"

@@ -4,22 +4,20 @@ declared architecture matches the directory's.
 Pure: a dict in, a shape or a `ModelConfigError` out. The operator's inspection pod, `memstrata run` and the
 runtime all read a model directory's shape through here, so they can never disagree about it. Field names
 follow `transformers`' `PretrainedConfig` attribute map: most causal LMs use the Llama names
-(`num_hidden_layers`, `hidden_size`, ...), GPT-2 its own (`n_layer`, `n_embd`, ...).
+(`num_hidden_layers`, `hidden_size`, ...), GPT-2 its own (`n_layer`, `n_embd`, ...). The `model_type` picks the
+family (memstrata.api.families), which says what the config leaves unsaid.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from memstrata.api.architecture import ModelArchitecture
+from memstrata.api.families import family_of_model_type
 
-__all__ = ["ModelConfigError", "architecture_from_config", "config_mismatches", "GPT_MODEL_TYPES"]
+__all__ = ["ModelConfigError", "architecture_from_config", "config_mismatches"]
 
-# Model types whose blocks are GPT-2's (learned positions, LayerNorm with bias, biased projections, GELU MLP).
-GPT_MODEL_TYPES = frozenset({"gpt2"})
 # The model classes `transformers` names causal LMs with (`architectures` in config.json, when it is there).
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-# Model types with a bias on Q/K/V only, whatever their config says about `attention_bias`.
-QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 
 _NAMES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers"),
@@ -62,26 +60,25 @@ def architecture_from_config(config: dict[str, Any], source: str = "config.json"
             and not any(c.endswith(CAUSAL_LM_SUFFIXES) for c in classes):
         raise ModelConfigError(f"{source}: architectures {classes}: not a causal language model (memstrata "
                                f"fine-tunes a *{' or *'.join(CAUSAL_LM_SUFFIXES)} model)")
-    gpt = model_type in GPT_MODEL_TYPES
+    fam = family_of_model_type(model_type)
     hidden = _int(config, source, "hidden")
     heads = _int(config, source, "heads")
     assert hidden is not None and heads is not None
-    intermediate = _int(config, source, "intermediate", required=not gpt) or 4 * hidden
+    ratio = fam.default_intermediate_ratio
+    intermediate = _int(config, source, "intermediate", required=ratio is None) or (ratio or 0) * hidden
     kv_heads = _int(config, source, "kv_heads", required=False) or heads
     positions = _int(config, source, "max_positions", required=False) or 2048
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim != hidden // heads:
         raise ModelConfigError(f"{source}: head_dim {head_dim} is not hidden_size / num_attention_heads "
                                f"({hidden} / {heads}); memstrata plans only models where it is")
-    qkv_bias = model_type in QKV_BIAS_MODEL_TYPES or bool(config.get("attention_bias", False))
     try:
         return ModelArchitecture(
-            family="gpt" if gpt else "llama",
+            family=fam.name,
             layers=_int(config, source, "layers"), hidden=hidden, intermediate=intermediate, heads=heads,
             kv_heads=kv_heads, vocab=_int(config, source, "vocab"),
-            # GPT-2 ties by default and says so only when it does not.
-            tied=bool(config.get("tie_word_embeddings", gpt)),
-            qkv_bias=qkv_bias and not gpt, max_positions=positions,
+            tied=bool(config.get("tie_word_embeddings", fam.tied_by_default)),
+            qkv_bias=fam.qkv_bias(model_type, config), max_positions=positions,
         )
     except ValueError as exc:
         raise ModelConfigError(f"{source}: {exc}") from None
@@ -90,7 +87,7 @@ def architecture_from_config(config: dict[str, Any], source: str = "config.json"
 def config_mismatches(declared: ModelArchitecture, found: ModelArchitecture) -> list[str]:
     """Each field where a job's declared architecture differs from the directory's, with both values."""
     fields = ["family", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "tied", "qkv_bias"]
-    if found.family == "gpt":
+    if found.spec.learned_positions:
         fields.append("max_positions")
     out = []
     for name in fields:

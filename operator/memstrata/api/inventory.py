@@ -11,10 +11,17 @@ from typing import Any, Literal, Mapping
 
 from pydantic import Field, ValidationError
 
+from memstrata.api import strata
 from memstrata.api.base import ApiModel
+# The strata's resource names and bandwidth are their descriptors' (memstrata.api.strata), named here too.
+from memstrata.api.strata import RESOURCE_CXL_GIB as RESOURCE_CXL_GIB
+from memstrata.api.strata import RESOURCE_GPU as RESOURCE_GPU
+from memstrata.api.strata import RESOURCE_NVME as RESOURCE_NVME
+from memstrata.api.strata import RESOURCE_PREFIX
+from memstrata.api.strata import Bandwidth as Bandwidth
 from memstrata.api.units import GiB, Bytes
 
-PREFIX = "memstrata.dev"
+PREFIX = RESOURCE_PREFIX
 LABEL_MANAGED = f"{PREFIX}/managed"
 LABEL_CXL = f"{PREFIX}/cxl"
 LABEL_CXL_GIB = f"{PREFIX}/cxl-capacity-gib"
@@ -28,9 +35,6 @@ LABEL_LOOP_NAMESPACES = f"{PREFIX}/loop-namespaces"
 # Labels render_node sets only on some nodes: the node agent's patch removes them where it no longer does.
 OPTIONAL_LABELS = (LABEL_LOOP_NAMESPACES,)
 ANNOTATION_INVENTORY = f"{PREFIX}/inventory"
-RESOURCE_NVME = f"{PREFIX}/nvme-ns"
-RESOURCE_CXL_GIB = f"{PREFIX}/cxl-gib"
-RESOURCE_GPU = "nvidia.com/gpu"
 # The training container requests its plan's host memory too (operator.render.container_requests).
 RESOURCE_MEMORY = "memory"
 # Env the device plugin sets in a container (see the node agent).
@@ -39,25 +43,6 @@ ENV_NVME_DEVICES = "MEMSTRATA_NVME_DEVICES"
 # rank makes its own files there, so one such "namespace" serves every rank of the node.
 SCRATCH_CONTROLLER = "scratch-directory"
 ENV_CXL_NODES = "MEMSTRATA_CXL_NODES"
-
-
-class Bandwidth(ApiModel):
-    """Sustained bytes/s of one stratum. Defaults are public datasheet figures, one per line below."""
-
-    read: float = Field(gt=0)
-    write: float = Field(gt=0)
-
-
-DEFAULT_BANDWIDTH: dict[str, Bandwidth] = {
-    # HBM3 on an H100 SXM: ~3.3 TB/s; only the working set lives there.
-    "hbm": Bandwidth(read=3.0e12, write=3.0e12),
-    # One socket of DDR5, what a single rank's CPU optimizer sees.
-    "dram": Bandwidth(read=100e9, write=100e9),
-    # A CXL x8 expander: ~31.5 GB/s per direction before protocol overhead.
-    "cxl": Bandwidth(read=25e9, write=25e9),
-    # One PCIe Gen4 NVMe namespace: ~6.5 / 3.5 GB/s sequential.
-    "nvme": Bandwidth(read=6.5e9, write=3.5e9),
-}
 
 NumaKind = Literal["dram", "cxl", "memory-only"]
 
@@ -132,7 +117,7 @@ class NodeInventory(ApiModel):
     nvme_controllers: list[NvmeController] = []
     nvme_namespaces: list[NvmeNamespace] = []
     gpus: list[Gpu] = []
-    bandwidth: dict[str, Bandwidth] = Field(default_factory=lambda: dict(DEFAULT_BANDWIDTH))
+    bandwidth: dict[str, Bandwidth] = Field(default_factory=strata.default_bandwidth)
 
     @property
     def dram_bytes(self) -> int:
@@ -147,7 +132,7 @@ class NodeInventory(ApiModel):
         return [ns for ns in self.nvme_namespaces if ns.free]
 
     def bw(self, stratum: str) -> Bandwidth:
-        return self.bandwidth.get(stratum, DEFAULT_BANDWIDTH[stratum])
+        return self.bandwidth.get(stratum) or strata.stratum(stratum).bandwidth
 
 
 class NodeNotManagedError(ValueError):
@@ -157,8 +142,8 @@ class NodeNotManagedError(ValueError):
 def render_node(inventory: NodeInventory) -> dict[str, dict[str, str]]:
     """The labels, annotations and extended-resource capacity the node agent publishes."""
     free = inventory.free_namespaces
-    # Whole GiB per CXL node, as the device plugin offers them: 2 x 1.5 GiB is 2, not 3.
-    cxl_gib = sum(c.memory_bytes // GiB for c in inventory.cxl_nodes)
+    capacity = resource_capacity(inventory)
+    cxl_gib = int(capacity[RESOURCE_CXL_GIB])  # whole GiB per CXL node, as the device plugin offers them
     labels = {
         LABEL_MANAGED: "true",
         LABEL_CXL: "true" if inventory.cxl_nodes else "false",
@@ -171,10 +156,19 @@ def render_node(inventory: NodeInventory) -> dict[str, dict[str, str]]:
     if any(ns.kind == "loop" for ns in inventory.nvme_namespaces):
         labels[LABEL_LOOP_NAMESPACES] = "true"
     annotations = {ANNOTATION_INVENTORY: inventory.model_dump_json(by_alias=True, exclude_none=True)}
-    capacity = {RESOURCE_NVME: str(len(free)), RESOURCE_CXL_GIB: str(cxl_gib)}
-    if inventory.gpus:
-        capacity[RESOURCE_GPU] = str(len(inventory.gpus))
     return {"labels": labels, "annotations": annotations, "capacity": capacity}
+
+
+def resource_capacity(inventory: NodeInventory) -> dict[str, str]:
+    """The extended resources the node has, one per stratum that has a resource: those memstrata's node agent
+    serves always (0 included, so that a node that lost its namespaces says so), the others (the GPUs, which
+    NVIDIA's plugin serves) where the node has any."""
+    capacity: dict[str, str] = {}
+    for s in strata.registry():
+        count = s.units(inventory) if s.units is not None else 0
+        if s.resource is not None and (s.served or count):
+            capacity[s.resource] = str(count)
+    return capacity
 
 
 def read_node(node: Mapping[str, Any]) -> NodeInventory:

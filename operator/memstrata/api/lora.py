@@ -5,21 +5,20 @@ weight W frozen and learns W + (alpha / rank)·B·A, where A (rank x in) and B (
 tensors that train. So the optimizer state, the fp32 master weights and the gradients exist for the
 adapters alone; the frozen base weights are only read.
 
-Pure: the shapes here are what `transformers` builds for a family (memstrata.plan.stock.tensor_sizes is the
-same model's full tensor list), so the planner counts the adapters without the model directory, and a target
-module the family does not have is refused with the module names it does have.
+Pure: the shapes here are what `transformers` builds for a family (each family's `layer_linears`, in
+memstrata.api.families, beside its full tensor list), so the planner counts the adapters without the model
+directory, and a target module the family does not have is refused with the module names it does have.
 """
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
 from memstrata.api.architecture import Family, ModelArchitecture
 from memstrata.api.base import ApiModel
-
-# PEFT's own defaults for these model types (peft.utils.constants, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
-DEFAULT_TARGETS: Final[dict[Family, tuple[str, ...]]] = {"gpt": ("c_attn",), "llama": ("q_proj", "v_proj")}
+from memstrata.api.families import Linear
+from memstrata.api.families import family as family_of
 
 ModuleName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
@@ -54,17 +53,13 @@ class Lora(ApiModel):
 
     def targets(self, family: Family) -> list[str]:
         """The target modules, the family's default when none are named."""
-        return list(self.target_modules) if self.target_modules else list(DEFAULT_TARGETS[family])
+        return list(self.target_modules) if self.target_modules else list(family_of(family).lora_defaults)
 
 
-def layer_linears(arch: ModelArchitecture) -> list[tuple[str, int, int]]:
+def layer_linears(arch: ModelArchitecture) -> list[Linear]:
     """(name, in_features, out_features) of one transformer layer's linear modules, in `model.parameters()`
-    order. GPT-2 has two modules named c_proj (attention output and MLP output): a target name takes both."""
-    h, i, kv = arch.hidden, arch.intermediate, arch.kv_dim
-    if arch.family == "gpt":
-        return [("c_attn", h, 3 * h), ("c_proj", h, h), ("c_fc", h, i), ("c_proj", i, h)]
-    return [("q_proj", h, h), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", h, h),
-            ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+    order, as `arch`'s family declares them (GPT-2's two c_proj modules: a target name takes both)."""
+    return arch.spec.layer_linears(arch)
 
 
 def linear_names(arch: ModelArchitecture) -> list[str]:
@@ -82,8 +77,8 @@ def check_targets(lora: Lora, arch: ModelArchitecture) -> None:
     """ValueError naming training.lora.targetModules when a target is not a linear module of `arch`'s family."""
     unknown = unknown_targets(lora, arch)
     if unknown:
-        model = "GPT-2" if arch.family == "gpt" else "Llama-family"
-        raise ValueError(f"training.lora.targetModules: {', '.join(unknown)}: not a linear module of a {model} "
+        raise ValueError(f"training.lora.targetModules: {', '.join(unknown)}: not a linear module of a "
+                         f"{arch.spec.title} "
                          f"model's layers (those that take adapters: {', '.join(linear_names(arch))})")
 
 

@@ -15,16 +15,12 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, Field
 
-__all__ = ["STOCK_SWAP_FIX", "STRATA", "STRATUM_NAMES", "Allocation", "CategoryPlan", "Engine", "Plan", "Shortfall",
-           "StratumUse"]
+__all__ = ["STOCK_SWAP_FIX", "Allocation", "CategoryPlan", "Engine", "Plan", "Shortfall", "StratumUse"]
 
 Engine = Literal["memstrata", "deepspeed"]
 # What a job refused for stock DeepSpeed's swap target can do instead.
 STOCK_SWAP_FIX: Final = ("use memory.engine: memstrata, whose engine writes raw namespaces directly, or "
                          "memory.nvmeNamespaces: 0 (with DRAM enough for the plan) to offload to the CPU only")
-
-STRATA = ("hbm", "dram", "cxl", "nvme")
-STRATUM_NAMES = {"hbm": "HBM", "dram": "DRAM", "cxl": "CXL", "nvme": "NVMe"}
 
 
 class Allocation(BaseModel):

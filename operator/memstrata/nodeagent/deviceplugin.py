@@ -3,9 +3,10 @@
 Reads in lifecycle order: start (serve on our socket) → register (tell the
 kubelet on kubelet.sock) → ListAndWatch (the whole list first, again on
 every change published) → GetPreferredAllocation → Allocate → stop. What is
-offered, preferred and granted is decided by the pure functions in
-`memstrata.nodeagent.devices`; this module is only the wire. Restarts (kubelet restart, SIGHUP) are the caller's event
-loop: it stops a server and starts a new one.
+offered, preferred and granted is decided by the server's resource object
+(`memstrata.nodeagent.devices.Resource`); this module is only the wire.
+Restarts (kubelet restart, SIGHUP) are the caller's event loop: it stops a
+server and starts a new one.
 """
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from memstrata.api.inventory import RESOURCE_NVME
-from memstrata.nodeagent.devices import AllocationError, PluginDevice, grant, merge, preferred
+from memstrata.nodeagent.devices import AllocationError, PluginDevice, Resource, checked, merge
 from memstrata.nodeagent.proto import deviceplugin_pb2 as pb
 from memstrata.nodeagent.proto import deviceplugin_pb2_grpc as pb_grpc
 
@@ -46,17 +46,19 @@ Vet = Callable[[PluginDevice], str | None]
 
 
 class DevicePluginServer(pb_grpc.DevicePluginServicer):
-    """Serves one resource's devices. The constructor does no I/O; start() does.
+    """Serves one resource's devices (`manager` decides what is listed, granted and preferred). The
+    constructor does no I/O; start() does.
 
     `vet`, when given, is asked about every device of an Allocate: the list the kubelet acted on
     may be older than what happened since (a job killed a moment ago left its data on a namespace
     the last scan still saw in use), and a device it refuses is never handed to a container."""
 
-    def __init__(self, resource: str, plugin_dir: Path, vet: Vet | None = None) -> None:
-        self.resource = resource
+    def __init__(self, manager: Resource, plugin_dir: Path, vet: Vet | None = None) -> None:
+        self.manager = manager
+        self.resource = manager.name
         self.plugin_dir = Path(plugin_dir)
         self._vet = vet
-        self.endpoint = socket_name(resource)
+        self.endpoint = socket_name(self.resource)
         self._server: grpc.Server | None = None
         self._changed = threading.Condition()
         self._devices: list[PluginDevice] = []
@@ -121,9 +123,8 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
     # --- the DevicePlugin service ---------------------------------------------
 
     def _options(self) -> pb.DevicePluginOptions:
-        # Only namespaces have a preference: the kubelet must grant the ones the plan counted.
         return pb.DevicePluginOptions(pre_start_required=False,
-                                      get_preferred_allocation_available=self.resource == RESOURCE_NVME)
+                                      get_preferred_allocation_available=self.manager.has_preference)
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
         return self._options()
@@ -143,9 +144,8 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
                                context: grpc.ServicerContext) -> pb.PreferredAllocationResponse:
         devices = self.devices
         return pb.PreferredAllocationResponse(container_responses=[
-            pb.ContainerPreferredAllocationResponse(deviceIDs=preferred(
-                self.resource, list(c.available_deviceIDs), list(c.must_include_deviceIDs), c.allocation_size,
-                devices))
+            pb.ContainerPreferredAllocationResponse(deviceIDs=self.manager.preferred(
+                list(c.available_deviceIDs), list(c.must_include_deviceIDs), c.allocation_size, devices))
             for c in request.container_requests])
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
@@ -153,7 +153,7 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
         responses = []
         for container in request.container_requests:
             try:
-                given = grant(self.resource, list(container.devices_ids), devices)
+                given = self.manager.grant(checked(self.resource, list(container.devices_ids), devices))
                 self._check(list(container.devices_ids), devices)
             except AllocationError as exc:
                 log.warning("refusing Allocate: %s", exc)

@@ -1,6 +1,10 @@
 """What the device plugin offers, and what a container gets: pure functions of the inventory.
 
-Two resources (names from memstrata.api.inventory):
+One resource object per extended resource, as NVIDIA's device plugin has one ResourceManager per resource: its
+name, the devices it lists from the inventory (and their health), what it grants a container and which devices
+it prefers. The node agent serves one plugin per stratum that memstrata.api.strata marks `served`, each with
+the object `manager(stratum)` gives it; a stratum with no object of its own here is offered as counted units.
+Today's two (names from memstrata.api.strata):
 
 - `memstrata.dev/nvme-ns`: one device per free NVMe namespace, on its
   controller's NUMA node; Unhealthy while it holds a finished job's data,
@@ -21,11 +25,13 @@ a silent capacity drop.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
-from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, RESOURCE_CXL_GIB, RESOURCE_NVME, NodeInventory
+from memstrata.api import strata
+from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, NodeInventory
 from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
+from memstrata.api.strata import Stratum
 from memstrata.api.units import GiB
 
 HEALTHY = "Healthy"
@@ -75,14 +81,89 @@ def cxl_devices(inventory: NodeInventory) -> list[PluginDevice]:
             for c in inventory.cxl_nodes for i in range(c.memory_bytes // GiB)]
 
 
-DEVICES = {RESOURCE_NVME: nvme_devices, RESOURCE_CXL_GIB: cxl_devices}
+class Resource:
+    """One extended resource a plugin serves; the base offers a stratum's units as anonymous devices, grants
+    them with nothing to set in the container, and has no preference (the kubelet's choice stands)."""
+
+    has_preference = False  # whether the kubelet must ask GetPreferredAllocation
+
+    def __init__(self, stratum: Stratum) -> None:
+        if stratum.resource is None:
+            raise ValueError(f"stratum {stratum.name} has no extended resource to serve")
+        self.stratum = stratum
+        self.name: str = stratum.resource
+
+    def devices(self, inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[PluginDevice]:
+        """What the plugin lists now, each Healthy or not; `scrubbing`: namespaces holding a finished job's data."""
+        units = self.stratum.units(inventory) if self.stratum.units is not None else 0
+        return [PluginDevice(id=f"{self.stratum.name}-{i}", healthy=True, numa_node=None) for i in range(units)]
+
+    def grant(self, chosen: Sequence[PluginDevice]) -> ContainerGrant:
+        """What a container given `chosen` (known, healthy) gets."""
+        return ContainerGrant(envs={})
+
+    def preferred(self, available: list[str], must_include: list[str], size: int,
+                  devices: list[PluginDevice]) -> list[str]:
+        return list(must_include)
 
 
-def offered(resource: str, inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[PluginDevice]:
-    """What the plugin for `resource` lists; `scrubbing` as for nvme_devices."""
-    if resource == RESOURCE_NVME:
+class NvmeNamespaces(Resource):
+    """`memstrata.dev/nvme-ns`: raw namespaces; the /dev node and MEMSTRATA_NVME_DEVICES; the planner's pick."""
+
+    has_preference = True  # the kubelet must grant the namespaces the plan counted
+
+    def devices(self, inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[PluginDevice]:
         return nvme_devices(inventory, scrubbing)
-    return DEVICES[resource](inventory)
+
+    def grant(self, chosen: Sequence[PluginDevice]) -> ContainerGrant:
+        paths = tuple(d.dev_path for d in chosen)
+        return ContainerGrant(envs={ENV_NVME_DEVICES: ",".join(paths)}, device_paths=paths)
+
+    def preferred(self, available: list[str], must_include: list[str], size: int,
+                  devices: list[PluginDevice]) -> list[str]:
+        """Of the kubelet's `available` IDs, the `size` namespaces the planner would choose
+        (memstrata.api.namespacechoice), always keeping `must_include`."""
+        offered = set(available)
+        known = [NamespaceCandidate(id=d.id, name=d.name or d.id, size_bytes=d.size_bytes)
+                 for d in devices if d.id in offered and d.healthy]
+        return choose_namespaces(known, size, must_include)
+
+
+class CxlGib(Resource):
+    """`memstrata.dev/cxl-gib`: whole GiB of CXL NUMA nodes; MEMSTRATA_CXL_NODES, the nodes its units lie on."""
+
+    def devices(self, inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[PluginDevice]:
+        return cxl_devices(inventory)
+
+    def grant(self, chosen: Sequence[PluginDevice]) -> ContainerGrant:
+        nodes = sorted({d.cxl_node for d in chosen if d.cxl_node is not None})
+        return ContainerGrant(envs={ENV_CXL_NODES: ",".join(map(str, nodes))})
+
+
+# The strata whose devices are more than counted units, by stratum name.
+KINDS: dict[str, type[Resource]] = {"nvme": NvmeNamespaces, "cxl": CxlGib}
+
+
+def manager(stratum: Stratum) -> Resource:
+    return KINDS.get(stratum.name, Resource)(stratum)
+
+
+def resources() -> list[Resource]:
+    """One object per resource the node agent serves, in the registry's order."""
+    return [manager(s) for s in strata.registry() if s.served and s.resource is not None]
+
+
+def resource(name: str) -> Resource:
+    """The object serving extended resource `name`; AllocationError for one no plugin serves."""
+    try:
+        return manager(strata.with_resource(name))
+    except (KeyError, ValueError):
+        raise AllocationError(f"unknown resource {name}") from None
+
+
+def offered(name: str, inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[PluginDevice]:
+    """What the plugin for resource `name` lists; `scrubbing` as for nvme_devices."""
+    return resource(name).devices(inventory, scrubbing)
 
 
 def merge(previous: list[PluginDevice], current: list[PluginDevice]) -> list[PluginDevice]:
@@ -93,37 +174,28 @@ def merge(previous: list[PluginDevice], current: list[PluginDevice]) -> list[Plu
     return merged + list(now.values())
 
 
-def grant(resource: str, ids: list[str], devices: list[PluginDevice]) -> ContainerGrant:
-    """The grant for one container's device IDs, checked against the current list."""
+def checked(name: str, ids: list[str], devices: list[PluginDevice]) -> list[PluginDevice]:
+    """The devices of one container's IDs, each known and healthy in the current list of resource `name`."""
     by_id = {d.id: d for d in devices}
     unknown = [i for i in ids if i not in by_id]
     if unknown:
-        raise AllocationError(f"{resource}: unknown device IDs {unknown}")
+        raise AllocationError(f"{name}: unknown device IDs {unknown}")
     # The kubelet may act on a list older than our last health change; a
     # namespace that gained a filesystem since must not reach a container.
     sick = [i for i in ids if not by_id[i].healthy]
     if sick:
-        raise AllocationError(f"{resource}: devices no longer available (unhealthy): {sick}")
-    chosen = [by_id[i] for i in ids]
-    if resource == RESOURCE_NVME:
-        paths = tuple(d.dev_path for d in chosen)
-        return ContainerGrant(envs={ENV_NVME_DEVICES: ",".join(paths)}, device_paths=paths)
-    if resource == RESOURCE_CXL_GIB:
-        nodes = sorted({d.cxl_node for d in chosen if d.cxl_node is not None})
-        return ContainerGrant(envs={ENV_CXL_NODES: ",".join(map(str, nodes))})
-    raise AllocationError(f"unknown resource {resource}")
+        raise AllocationError(f"{name}: devices no longer available (unhealthy): {sick}")
+    return [by_id[i] for i in ids]
 
 
-def preferred(resource: str, available: list[str], must_include: list[str], size: int,
+def grant(name: str, ids: list[str], devices: list[PluginDevice]) -> ContainerGrant:
+    """The grant for one container's device IDs, checked against the current list."""
+    return resource(name).grant(checked(name, ids, devices))
+
+
+def preferred(name: str, available: list[str], must_include: list[str], size: int,
               devices: list[PluginDevice]) -> list[str]:
-    """GetPreferredAllocation for one container: of the kubelet's `available` IDs, the `size` namespaces
-    the planner would choose (memstrata.api.namespacechoice), always keeping `must_include`.
-
-    Only the NVMe resource has a preference; for any other the kubelet's own choice stands
-    (`must_include` alone is returned, which the kubelet tops up)."""
-    if resource != RESOURCE_NVME:
-        return list(must_include)
-    offered = set(available)
-    known = [NamespaceCandidate(id=d.id, name=d.name or d.id, size_bytes=d.size_bytes)
-             for d in devices if d.id in offered and d.healthy]
-    return choose_namespaces(known, size, must_include)
+    """GetPreferredAllocation for one container of resource `name`: its object's preference, if it has one;
+    for any other the kubelet's own choice stands (`must_include` alone is returned, which the kubelet tops
+    up)."""
+    return resource(name).preferred(available, must_include, size, devices)

@@ -33,7 +33,7 @@ from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features,
 from memstrata.nodeagent.scrubber import Scrubber
 
 if TYPE_CHECKING:
-    from memstrata.nodeagent.devices import PluginDevice
+    from memstrata.nodeagent.devices import PluginDevice, Resource
 
 log = logging.getLogger("memstrata.nodeagent")
 PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -114,11 +114,11 @@ def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: Non
 
 
 def once(args: argparse.Namespace) -> int:
-    from memstrata.nodeagent.devices import DEVICES, offered
+    from memstrata.nodeagent.devices import resources
 
     inventory = read_inventory(args)
     scrubbing = scrubber(args).update(inventory, start=False)  # reported Unhealthy; --once writes nothing
-    devices = {r: [d.__dict__ for d in offered(r, inventory, scrubbing)] for r in DEVICES}
+    devices = {r.name: [d.__dict__ for d in r.devices(inventory, scrubbing)] for r in resources()}
     print(json.dumps({"inventory": inventory.wire(), "node": render_node(inventory), "devices": devices}, indent=2))
     return 0
 
@@ -153,14 +153,14 @@ class Agent:
     """The plugins and the one event loop that restarts them."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from memstrata.nodeagent.devices import DEVICES
         from memstrata.nodeagent.deviceplugin import DevicePluginServer
+        from memstrata.nodeagent.devices import resources
 
         self.args = args
         # SimpleQueue.put is reentrant: safe to call from the signal handlers below and the scrub threads.
         self.events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"))
-        self.servers = [DevicePluginServer(r, args.plugin_dir, vet=self.vet) for r in DEVICES]
+        self.servers = [DevicePluginServer(r, args.plugin_dir, vet=self.vet) for r in resources()]
         self.patcher = NodePatcher(args.node_name, args.kubeconfig)
         self.inventory: NodeInventory | None = None
         self.scrubbing: frozenset[str] = frozenset()  # free namespaces holding a finished job's data
@@ -173,11 +173,9 @@ class Agent:
         self.events.put("rescan")  # have the scrub start now, not at the next tick
         return f"{why}; the node agent scrubs it before offering it again"
 
-    def offer(self, resource: str) -> list[PluginDevice]:
-        from memstrata.nodeagent.devices import offered
-
+    def offer(self, resource: Resource) -> list[PluginDevice]:
         assert self.inventory is not None
-        return offered(resource, self.inventory, self.scrubbing)
+        return resource.devices(self.inventory, self.scrubbing)
 
     def rescan(self) -> None:
         """Re-discover; health changes reach ListAndWatch, label changes the Node."""
@@ -189,7 +187,7 @@ class Agent:
         # Before publishing: a namespace a killed job left dirty must turn Unhealthy in this very scan.
         self.scrubbing = self.scrubber.update(self.inventory)
         for server in self.servers:
-            server.publish(self.offer(server.resource))
+            server.publish(self.offer(server.manager))
         if self.args.nfd_dir.is_dir():
             write_atomically(self.args.nfd_dir / NFD_FILE, nfd_features(self.inventory))
         try:
@@ -203,11 +201,11 @@ class Agent:
             server.stop()
         from memstrata.nodeagent.deviceplugin import DevicePluginServer
 
-        self.servers = [DevicePluginServer(s.resource, self.args.plugin_dir, vet=self.vet) for s in self.servers]
+        self.servers = [DevicePluginServer(s.manager, self.args.plugin_dir, vet=self.vet) for s in self.servers]
         for server in self.servers:
             server.start()
             if self.inventory is not None:
-                server.publish(self.offer(server.resource))
+                server.publish(self.offer(server.manager))
             server.register()
 
     def run(self) -> int:

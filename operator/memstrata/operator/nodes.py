@@ -9,15 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from memstrata.api.inventory import (
-    RESOURCE_CXL_GIB, RESOURCE_GPU, RESOURCE_MEMORY, RESOURCE_NVME, NodeInventory, NodeNotManagedError, read_node,
-)
+from memstrata.api import strata
+from memstrata.api.inventory import RESOURCE_GPU, RESOURCE_MEMORY, NodeInventory, NodeNotManagedError, read_node
 from memstrata.api.units import quantity_value
 from memstrata.operator.names import LABEL_JOB_UID
 
 # Memory too: the training container requests its plan's host memory, so a node must have that much
 # allocatable memory left, as the scheduler will check.
-RESOURCES = (RESOURCE_GPU, RESOURCE_NVME, RESOURCE_CXL_GIB, RESOURCE_MEMORY)
+def resources() -> tuple[str, ...]:
+    """Every resource a job's pod may request: each stratum's extended resource, and memory."""
+    return (*(s.resource for s in strata.registry() if s.resource is not None), RESOURCE_MEMORY)
+
 # Taints that the operator's pods tolerate: GPU nodes are commonly tainted so
 # that only GPU workloads land there, and a fine-tune is one.
 TOLERATED_TAINT_KEYS = frozenset({RESOURCE_GPU})
@@ -51,7 +53,7 @@ def node_view(node: Mapping[str, Any]) -> NodeView:
     except NodeNotManagedError as exc:
         inventory, error, key = None, str(exc), ""
     alloc = status.get("allocatable") or {}
-    allocatable = {r: quantity(alloc.get(r)) for r in RESOURCES}
+    allocatable = {r: quantity(alloc.get(r)) for r in resources()}
     why = _why_unschedulable(spec, status)
     return NodeView(name=name, inventory=inventory, allocatable=allocatable, schedulable=not why,
                     why_not=why, error=error, inventory_key=key)
@@ -102,22 +104,22 @@ def pod_requests(spec: Mapping[str, Any]) -> dict[str, int]:
             res = c.get("resources") or {}
             # Extended resources may be given as limits only; requests then default to them.
             merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
-            out.append({r: quantity(merged.get(r)) for r in RESOURCES})
+            out.append({r: quantity(merged.get(r)) for r in resources()})
         return out
 
     main, init = of(spec.get("containers")), of(spec.get("initContainers"))
-    return {r: max(sum(c[r] for c in main), max((c[r] for c in init), default=0)) for r in RESOURCES}
+    return {r: max(sum(c[r] for c in main), max((c[r] for c in init), default=0)) for r in resources()}
 
 
 @dataclass
 class Usage:
     """What is already taken on one node."""
 
-    requested: dict[str, int] = field(default_factory=lambda: {r: 0 for r in RESOURCES})
+    requested: dict[str, int] = field(default_factory=lambda: {r: 0 for r in resources()})
     memstrata_pods: int = 0
 
     def add(self, use: PodUse) -> None:
-        for r in RESOURCES:
+        for r in resources():
             self.requested[r] += use.requests.get(r, 0)
         self.memstrata_pods += int(use.memstrata)
 
@@ -136,4 +138,4 @@ def usage_by_node(uses: Iterable[PodUse]) -> dict[str, Usage]:
 
 def free_now(node: NodeView, usage: Usage | None) -> dict[str, int]:
     taken = usage.requested if usage else {}
-    return {r: node.allocatable.get(r, 0) - taken.get(r, 0) for r in RESOURCES}
+    return {r: node.allocatable.get(r, 0) - taken.get(r, 0) for r in resources()}

@@ -23,6 +23,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from memstrata.api import strata
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
 from memstrata.api.podidentity import DISK_GID, RUNTIME_UID, checked_device_gid
@@ -85,7 +86,8 @@ def memory_bytes(plan: Plan, ranks: int) -> int:
       and the memory cgroup charges its pages like any other
     + RUNTIME_PROCESS_BYTES for each of the pod's rank processes (spec.resources.ranks(): one per GPU, or
       ranksPerNode gloo processes on a CPU)."""
-    total = plan.bytes_on("dram") + plan.bytes_on("cxl") + RUNTIME_PROCESS_BYTES * max(ranks, 1)
+    host = sum(plan.bytes_on(s.name) for s in strata.registry() if s.host_memory)  # DRAM and CXL
+    total = host + RUNTIME_PROCESS_BYTES * max(ranks, 1)
     return -(-total // MiB) * MiB
 
 

@@ -26,7 +26,7 @@ from memstrata.api.inventory import RESOURCE_MEMORY
 from memstrata.operator.nodes import NodeView, Usage, free_now
 from memstrata.operator.render import container_requests
 from memstrata.plan import Plan, plan_job
-from memstrata.api.strataplan import STRATA, STRATUM_NAMES
+from memstrata.api.strata import names, titles
 
 Outcome = Literal["chosen", "no-room", "impossible"]
 Planner = Callable[[FineTuneJobSpec, NodeView], Plan]
@@ -172,12 +172,13 @@ def _impossible(spec: FineTuneJobSpec, never: list[tuple[NodeView, Plan]]) -> Pl
             per.setdefault("resources", []).append(
                 f"{resource}: needs {_show(resource, n)}, node advertises "
                 f"{_show(resource, node.allocatable.get(resource, 0))}")
-    order = [s for s in STRATA if s in per] + [s for s in per if s not in STRATA]
+    known = names()
+    order = [s for s in known if s in per] + [s for s in per if s not in known]
     shortfalls = tuple(
         StratumShortfall(s, lost.get(s, 0), "; ".join(dict.fromkeys(per[s]))) for s in order
     )
     detail = "; ".join(
-        f"{STRATUM_NAMES.get(s.stratum, s.stratum)}"
+        f"{titles().get(s.stratum, s.stratum)}"
         + (f" short by {format_bytes(s.missing_bytes)}" if s.missing_bytes else "") + f" [{s.message}]"
         for s in shortfalls)
     others = f" (and {len(never) - 1} other node(s) fit even less)" if len(never) > 1 else ""

@@ -6,7 +6,7 @@ from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.inventory import NodeInventory
 from memstrata.api.lora import adapter_tensor_sizes
 from memstrata.plan.accounting import JobShape, build_transient, category_bytes, pinned_buffers, working_set
-from memstrata.api.strataplan import STRATA, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
+from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.plan.assignment import plan_for_node
 
 
@@ -36,6 +36,6 @@ def plan_job(spec: FineTuneJobSpec, node: NodeInventory) -> Plan:
 
 
 __all__ = [
-    "STRATA", "Allocation", "CategoryPlan", "JobShape", "Plan", "Shortfall", "StratumUse", "build_transient",
+    "Allocation", "CategoryPlan", "JobShape", "Plan", "Shortfall", "StratumUse", "build_transient",
     "category_bytes", "job_shape", "pinned_buffers", "plan_for_node", "plan_job", "working_set",
 ]

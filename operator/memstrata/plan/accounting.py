@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import Precision
 from memstrata.api.strataplan import Engine
-from memstrata.plan.stock import DS_ALIGN_ELEMENTS, pinned_pool_bytes, tensor_sizes
+from memstrata.plan.stock import DS_ALIGN_ELEMENTS, pinned_pool_bytes
 
 Category = Literal["working", "pinned", "build", "gradients", "master", "optimizer", "weights", "checkpoints"]
 
@@ -142,31 +142,17 @@ def activation_bytes(job: JobShape) -> int:
 
 def layer_activation_bytes(m: ModelArchitecture, w: int) -> int:
     """Bytes one transformer layer saves for backward per token, in the training precision of w bytes, as
-    transformers' layers with sdpa attention save them (h hidden, i MLP width, kv the key/value width, n heads):
-
-    llama: each RMSNorm keeps its input upcast to fp32 (4h) and its normalized output (hw), with its fp32 rsqrt
-      (4 B); the q/k/v projections share their input (hw); the rotated query (hw), key and value (2·kv·w: sdpa
-      takes grouped-query attention without repeating them); sdpa's output, which o_proj keeps (hw), and its
-      fp32 log-sum-exp (4n); the rotary cos and sin (2·(h/n)·w); the MLP's input (hw), gate, SiLU(gate), up and
-      their product (4iw):  8h + 8 + 6hw + 2·kv·w + 4n + 2(h/n)w + 4iw.
-    gpt: both LayerNorms keep their input, output, mean and rstd (4hw + 4w); the fused q|k|v output (3hw);
-      sdpa's output (hw) and log-sum-exp (4n); the MLP's input (counted with the norm's output), c_fc's output,
-      the four tensors gelu_new's tanh formula keeps and c_proj's input (5iw):  8hw + 4w + 4n + 5iw.
-
-    Measured with torch's saved-tensor hooks on transformers 5.23 at b = 1, equal to the formula: Llama-3.2-1B
-    201,352 B in fp32, Qwen2.5-14B 217,768 in bf16, GPT-2 125M 43,064 in bf16 (at b > 1 the rotary tables are
-    per position, not per token: SmolLM2-135M at b = 2 saves 24,748 B of the formula's 24,876 in bf16).
-    """
-    h, i, n = m.hidden, m.intermediate, m.heads
-    if m.family == "gpt":
-        return 8 * h * w + 4 * w + 4 * n + 5 * i * w
-    return 8 * h + 8 + 6 * h * w + 2 * m.kv_dim * w + 4 * n + 2 * m.head_dim * w + 4 * i * w
+    transformers' layers with sdpa attention save them: its family's formula (memstrata.api.families; llama:
+    8h + 8 + 6hw + 2·kv·w + 4n + 2(h/n)w + 4iw, gpt: 8hw + 4w + 4n + 5iw), measured with torch's saved-tensor
+    hooks on transformers 5.23."""
+    return m.spec.layer_activation_bytes(m, w)
 
 
 def head_input_bytes(m: ModelArchitecture, w: int) -> int:
-    """Bytes per token the final norm and the LM head keep of the last hidden state: Llama's RMSNorm its fp32
-    input and normalized output, the head its input ((4 + 2w)·h); GPT's LayerNorm its input and output (2hw)."""
-    return 2 * m.hidden * w if m.family == "gpt" else (4 + 2 * w) * m.hidden
+    """Bytes per token the final norm and the LM head keep of the last hidden state, by the family: Llama's
+    RMSNorm its fp32 input and normalized output, the head its input ((4 + 2w)·h); GPT's LayerNorm its input
+    and output (2hw)."""
+    return m.spec.head_input_bytes(m, w)
 
 
 def reduce_bucket_elements(m: ModelArchitecture) -> int:
@@ -265,7 +251,7 @@ def _rank_partitions(job: JobShape) -> list[int]:
 
 def trained_tensor_sizes(job: JobShape) -> list[int]:
     """Elements of every tensor that trains, in parameter order: all of the model's, or LoRA's adapters."""
-    return list(job.adapter_tensors) if job.adapter_tensors is not None else tensor_sizes(job.model)
+    return list(job.adapter_tensors) if job.adapter_tensors is not None else job.model.tensor_sizes()
 
 
 def trained_parameters(job: JobShape) -> int:

@@ -10,45 +10,26 @@ stratum of its preference list that has room, splitting across strata if needed.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from memstrata.api.finetunejob import MemoryPolicy
-from memstrata.api.inventory import SCRATCH_CONTROLLER, NodeInventory
-from memstrata.api.namespacechoice import NamespaceCandidate, choose_namespaces
-from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Allocation, CategoryPlan, Plan, Shortfall, StratumUse
-from memstrata.api.units import GiB, format_bytes
+from memstrata.api.inventory import NodeInventory
+from memstrata.api.strata import names, preferred_strata, registry, stratum, titles
+from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
+from memstrata.api.units import format_bytes
 from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, big_subgroup_sizes,
                                       build_transient, category_bytes, choose_resident, pinned_buffers,
                                       streamed_subgroup_bytes, subgroup_sizes, trained_parameters, working_set)
+from memstrata.plan.capacity import NVME_NOTE, Ledger, capacities
 
-# Placement order and each category's allowed strata, fastest first.
-PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
-    ("gradients", ("dram",)),
-    # Checkpoints cannot go to NVMe and the optimizer state can, so they claim DRAM first.
-    ("checkpoints", ("cxl", "dram")),
-    ("master", ("dram", "nvme")),
-    ("optimizer", ("dram", "nvme")),
-    ("weights", ("cxl", "dram", "nvme")),
-]
-
-
+# The order in which the model state's categories are placed; each goes to the strata that may hold it
+# (memstrata.api.strata.preferred_strata), CXL before DRAM before NVMe, splitting where one has no room.
+# Checkpoints cannot go to NVMe and the optimizer state can, so they claim DRAM first.
+ORDER = ("gradients", "checkpoints", "master", "optimizer", "weights")
 # memstrata's engine: the 16-bit weights are read twice a step (forward, backward) and written once, the
 # optimizer state read and written once, so a byte of weights kept in DRAM saves more I/O than a byte of state:
 # the weights claim DRAM first, then the state, whose split the runtime honours sub-group by sub-group.
-MEMSTRATA_PREFERENCES: list[tuple[str, tuple[str, ...]]] = [
-    ("gradients", ("dram",)),
-    ("checkpoints", ("cxl", "dram")),
-    ("weights", ("cxl", "dram", "nvme")),
-    ("master", ("dram", "nvme")),
-    ("optimizer", ("dram", "nvme")),
-]
+MEMSTRATA_ORDER = ("gradients", "checkpoints", "weights", "master", "optimizer")
 # A resident sub-group keeps its fp32 master and its two moments together: 4 of every 12 bytes are master.
 MASTER_SHARE = (4, STATE_BYTES_PER_ELEMENT)
-
-NVME_NOTE = "NVMe namespaces"
-
-ShortFn = Callable[[str, str, int, str], None]
-
 
 # Categories stock DeepSpeed places together: offload_optimizer moves master and
 # moments as one; offload_param moves all weights.
@@ -86,156 +67,162 @@ def _settle(job: JobShape, node: NodeInventory, policy: MemoryPolicy, read_ahead
 
 def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme: bool, optim_nvme: bool, *,
            read_ahead: int, streamed_bytes: int) -> Plan:
-    shortfalls: list[Shortfall] = []
-    ranks = job.ranks
+    ledger = capacities(job, node, policy)
+    _place_working_set(job, node, ledger)
+    _place_build(job, policy, ledger)
+    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme, read_ahead=read_ahead,
+                            streamed_bytes=streamed_bytes or None)
+    _place_pinned(job, policy, ledger, pinned)
+    _place_state(job, ledger)
+    return _assemble(job, node, ledger, read_ahead=read_ahead if job.engine == "memstrata" and optim_nvme else 0)
 
-    def short(stratum: str, category: str, missing: int, message: str) -> None:
-        shortfalls.append(Shortfall(stratum=stratum, category=category, missing_bytes=missing, message=message))
 
-    # --- capacities -------------------------------------------------------------------------------
-    free: dict[str, int] = {s: 0 for s in STRATA}
-    detail: dict[str, str] = {}
-    hbm_per_gpu = 0
-    if job.gpus:
-        if len(node.gpus) < job.gpus:
-            short("hbm", "working", 0, f"GPUs: needs {job.gpus}, node has {len(node.gpus)}")
-        usable = node.gpus[: job.gpus]
-        hbm_per_gpu = min((g.hbm_bytes for g in usable), default=0)
-        free["hbm"] = hbm_per_gpu * job.gpus
-        detail["hbm"] = f"{job.gpus} x {format_bytes(hbm_per_gpu)}"
-    free["dram"] = int(node.dram_bytes * (1 - policy.dram_reserve_fraction))
-    detail["dram"] = f"{format_bytes(node.dram_bytes)} less {policy.dram_reserve_fraction:.0%} reserve"
-
-    cxl_nodes: list[int] = []
-    if policy.require_cxl and not node.cxl_nodes:
-        short("cxl", "checkpoints", 0, "CXL: memory.requireCxl is set and the node has no CXL memory")
-    if node.cxl_nodes and job.engine == "memstrata":  # stock DeepSpeed cannot place per tensor
-        cxl_nodes = [c.numa_node for c in node.cxl_nodes]
-        free["cxl"] = node.cxl_bytes
-        detail["cxl"] = f"interleaved over NUMA nodes {','.join(map(str, cxl_nodes))}"
-
-    notes: list[str] = []
-    namespaces: list[str] = []
-    if policy.nvme_namespaces:
-        namespaces, free["nvme"], detail["nvme"] = _namespaces(job, node, policy.nvme_namespaces, short, notes)
-    capacity = dict(free)
-
-    # --- the working set sits next to the compute -------------------------------------------------
-    work = working_set(job)
-    categories: dict[str, CategoryPlan] = {}
+def _place_working_set(job: JobShape, node: NodeInventory, ledger: Ledger) -> None:
+    """The working set sits next to the compute: in HBM on a GPU, else in DRAM."""
+    free, work, hbm_per_gpu = ledger.free, working_set(job), ledger.hbm_per_gpu
     compute = "hbm" if job.gpus else "dram"
     if job.gpus and work > hbm_per_gpu and node.gpus:
-        short("hbm", "working", work - hbm_per_gpu,
-              f"HBM: each GPU needs {format_bytes(work)} for its working set and has {format_bytes(hbm_per_gpu)} "
-              f"(short by {format_bytes(work - hbm_per_gpu)}); {_smaller_working_set(job)}")
-    total_work = work * ranks
-    categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)], ranks)
+        ledger.short("hbm", "working", work - hbm_per_gpu,
+                     f"HBM: each GPU needs {format_bytes(work)} for its working set and has "
+                     f"{format_bytes(hbm_per_gpu)} (short by {format_bytes(work - hbm_per_gpu)}); "
+                     f"{_smaller_working_set(job)}")
+    total_work = work * job.ranks
+    ledger.categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)],
+                                        job.ranks)
     if compute == "dram" and total_work > free["dram"]:
         over = total_work - free["dram"]
-        short("dram", "working", over,
-              f"DRAM: the working set (live activations, logits, gathered layers) needs {format_bytes(total_work)} "
-              f"and the node has {format_bytes(free['dram'])} (short by {format_bytes(over)}); "
-              f"{_smaller_working_set(job)}")
+        ledger.short("dram", "working", over,
+                     f"DRAM: the working set (live activations, logits, gathered layers) needs "
+                     f"{format_bytes(total_work)} and the node has {format_bytes(free['dram'])} (short by "
+                     f"{format_bytes(over)}); {_smaller_working_set(job)}")
     # Each shortfall is reported once, where it arises: what follows is measured against what is left, never less
     # than nothing.
     free[compute] = max(free[compute] - total_work, 0)
 
-    # --- building the model: a host transient, only ever in DRAM ----------------------------------
-    # The checkpoint's tensors are read and converted by the CPU, so neither NVMe nor CXL can take them.
-    # Claimed before memory.dramBudget applies: like the working set, it is not offloaded state.
+
+def _place_build(job: JobShape, policy: MemoryPolicy, ledger: Ledger) -> None:
+    """Building the model: a host transient, only ever in DRAM. The checkpoint's tensors are read and converted
+    by the CPU, so neither NVMe nor CXL can take them. Claimed before memory.dramBudget applies: like the working
+    set, it is not offloaded state."""
+    free = ledger.free
     build, left = build_transient(job), max(free["dram"], 0)
     if build > left:
-        short("dram", "build", build - left,
-              f"DRAM: building the model needs {format_bytes(build)} for a moment and {format_bytes(left)} is "
-              f"left beside the working set (short by {format_bytes(build - left)})")
-    categories["build"] = _cat("build", build, [Allocation(stratum="dram", bytes=build)], ranks)
+        ledger.short("dram", "build", build - left,
+                     f"DRAM: building the model needs {format_bytes(build)} for a moment and {format_bytes(left)} "
+                     f"is left beside the working set (short by {format_bytes(build - left)})")
+    ledger.categories["build"] = _cat("build", build, [Allocation(stratum="dram", bytes=build)], job.ranks)
     free["dram"] = max(free["dram"] - build, 0)
     if policy.dram_budget is not None and free["dram"] > policy.dram_budget:
         # The budget bounds the offloaded state, not the compute itself.
-        capacity["dram"] -= free["dram"] - policy.dram_budget
+        ledger.capacity["dram"] -= free["dram"] - policy.dram_budget
         free["dram"] = policy.dram_budget
-        detail["dram"] += f", memory.dramBudget {format_bytes(policy.dram_budget)}"
+        ledger.detail["dram"] += f", memory.dramBudget {format_bytes(policy.dram_budget)}"
 
-    pinned = pinned_buffers(job, optimizer_on_nvme=optim_nvme, params_on_nvme=params_nvme, read_ahead=read_ahead,
-                            streamed_bytes=streamed_bytes or None)
+
+def _place_pinned(job: JobShape, policy: MemoryPolicy, ledger: Ledger, pinned: int) -> None:
+    """Page-locked buffers, in DRAM, out of what is left for offloaded state."""
+    free = ledger.free
     if policy.pinned_memory_cap is not None and pinned > policy.pinned_memory_cap:
-        short("dram", "pinned", pinned - policy.pinned_memory_cap,
-              f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "
-              f"{format_bytes(policy.pinned_memory_cap)}")
-    categories["pinned"] = _cat("pinned", pinned, [Allocation(stratum="dram", bytes=pinned)] if pinned else [],
-                                ranks)
+        ledger.short("dram", "pinned", pinned - policy.pinned_memory_cap,
+                     f"DRAM: page-locked buffers need {format_bytes(pinned)}, memory.pinnedMemoryCap allows "
+                     f"{format_bytes(policy.pinned_memory_cap)}")
+    ledger.categories["pinned"] = _cat("pinned", pinned, [Allocation(stratum="dram", bytes=pinned)] if pinned
+                                       else [], job.ranks)
     offload_dram = free["dram"]
     free["dram"] -= pinned
     if free["dram"] < 0:
-        short("dram", "pinned", -free["dram"],
-              f"DRAM: short by {format_bytes(-free['dram'])} before any model state is placed "
-              f"(page-locked buffers of {format_bytes(pinned)} exceed the {format_bytes(offload_dram)} "
-              f"of DRAM left for offloaded state)")
+        ledger.short("dram", "pinned", -free["dram"],
+                     f"DRAM: short by {format_bytes(-free['dram'])} before any model state is placed "
+                     f"(page-locked buffers of {format_bytes(pinned)} exceed the {format_bytes(offload_dram)} "
+                     f"of DRAM left for offloaded state)")
         free["dram"] = 0
 
-    # --- model state, in preference order ---------------------------------------------------------
-    sizes = category_bytes(job)
+
+def _place_state(job: JobShape, ledger: Ledger) -> None:
+    """The model state, category by category, each into the first stratum that may hold it and has room."""
+    free, sizes = ledger.free, category_bytes(job)
     held = 0  # memstrata: DRAM held back for the big sub-groups' state until the weights are placed
-    for name, preferred in (MEMSTRATA_PREFERENCES if job.engine == "memstrata" else PREFERENCES):
+    for name in (MEMSTRATA_ORDER if job.engine == "memstrata" else ORDER):
         if job.engine == "memstrata" and name == "weights":
             held = _hold_for_big_subgroups(job, max(free["dram"], 0), sizes)
             free["dram"] -= held
         elif held and name == "master":
             free["dram"], held = free["dram"] + held, 0
-        allowed = preferred
-        if job.engine == "deepspeed" and name in STOCK_GROUPS:
-            allowed = _stock_stratum(name, preferred, sizes, categories, free)
-        need, placed = sizes[name], []
-        if name == "checkpoints":
-            # The runtime keeps them in one pool with one NUMA placement (memstrata.runtime.swap.activations):
-            # the first stratum that holds them whole, split only where none does (the pool then follows the
-            # larger share).
-            whole = [s for s in allowed if free[s] >= need]
-            allowed = (whole[0],) if whole else allowed
-        for stratum in allowed:
-            take = min(need, max(free[stratum], 0))
-            if take:
-                placed.append(Allocation(stratum=stratum, bytes=take))
-                free[stratum] -= take
-                need -= take
-        if need:
-            where = " or ".join(STRATUM_NAMES[s] for s in preferred)
-            short(allowed[-1], name, need,
-                  f"{where}: short by {format_bytes(need)} for {DESCRIPTIONS[name]} "
-                  f"(needs {format_bytes(sizes[name])})")
-        categories[name] = _cat(name, sizes[name], placed, ranks)
+        _place_category(job, name, sizes, ledger)
     if job.engine == "memstrata":
-        _split_state_as_subgroups(categories, ranks)
+        _split_state_as_subgroups(ledger.categories, job.ranks)
 
-    strata = [
-        StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s], detail=detail.get(s, ""))
-        for s in STRATA
-    ]
+
+def _place_category(job: JobShape, name: str, sizes: dict[str, int], ledger: Ledger) -> None:
+    free = ledger.free
+    preferred = allowed = preferred_strata(name)
+    if job.engine == "deepspeed" and name in STOCK_GROUPS:
+        allowed = _stock_stratum(name, preferred, sizes, ledger.categories, free)
+    need, placed = sizes[name], list[Allocation]()
+    if name == "checkpoints":
+        # The runtime keeps them in one pool with one NUMA placement (memstrata.runtime.swap.activations):
+        # the first stratum that holds them whole, split only where none does (the pool then follows the
+        # larger share).
+        whole = [s for s in allowed if free[s] >= need]
+        allowed = (whole[0],) if whole else allowed
+    for stratum in allowed:
+        take = min(need, max(free[stratum], 0))
+        if take:
+            placed.append(Allocation(stratum=stratum, bytes=take))
+            free[stratum] -= take
+            need -= take
+    if need:
+        title = titles()
+        ledger.short(allowed[-1], name, need,
+                     f"{' or '.join(title[s] for s in preferred)}: short by {format_bytes(need)} for "
+                     f"{DESCRIPTIONS[name]} (needs {format_bytes(sizes[name])})")
+    ledger.categories[name] = _cat(name, sizes[name], placed, job.ranks)
+
+
+def _requests(job: JobShape, ledger: Ledger) -> dict[str, int]:
+    """What the pod requests of each stratum's extended resource: the job's GPUs, the namespaces it stripes
+    over when anything is on NVMe, whole units of the bytes placed on any other."""
+    requests: dict[str, int] = {}
+    for s in registry():
+        used = sum(c.on(s.name) for c in ledger.categories.values())
+        if s.resource is None:
+            continue
+        if s.name == "hbm":
+            requests[s.resource] = job.gpus
+        elif s.name == "nvme":
+            requests[s.resource] = len(ledger.namespaces) if used else 0
+        else:
+            requests[s.resource] = -(-used // s.unit_bytes) if s.unit_bytes else int(used > 0)
+    return requests
+
+
+def _assemble(job: JobShape, node: NodeInventory, ledger: Ledger, read_ahead: int) -> Plan:
+    categories, capacity, free, ranks = ledger.categories, ledger.capacity, ledger.free, job.ranks
     nvme_bytes = sum(c.on("nvme") for c in categories.values())
-    if not nvme_bytes:
-        notes = [n for n in notes if not n.startswith(NVME_NOTE)]
-    requests = {"nvidia.com/gpu": job.gpus, "memstrata.dev/nvme-ns": len(namespaces) if nvme_bytes else 0,
-                "memstrata.dev/cxl-gib": -(-sum(c.on("cxl") for c in categories.values()) // GiB)}
+    requests = _requests(job, ledger)
+    cxl = stratum("cxl").resource
     return Plan(
         parameters=job.model.parameters(),
         trainable_parameters=trained_parameters(job) if job.adapter_tensors is not None else None,
         engine=job.engine,
         activation_checkpointing=job.activation_checkpointing,
-        feasible=not any(s.missing_bytes or s.message for s in shortfalls),
+        feasible=not any(s.missing_bytes or s.message for s in ledger.shortfalls),
         categories=list(categories.values()),
-        strata=strata,
-        shortfalls=shortfalls,
-        nvme_namespaces=namespaces if nvme_bytes else [],
-        cxl_nodes=cxl_nodes if requests["memstrata.dev/cxl-gib"] else [],
+        strata=[StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s],
+                           detail=ledger.detail.get(s, "")) for s in names()],
+        shortfalls=ledger.shortfalls,
+        nvme_namespaces=ledger.namespaces if nvme_bytes else [],
+        cxl_nodes=ledger.cxl_nodes if cxl is not None and requests.get(cxl) else [],
         requests={k: v for k, v in requests.items() if v},
-        update_io_seconds=_update_io_seconds(categories, node, max(len(namespaces), 1)),
-        optimizer_read_ahead=read_ahead if job.engine == "memstrata" and optim_nvme else 0,
+        update_io_seconds=_update_io_seconds(categories, node, max(len(ledger.namespaces), 1)),
+        optimizer_read_ahead=read_ahead,
         nodes=job.nodes,
         ranks_per_node=ranks,
         world_size=job.world_size,
         global_batch=job.global_batch,
-        rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in STRATA},
-        notes=notes,
+        rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in names()},
+        # A note on the namespaces is moot where nothing went to NVMe.
+        notes=ledger.notes if nvme_bytes else [n for n in ledger.notes if not n.startswith(NVME_NOTE)],
     )
 
 
@@ -283,47 +270,6 @@ def _cat(name: str, size: int, placement: list[Allocation], ranks: int) -> Categ
     # Every category of a node is `ranks` equal per-rank shares (accounting counts them so).
     return CategoryPlan(category=name, description=DESCRIPTIONS[name], bytes=size, placement=placement,
                         rank_bytes=size // ranks)
-
-
-def namespaces_wanted(requested: int, ranks: int) -> int:
-    """Namespaces a node must give the job: each rank of the node stripes over its own (the runtime gives
-    local rank r the namespaces i with i % ranks == r), so at least one per rank and a multiple of ranks:
-    memory.nvmeNamespaces rounded up to a multiple of the ranks on the node."""
-    return -(-max(requested, 1) // ranks) * ranks
-
-
-def _namespaces(job: JobShape, node: NodeInventory, requested: int, short: ShortFn,
-                notes: list[str]) -> tuple[list[str], int, str]:
-    """The namespaces the job gets on `node`, the NVMe stratum's capacity and its detail line."""
-    ranks = job.ranks
-    free = node.free_namespaces
-    scratch = [ns for ns in free if ns.controller == SCRATCH_CONTROLLER]
-    if scratch:
-        # A local run's scratch directory: each rank creates its own file namespaces in it, so one
-        # directory serves any number of ranks, bounded by its free bytes.
-        if ranks > 1:
-            notes.append(f"{NVME_NOTE}: each of the {ranks} ranks stripes over its own files in {scratch[0].name}")
-        return [scratch[0].name], scratch[0].size_bytes, f"files in {scratch[0].name}"
-    want = namespaces_wanted(requested, ranks)
-    if want != requested:
-        notes.append(f"{NVME_NOTE}: memory.nvmeNamespaces {requested} rounded up to {want}, a multiple of the "
-                     f"{ranks} ranks on a node, so each rank stripes over {want // ranks} of its own")
-    elif ranks > 1:
-        notes.append(f"{NVME_NOTE}: each of the {ranks} ranks stripes over {want // ranks} of the {want}")
-    candidates = {ns.name: ns for ns in free}
-    if len(candidates) < want:
-        why = f" (memory.nvmeNamespaces {requested} rounded up to a multiple of {ranks} ranks)" \
-            if want != requested else ""
-        short("nvme", "optimizer", 0,
-              f"NVMe: memory.nvmeNamespaces wants {want} free namespaces{why}, node has {len(candidates)}")
-    # The device plugin's GetPreferredAllocation follows the same rule, so the pod gets these.
-    picked = choose_namespaces((NamespaceCandidate(id=ns.name, name=ns.name, size_bytes=ns.size_bytes)
-                                for ns in candidates.values()), want)
-    chosen = [candidates[name] for name in picked]
-    names = [ns.name for ns in chosen]
-    # Striping spreads bytes evenly, so the smallest namespace bounds each share.
-    capacity = len(chosen) * min((ns.size_bytes for ns in chosen), default=0)
-    return names, capacity, f"striped over {', '.join(names)}" if names else ""
 
 
 def _stock_stratum(name: str, allowed: tuple[str, ...], sizes: dict[str, int],

@@ -27,31 +27,14 @@ def align_elements(n: int, unit: int = DS_ALIGN_ELEMENTS) -> int:
     return -(-n // unit) * unit
 
 
-def tensor_sizes(arch: ModelArchitecture) -> list[int]:
-    """Elements of every parameter tensor of the `transformers` model for `arch`, in `model.parameters()` order
-    (shared tensors once): GPT-2 fuses Q/K/V into one `c_attn` matrix with one bias and has LayerNorms with
-    biases; Llama-style blocks keep q/k/v/o apart (Q/K/V biases in Qwen2), then gate/up/down, then two RMSNorms."""
-    h, i, kv, v = arch.hidden, arch.intermediate, arch.kv_dim, arch.vocab
-    head = [] if arch.tied else [v * h]
-    if arch.family == "gpt":
-        layer = [h, h, h * 3 * h, 3 * h, h * h, h, h, h, h * i, i, i * h, h]
-        return [v * h, arch.max_positions * h] + layer * arch.layers + [h, h] + head
-    bias = arch.qkv_bias
-    attention = [h * h, *([h] if bias else []), kv * h, *([kv] if bias else []), kv * h, *([kv] if bias else []),
-                 h * h]
-    layer = attention + [i * h, i * h, h * i, h, h]
-    return [v * h] + layer * arch.layers + [h] + head
-
-
 def param_tensors(arch: ModelArchitecture) -> int:
     """How many parameter tensors the `transformers` model for `arch` has (shared tensors once)."""
-    return len(tensor_sizes(arch))
+    return len(arch.tensor_sizes())
 
 
 def largest_param(arch: ModelArchitecture) -> int:
     """Elements of the largest parameter tensor (embedding/head, MLP matrix or position table)."""
-    positions = arch.max_positions * arch.hidden if arch.family == "gpt" else 0
-    return max(arch.largest_tensor(), positions)
+    return arch.spec.largest_param(arch)
 
 
 def sub_group_size(arch: ModelArchitecture) -> int:

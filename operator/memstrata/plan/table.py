@@ -1,22 +1,25 @@
 """The plan as a table for people (`memstrata plan`). Pure: a Plan in, text out."""
 from __future__ import annotations
 
+from memstrata.api.strata import titles
+from memstrata.api.strataplan import Plan
 from memstrata.api.units import format_bytes
-from memstrata.api.strataplan import STRATA, STRATUM_NAMES, Plan
 
 
 def render_plan(plan: Plan, title: str) -> str:
     # A distributed job gets a "per rank" column and row beside the node's bytes: one training process's share.
     spread = plan.world_size > 1
-    rows = [("category", *(("per rank", "per node") if spread else ("bytes",)), *[STRATUM_NAMES[s] for s in STRATA])]
+    # One column per stratum of the plan (the planner lists every registered one), in the plan's order.
+    strata, label = [u.stratum for u in plan.strata], titles()
+    rows = [("category", *(("per rank", "per node") if spread else ("bytes",)), *[label.get(s, s) for s in strata])]
     for c in plan.categories:
-        rows.append((c.description, *_sizes(spread, c.rank_bytes, c.bytes), *[_cell(c.on(s)) for s in STRATA]))
+        rows.append((c.description, *_sizes(spread, c.rank_bytes, c.bytes), *[_cell(c.on(s)) for s in strata]))
     rows.append(("total", *_sizes(spread, sum(c.rank_bytes for c in plan.categories),
                                   sum(c.bytes for c in plan.categories)),
-                 *[_cell(plan.bytes_on(s)) for s in STRATA]))
+                 *[_cell(plan.bytes_on(s)) for s in strata]))
     blank = ("", "") if spread else ("",)
     if spread:
-        rows.append(("per rank", *blank, *[_cell(plan.rank_bytes.get(s, 0)) for s in STRATA]))
+        rows.append(("per rank", *blank, *[_cell(plan.rank_bytes.get(s, 0)) for s in strata]))
     rows.append(("capacity", *blank, *[_cell(u.capacity) for u in plan.strata]))
     footer = 3 if spread else 2
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -34,7 +37,7 @@ def render_plan(plan: Plan, title: str) -> str:
     out += [fmt(r) for r in rows[1:-footer]] + [line] + [fmt(r) for r in rows[-footer:]] + [""]
     for u in plan.strata:
         if u.detail:
-            out.append(f"{STRATUM_NAMES[u.stratum]}: {u.detail}")
+            out.append(f"{label.get(u.stratum, u.stratum)}: {u.detail}")
     if plan.requests:
         out.append("requests: " + ", ".join(f"{k}={v}" for k, v in sorted(plan.requests.items())))
     out += [f"note: {n}" for n in plan.notes]

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from memstrata.api import strata
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
@@ -93,7 +94,7 @@ def resident_state_bytes(plan: Plan) -> int:
 
 def resident_weight_bytes(plan: Plan) -> int:
     """16-bit weights each rank keeps in DRAM (or CXL) although some spill to NVMe (per rank, as above)."""
-    kept = sum(_bytes(plan, ("weights",), s) for s in ("hbm", "dram", "cxl"))
+    kept = sum(_bytes(plan, ("weights",), s.name) for s in strata.registry() if s.addressable)
     return kept // plan.ranks_per_node
 
 

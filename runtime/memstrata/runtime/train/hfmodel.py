@@ -1,7 +1,7 @@
 """The model: a `transformers` causal LM, from a Hugging Face directory or a preset's config, built into
 ZeRO-3 partitions.
 
-One path for both: a preset becomes a `transformers` config (GPT-2, Llama or Qwen2) with random weights;
+One path for both: a preset becomes the `transformers` config its family declares, with random weights;
 a directory's `config.json` is read as written. Either way the model is constructed under
 `deepspeed.zero.Init` (through `transformers`' own ZeRO-3 integration, which for a preset also draws the
 random weights on gathered parameters), so every module's parameters are partitioned - and, with
@@ -110,26 +110,13 @@ def read_model_dir(path: Path, declared: ModelArchitecture | None = None) -> Mod
     return ModelDir(path=path, architecture=arch, shards=shards)
 
 
-# A preset has no tokenizer of its own (it trains on bytes or synthetic data), so no token id is special to it.
-_NO_SPECIAL_TOKENS: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-
-
 def preset_config(arch: ModelArchitecture, sequence_length: int) -> "PretrainedConfig":
-    """The `transformers` config of a preset shape (random weights are drawn at build time)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    """The `transformers` config of a preset shape, as its family declares it (random weights are drawn at
+    build time)."""
+    from transformers import AutoConfig
 
-    if arch.family == "gpt":
-        return GPT2Config(vocab_size=arch.vocab, n_positions=arch.max_positions, n_embd=arch.hidden,
-                          n_layer=arch.layers, n_head=arch.heads, n_inner=arch.intermediate,
-                          activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                          tie_word_embeddings=arch.tied, use_cache=False, **_NO_SPECIAL_TOKENS)
-    common = dict(vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
-                  num_hidden_layers=arch.layers, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
-                  max_position_embeddings=max(sequence_length, 2048), tie_word_embeddings=arch.tied,
-                  use_cache=False, **_NO_SPECIAL_TOKENS)
-    if arch.qkv_bias:
-        return Qwen2Config(**common)
-    return LlamaConfig(**common)
+    model_type, kwargs = arch.spec.preset_config(arch, sequence_length)
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def random_model(arch: ModelArchitecture, sequence_length: int, seed: int) -> "PreTrainedModel":

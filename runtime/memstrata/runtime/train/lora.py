@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from memstrata.api.finetunejob import OutputStatus
 from memstrata.api.architecture import Family, ModelArchitecture
+from memstrata.api.families import family as family_of
 from memstrata.api.lora import Lora, check_targets
 from memstrata.runtime.train.export import atomic_output, check_output_path, module_tensors, write_hf_model, write_run_file
 
@@ -97,7 +98,8 @@ def add_adapters(model: "PreTrainedModel", lora: Lora, family: Family, *, seed: 
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
                         lora_dropout=lora.dropout,
                         target_modules=lora.targets(family), task_type="CAUSAL_LM",
-                        fan_in_fan_out=family == "gpt")  # GPT-2's Conv1D stores its weight transposed
+                        # GPT-2's Conv1D stores its weight transposed: its family says so.
+                        fan_in_fan_out=family_of(family).lora_fan_in_fan_out)
     # A is drawn from the job's seed (B starts at zero), so a run is reproducible; `deepspeed.initialize` then
     # partitions the adapters like any parameter built outside zero.Init, broadcasting rank 0's values.
     torch.manual_seed(seed)

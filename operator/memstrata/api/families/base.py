@@ -1,0 +1,97 @@
+"""What memstrata needs of a model family, in one place: `ModelFamily`, which each family module subclasses.
+
+A family is a kind of decoder-only transformer that `transformers` builds (GPT-2's blocks, Llama's, Gemma's):
+how its shape is read from a Hugging Face config, how many parameters each part has and in what tensors (the
+planner's layout, which the memstrata engine's sub-groups follow), which linear modules LoRA may target, its
+presets, the bytes a layer and the LM head keep for backward, and the `transformers` config a preset becomes.
+Pure arithmetic and data (no torch), so the operator can plan with it; the runtime reads the same declarations.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from memstrata.api.architecture import ModelArchitecture
+
+__all__ = ["ModelFamily", "Linear"]
+
+Linear = tuple[str, int, int]  # (module name, in_features, out_features)
+
+
+class ModelFamily:
+    """One family's declarations. Subclasses set the class attributes and override what differs; one instance
+    per family sits in the registry (memstrata.api.families.FAMILIES), keyed by `name`."""
+
+    name: ClassVar[str]
+    title: ClassVar[str]  # how messages name a model of the family
+    # Hugging Face `model_type`s read as this family (config.json's own word for its class).
+    model_types: ClassVar[frozenset[str]]
+    # Model types with a bias on Q/K/V only, whatever their config says about `attention_bias`.
+    qkv_bias_model_types: ClassVar[frozenset[str]] = frozenset()
+    # What `tie_word_embeddings` is when config.json does not say (transformers omits its class's default).
+    tied_by_default: ClassVar[bool] = False
+    # The MLP width when config.json has none, as a multiple of hidden (None: it must say).
+    default_intermediate_ratio: ClassVar[int | None] = None
+    # A learned position table of max_positions rows: the sequence length may not exceed it.
+    learned_positions: ClassVar[bool] = False
+    # PEFT's own default targets for the family (peft.utils.constants).
+    lora_defaults: ClassVar[tuple[str, ...]]
+    # The linear modules store their weight transposed (GPT-2's Conv1D): PEFT must be told.
+    lora_fan_in_fan_out: ClassVar[bool] = False
+    # Preset name -> ModelArchitecture fields (family aside): shapes the CRD offers as spec.model.preset.
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    # --- shape from a config ---------------------------------------------------------------------------------
+    def qkv_bias(self, model_type: str, config: dict[str, Any]) -> bool:
+        """Whether a config's Q/K/V projections carry biases."""
+        return model_type in self.qkv_bias_model_types or bool(config.get("attention_bias", False))
+
+    # --- parameters ------------------------------------------------------------------------------------------
+    def embedding_params(self, arch: "ModelArchitecture") -> int:
+        return arch.vocab * arch.hidden
+
+    def attention_params(self, arch: "ModelArchitecture") -> int:
+        h, kv = arch.hidden, arch.kv_dim
+        return 2 * h * h + 2 * h * kv + ((h + 2 * kv) if arch.qkv_bias else 0)
+
+    def mlp_params(self, arch: "ModelArchitecture") -> int:
+        return 3 * arch.hidden * arch.intermediate
+
+    def norm_params(self, arch: "ModelArchitecture") -> int:
+        """One norm's parameters."""
+        return arch.hidden
+
+    def largest_param(self, arch: "ModelArchitecture") -> int:
+        """Elements of the largest parameter tensor (embedding/head, MLP matrix or position table)."""
+        return arch.largest_tensor()
+
+    def tensor_sizes(self, arch: "ModelArchitecture") -> list[int]:
+        """Elements of every parameter tensor of the `transformers` model for `arch`, in `model.parameters()`
+        order (shared tensors once): the planner's layout, which the memstrata engine's sub-groups follow."""
+        raise NotImplementedError
+
+    # --- LoRA ------------------------------------------------------------------------------------------------
+    def layer_linears(self, arch: "ModelArchitecture") -> list[Linear]:
+        """(name, in_features, out_features) of one transformer layer's linear modules, in `model.parameters()`
+        order: the modules LoRA may target."""
+        raise NotImplementedError
+
+    # --- activations -----------------------------------------------------------------------------------------
+    def layer_activation_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+        """Bytes one transformer layer saves for backward per token, in a training precision of w bytes, as
+        `transformers`' layers with sdpa attention save them."""
+        raise NotImplementedError
+
+    def head_input_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+        """Bytes per token the final norm and the LM head keep of the last hidden state."""
+        raise NotImplementedError
+
+    # --- the runtime's model ---------------------------------------------------------------------------------
+    def preset_config(self, arch: "ModelArchitecture", sequence_length: int) -> tuple[str, dict[str, Any]]:
+        """The `transformers` model type and config arguments of a model of shape `arch` (random weights are
+        drawn at build time): what `AutoConfig.for_model` takes. No token id is special to a preset."""
+        raise NotImplementedError
+
+
+# A preset has no tokenizer of its own (it trains on bytes or synthetic data), so no token id is special to it.
+NO_SPECIAL_TOKENS: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}

@@ -1,0 +1,66 @@
+"""Every model family is one module of memstrata.api.families, and the rest of the API asks its registry: a
+Gemma config.json reads as a Gemma shape, the CRD offers its family and preset, and the planner counts what
+Gemma's norms keep (measured against a real model in tests/runtime/test_family_activations.py)."""
+from __future__ import annotations
+
+import pytest
+
+from memstrata.api.architecture import PRESETS, ModelArchitecture
+from memstrata.api.crd import generate_crd
+from memstrata.api.families import FAMILIES, family_of_model_type
+from memstrata.api.hfconfig import architecture_from_config
+from memstrata.api.lora import Lora, adapter_tensor_sizes
+from memstrata.plan.accounting import head_input_bytes, layer_activation_bytes
+
+# Gemma-2B's config.json as `transformers` saves it (its tie_word_embeddings default, true, left out).
+GEMMA_2B = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_size": 2048,
+            "intermediate_size": 16384, "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 256000, "max_position_embeddings": 8192,
+            "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def test_a_gemma_config_reads_as_the_gemma_family_tied_unless_it_says_otherwise() -> None:
+    arch = architecture_from_config(GEMMA_2B)
+    assert arch.family == "gemma" and arch.tied and not arch.qkv_bias
+    assert arch == PRESETS["gemma-2b"].model_copy(update={"max_positions": 8192})
+    assert not architecture_from_config({**GEMMA_2B, "tie_word_embeddings": False}).tied
+
+
+def test_model_types_no_family_names_are_read_as_llama_as_before() -> None:
+    assert family_of_model_type("phi3").name == "llama"
+    assert family_of_model_type("qwen2").name == "llama" and family_of_model_type("gpt2").name == "gpt"
+
+
+def test_the_crd_offers_every_registered_family_and_preset() -> None:
+    spec = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    schema = spec["properties"]["model"]
+    assert schema["properties"]["architecture"]["properties"]["family"]["enum"] == list(FAMILIES) \
+        == ["gpt", "llama", "gemma"]
+    assert "gemma-2b" in schema["properties"]["preset"]["enum"]
+
+
+def test_an_unknown_family_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown family 'phi'.*gpt, llama, gemma"):
+        ModelArchitecture(family="phi", layers=1, hidden=8, intermediate=8, heads=2, kv_heads=2, vocab=8)
+
+
+def test_gemma_2b_counts_by_hand() -> None:
+    """h 2048, i 16384, 8 heads of 256, one KV head (kv 256), vocab 256000, tied.
+    Parameters: 256000·2048 + 18·(2·2048² + 2·2048·256 + 3·2048·16384 + 2·2048) + 2048 = 2,506,172,416.
+    A layer in bf16 a token: Gemma's two norms 2·(8h + 4) = 32,776; 4hw = 16,384; 2·kv·w = 1,024; 4n = 32;
+    2·(h/n)·w = 1,024; 4iw = 131,072: 182,312 (Llama's norms would keep 2·(4h + 4 + hw) = 24,584: 8,192 less).
+    The head's input: (8 + w)·h = 20,480."""
+    arch = PRESETS["gemma-2b"]
+    assert arch.parameters() == 2_506_172_416
+    assert layer_activation_bytes(arch, 2) == 182_312
+    as_llama = arch.model_copy(update={"family": "llama"})
+    assert layer_activation_bytes(arch, 2) - layer_activation_bytes(as_llama, 2) == 8_192
+    assert layer_activation_bytes(arch, 4) == layer_activation_bytes(as_llama, 4), "fp32: no copy to count"
+    assert head_input_bytes(arch, 2) == 20_480
+
+
+def test_gemma_lora_targets_are_its_separate_projections() -> None:
+    arch = PRESETS["gemma-2b"]
+    assert adapter_tensor_sizes(arch, Lora(rank=8)) == [8 * 2048, 2048 * 8, 8 * 2048, 256 * 8] * 18
+    with pytest.raises(ValueError, match="c_attn: not a linear module of a Gemma model's layers"):
+        adapter_tensor_sizes(arch, Lora(target_modules=["c_attn"]))
