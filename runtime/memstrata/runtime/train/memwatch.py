@@ -74,10 +74,30 @@ def _hwm(pid: int) -> int:
     return 0
 
 
-def _pss(pid: int) -> int:
+def _rollup(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            key, _, value = line.partition(":")
+            out[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _own_pss(pid: int) -> int:
+    """Anonymous and shared-memory pages by PSS: split only among the processes that hold them, which here are the
+    tree's own (copy-on-write after a fork, shared memory between ranks), never another program's."""
+    rollup = _rollup(pid)
+    if "Pss_Anon" not in rollup:  # a kernel before 5.14 has no split: all of PSS
+        return rollup.get("Pss", 0)
+    return rollup["Pss_Anon"] + rollup.get("Pss_Shmem", 0)
+
+
+def _rss_file(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssFile:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
@@ -87,22 +107,24 @@ def _pss(pid: int) -> int:
 def tree_rss(root: int) -> int:
     """Resident bytes of `root` plus those of all its descendants.
 
-    With descendants every process counts by PSS, not RSS: a child forked from a
-    1 GB trainer (a compiler probe, DeepSpeed's `numactl --hardware`) shares all
-    its pages with the parent until it execs, and RSS would count them twice (the
-    root's RSS plus the child's PSS still counts them one and a half times). Alone,
-    the root counts by RSS, which is the same there and far cheaper to read.
+    With descendants: the root's file pages (its libraries: torch's alone are about 0.5 GB) once, as its RSS counts
+    them, plus every process's anonymous and shared memory by PSS. A child forked from a 1 GB trainer (a compiler
+    probe, DeepSpeed's `numactl --hardware`) shares all its pages with the parent until it execs: RSS would count
+    them twice, PSS splits them between the two. File pages are not taken by PSS, which divides a library's pages
+    among every process on the machine that maps it, so the tree's sum moved by hundreds of MB with whatever else ran
+    (two memwatch tests failed beside another torch process); the ranks map the root's libraries. Alone, the root
+    counts by RSS, the same and far cheaper to read.
     """
     children = _children(root)
     if not children:
         return _rss(root)
-    total, todo, seen = 0, [root], set()
+    total, todo, seen = _rss_file(root), [root], set()
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        total += _pss(pid)
+        total += _own_pss(pid)
         todo += _children(pid)
     return total
 
