@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from pydantic import Field, ValidationError
 
 from memstrata.api.base import ApiModel
-from memstrata.api.manifest import describe_validation_error
+from memstrata.api.validation import describe_validation_error
 from memstrata.api.strataplan import Plan
 
 

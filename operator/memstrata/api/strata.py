@@ -11,16 +11,14 @@ resource object in memstrata.nodeagent.devices and a capacity rule in memstrata.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
 from memstrata.api.units import GiB
-
-if TYPE_CHECKING:
-    from memstrata.api.inventory import NodeInventory
 
 __all__ = ["REGISTRY", "RESOURCE_CXL_GIB", "RESOURCE_GPU", "RESOURCE_NVME", "RESOURCE_PREFIX", "Bandwidth",
            "Stratum", "default_bandwidth", "names", "preferred_strata", "registry", "stratum", "titles",
@@ -38,6 +36,41 @@ class Bandwidth(ApiModel):
 
     read: float = Field(gt=0)
     write: float = Field(gt=0)
+
+
+class _Gpu(Protocol):
+    @property
+    def hbm_bytes(self) -> int: ...
+
+
+class _Namespace(Protocol):
+    @property
+    def size_bytes(self) -> int: ...
+
+
+class _CxlNode(Protocol):
+    @property
+    def memory_bytes(self) -> int: ...
+
+
+class NodeInventory(Protocol):
+    """What a descriptor reads of a node (memstrata.api.inventory.NodeInventory has it all): typed here, so that
+    the inventory, which takes its bandwidth defaults from this registry, is not imported back."""
+
+    @property
+    def gpus(self) -> Sequence[_Gpu]: ...
+
+    @property
+    def free_namespaces(self) -> Sequence[_Namespace]: ...
+
+    @property
+    def cxl_nodes(self) -> Sequence[_CxlNode]: ...
+
+    @property
+    def dram_bytes(self) -> int: ...
+
+    @property
+    def cxl_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)

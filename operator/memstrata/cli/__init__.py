@@ -95,7 +95,7 @@ def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJ
     from pydantic import ValidationError
 
     from memstrata.api.finetunejob import FineTuneJobSpec
-    from memstrata.api.manifest import describe_validation_error
+    from memstrata.api.validation import describe_validation_error
 
     wire = spec.wire()
     if args.model is not None:
@@ -124,7 +124,7 @@ def _with_shape(file: Path, spec: "FineTuneJobSpec",
     from pydantic import ValidationError
 
     from memstrata.api.hfconfig import ModelConfigError
-    from memstrata.api.manifest import describe_validation_error
+    from memstrata.api.validation import describe_validation_error
 
     try:
         return resolve(spec)

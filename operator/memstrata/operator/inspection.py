@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping
 from pydantic import ValidationError
 
 from memstrata.api.architecture import ModelArchitecture
-from memstrata.api.manifest import describe_validation_error
+from memstrata.api.validation import describe_validation_error
 from memstrata.operator import names
 from memstrata.operator.observe import JobView, PodView
 from memstrata.operator.render import (

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import FineTuneJobSpec
-from memstrata.api.manifest import describe_validation_error
+from memstrata.api.validation import describe_validation_error
 from memstrata.api.report import format_duration
 from memstrata.operator import gang, inspection
 from memstrata.operator.announce import announce

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from memstrata.api.finetunejob import FineTuneJobSpec
-from memstrata.api.manifest import describe_validation_error
+from memstrata.api.validation import describe_validation_error
 from memstrata.api.strataplan import Plan
 from memstrata.operator.bookkeeping import read as read_bookkeeping
 from memstrata.operator.names import LABEL_ATTEMPT, LABEL_NODE_RANK, LABEL_ROLE, ROLE_INSPECT

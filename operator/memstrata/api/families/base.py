@@ -8,12 +8,32 @@ Pure arithmetic and data (no torch), so the operator can plan with it; the runti
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from memstrata.api.architecture import ModelArchitecture
+__all__ = ["ModelFamily", "Linear", "Shape"]
 
-__all__ = ["ModelFamily", "Linear"]
+
+class Shape(Protocol):
+    """What a family reads of a model's shape (memstrata.api.architecture.ModelArchitecture has it all): typed
+    here, so that the architecture, which asks the families, is not imported back."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    max_positions: int
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def kv_dim(self) -> int: ...
+
+    def largest_tensor(self) -> int: ...
 
 Linear = tuple[str, int, int]  # (module name, in_features, out_features)
 
@@ -47,47 +67,47 @@ class ModelFamily:
         return model_type in self.qkv_bias_model_types or bool(config.get("attention_bias", False))
 
     # --- parameters ------------------------------------------------------------------------------------------
-    def embedding_params(self, arch: "ModelArchitecture") -> int:
+    def embedding_params(self, arch: Shape) -> int:
         return arch.vocab * arch.hidden
 
-    def attention_params(self, arch: "ModelArchitecture") -> int:
+    def attention_params(self, arch: Shape) -> int:
         h, kv = arch.hidden, arch.kv_dim
         return 2 * h * h + 2 * h * kv + ((h + 2 * kv) if arch.qkv_bias else 0)
 
-    def mlp_params(self, arch: "ModelArchitecture") -> int:
+    def mlp_params(self, arch: Shape) -> int:
         return 3 * arch.hidden * arch.intermediate
 
-    def norm_params(self, arch: "ModelArchitecture") -> int:
+    def norm_params(self, arch: Shape) -> int:
         """One norm's parameters."""
         return arch.hidden
 
-    def largest_param(self, arch: "ModelArchitecture") -> int:
+    def largest_param(self, arch: Shape) -> int:
         """Elements of the largest parameter tensor (embedding/head, MLP matrix or position table)."""
         return arch.largest_tensor()
 
-    def tensor_sizes(self, arch: "ModelArchitecture") -> list[int]:
+    def tensor_sizes(self, arch: Shape) -> list[int]:
         """Elements of every parameter tensor of the `transformers` model for `arch`, in `model.parameters()`
         order (shared tensors once): the planner's layout, which the memstrata engine's sub-groups follow."""
         raise NotImplementedError
 
     # --- LoRA ------------------------------------------------------------------------------------------------
-    def layer_linears(self, arch: "ModelArchitecture") -> list[Linear]:
+    def layer_linears(self, arch: Shape) -> list[Linear]:
         """(name, in_features, out_features) of one transformer layer's linear modules, in `model.parameters()`
         order: the modules LoRA may target."""
         raise NotImplementedError
 
     # --- activations -----------------------------------------------------------------------------------------
-    def layer_activation_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+    def layer_activation_bytes(self, arch: Shape, w: int) -> int:
         """Bytes one transformer layer saves for backward per token, in a training precision of w bytes, as
         `transformers`' layers with sdpa attention save them."""
         raise NotImplementedError
 
-    def head_input_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+    def head_input_bytes(self, arch: Shape, w: int) -> int:
         """Bytes per token the final norm and the LM head keep of the last hidden state."""
         raise NotImplementedError
 
     # --- the runtime's model ---------------------------------------------------------------------------------
-    def preset_config(self, arch: "ModelArchitecture", sequence_length: int) -> tuple[str, dict[str, Any]]:
+    def preset_config(self, arch: Shape, sequence_length: int) -> tuple[str, dict[str, Any]]:
         """The `transformers` model type and config arguments of a model of shape `arch` (random weights are
         drawn at build time): what `AutoConfig.for_model` takes. No token id is special to a preset."""
         raise NotImplementedError

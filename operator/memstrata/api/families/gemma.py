@@ -4,12 +4,11 @@ embedding scaled by sqrt(hidden) and the LM head tied to it. What differs for me
 keep for backward; Gemma-2's and -3's extra norms and logit soft-capping are other families."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from memstrata.api.families.base import Shape
 from memstrata.api.families.llama import Llama
 
-if TYPE_CHECKING:
-    from memstrata.api.architecture import ModelArchitecture
 
 
 class Gemma(Llama):
@@ -24,13 +23,13 @@ class Gemma(Llama):
         "gemma-2b": dict(layers=18, hidden=2048, intermediate=16384, heads=8, kv_heads=1, vocab=256000, tied=True),
     }
 
-    def norm_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+    def norm_bytes(self, arch: Shape, w: int) -> int:
         """Gemma's RMSNorm normalizes and scales in fp32 and casts last: it keeps its fp32 input (4h), rsqrt (4 B)
         and fp32 normalized output (4h), whatever the training precision (measured with torch's saved-tensor
         hooks on transformers 5.23: 2·(4 - w)·h more a layer than Llama's in bf16, equal in fp32)."""
         return 8 * arch.hidden + 4
 
-    def preset_config(self, arch: "ModelArchitecture", sequence_length: int) -> tuple[str, dict[str, Any]]:
+    def preset_config(self, arch: Shape, sequence_length: int) -> tuple[str, dict[str, Any]]:
         return "gemma", {**self.common_config(arch, sequence_length), "head_dim": arch.head_dim,
                          "hidden_activation": "gelu_pytorch_tanh"}
 

@@ -2,12 +2,10 @@
 q/k/v/o projections without biases (Q/K/V biases in Qwen2), grouped-query attention, a 3-matrix SwiGLU MLP."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from memstrata.api.families.base import NO_SPECIAL_TOKENS, Linear, ModelFamily
+from memstrata.api.families.base import NO_SPECIAL_TOKENS, Linear, ModelFamily, Shape
 
-if TYPE_CHECKING:
-    from memstrata.api.architecture import ModelArchitecture
 
 
 class Llama(ModelFamily):
@@ -28,7 +26,7 @@ class Llama(ModelFamily):
         "mistral-7b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000),
     }
 
-    def tensor_sizes(self, arch: "ModelArchitecture") -> list[int]:
+    def tensor_sizes(self, arch: Shape) -> list[int]:
         """q/k/v/o apart (Q/K/V biases in Qwen2), then gate/up/down, then two RMSNorms; the final norm."""
         h, i, kv, v = arch.hidden, arch.intermediate, arch.kv_dim, arch.vocab
         head = [] if arch.tied else [v * h]
@@ -38,17 +36,17 @@ class Llama(ModelFamily):
         layer = attention + [i * h, i * h, h * i, h, h]
         return [v * h] + layer * arch.layers + [h] + head
 
-    def layer_linears(self, arch: "ModelArchitecture") -> list[Linear]:
+    def layer_linears(self, arch: Shape) -> list[Linear]:
         h, i, kv = arch.hidden, arch.intermediate, arch.kv_dim
         return [("q_proj", h, h), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", h, h),
                 ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
 
-    def norm_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+    def norm_bytes(self, arch: Shape, w: int) -> int:
         """What one RMSNorm keeps a token: its input upcast to fp32 (4h), its fp32 rsqrt (4 B) and its
         normalized output (hw), which the weight's gradient needs."""
         return 4 * arch.hidden + 4 + arch.hidden * w
 
-    def layer_activation_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+    def layer_activation_bytes(self, arch: Shape, w: int) -> int:
         """Both RMSNorms' (`norm_bytes`); the q/k/v projections share their input (hw); the rotated query (hw),
         key and value (2·kv·w: sdpa takes grouped-query attention without repeating them); sdpa's output, which
         o_proj keeps (hw), and its fp32 log-sum-exp (4n); the rotary cos and sin (2·(h/n)·w); the MLP's input
@@ -60,14 +58,14 @@ class Llama(ModelFamily):
         rest = 4 * h * w + 2 * arch.kv_dim * w + 4 * n + 2 * arch.head_dim * w + 4 * i * w
         return 2 * self.norm_bytes(arch, w) + rest
 
-    def head_input_bytes(self, arch: "ModelArchitecture", w: int) -> int:
+    def head_input_bytes(self, arch: Shape, w: int) -> int:
         """The final RMSNorm's (`norm_bytes`, its rsqrt aside) and the head's input (hw): (4 + 2w)·h."""
         return self.norm_bytes(arch, w) - 4 + arch.hidden * w
 
-    def preset_config(self, arch: "ModelArchitecture", sequence_length: int) -> tuple[str, dict[str, Any]]:
+    def preset_config(self, arch: Shape, sequence_length: int) -> tuple[str, dict[str, Any]]:
         return "qwen2" if arch.qkv_bias else "llama", self.common_config(arch, sequence_length)
 
-    def common_config(self, arch: "ModelArchitecture", sequence_length: int) -> dict[str, Any]:
+    def common_config(self, arch: Shape, sequence_length: int) -> dict[str, Any]:
         """The config arguments every Llama-style model type takes by these names."""
         return dict(vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
                     num_hidden_layers=arch.layers, num_attention_heads=arch.heads,

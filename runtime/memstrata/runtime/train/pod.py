@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from memstrata.api.finetunejob import GROUP, PLURAL, VERSION, FineTuneJob, WorkerStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
-from memstrata.api.manifest import describe_validation_error
+from memstrata.api.validation import describe_validation_error
 from memstrata.api.report import RuntimeReport
 from memstrata.api.runtimeconfig import (
     ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_NAME, ENV_NODE_RANK, ENV_POD_NAME, ENV_RUNTIME_CONFIG,
