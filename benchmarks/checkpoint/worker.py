@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from memstrata.api import load_job
     from memstrata.node.local import local_inventory
     from memstrata.plan import plan_job
-    from memstrata.runtime.train import checkpoint as ckmod
-    from memstrata.runtime.train import ckptstore
+    from memstrata.runtime.train.checkpoints import checkpoint as ckmod
+    from memstrata.runtime.train.checkpoints import ckptstore
     from memstrata.runtime.train.recipe import FineTuneRecipe
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -19,7 +19,7 @@ rank writes and reads only its own files, named by its rank, in the one step
 directory; rank 0 creates that directory and writes the manifest, the marker
 and the rename once every rank's files are in. Whether a checkpoint is due,
 whether it was written and which one to resume from are decided together
-(memstrata.runtime.train.ckptgroup): the ranks never disagree about a step.
+(memstrata.runtime.train.checkpoints.ckptgroup): the ranks never disagree about a step.
 """
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.checkpoint import (FORMAT, FileDigest, Identity, Manifest, group_file, identity_mismatches,
                                       rank_file)
 from memstrata.api.finetunejob import Checkpoint, CheckpointStatus
-from memstrata.runtime.train import ckptstore
-from memstrata.runtime.train.ckptgroup import Group, agree, outcome
-from memstrata.runtime.train.ckptstore import CheckpointError, CheckpointWriteError, Found
-from memstrata.runtime.train.tensorfile import TensorFile
+from memstrata.runtime.train.checkpoints import ckptstore
+from memstrata.runtime.train.checkpoints.ckptgroup import Group, agree, outcome
+from memstrata.runtime.train.checkpoints.ckptstore import CheckpointError, CheckpointWriteError, Found
+from memstrata.runtime.train.model.tensorfile import TensorFile
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Resumed", "capture_rng", "restore_rng"]
 
