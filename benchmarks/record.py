@@ -57,7 +57,7 @@ def run_watched(cmd: list[str], repo: Path, timeout: float, preexec: Callable[[]
     """Run `cmd` on the CPU from `repo` with its sources on the path, the RSS of its whole process tree sampled
     every 20 ms from outside; past `timeout` it is asked to stop (a torch elastic agent passes SIGTERM on to its
     workers), then killed. `preexec` runs in the child before exec (e.g. joining a capped cgroup)."""
-    from memstrata.runtime.train.memwatch import MemWatch
+    from memstrata.runtime.train.observe.memwatch import MemWatch
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
            "PYTHONPATH": f"{repo / 'runtime'}:{repo / 'operator'}:" + os.environ.get("PYTHONPATH", "")}

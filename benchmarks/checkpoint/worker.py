@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from memstrata.api import load_job
     from memstrata.node.local import local_inventory
     from memstrata.plan import plan_job
-    from memstrata.runtime.train import checkpoint as ckmod
-    from memstrata.runtime.train import ckptstore
+    from memstrata.runtime.train.checkpoints import checkpoint as ckmod
+    from memstrata.runtime.train.checkpoints import ckptstore
     from memstrata.runtime.train.recipe import FineTuneRecipe
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return digest
 
     ckptstore.write_tensors = timed_write  # checkpoint.py calls it as ckptstore.write_tensors
-    real_read, real_release, real_fill = ckmod._SubGroups.read, ckmod._SubGroups.release, ckmod._SubGroups.write
+    real_read, real_release, real_fill = ckmod.SubGroups.read, ckmod.SubGroups.release, ckmod.SubGroups.write
 
     def timed_read(self: Any, i: int) -> Any:
         before, t0 = rss(), time.perf_counter()
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         out.setdefault("fills", []).append({"group": i, "seconds": time.perf_counter() - t0, "rss_before": before,
                                             "rss_after": rss(), "mem_after": mem()})
 
-    ckmod._SubGroups.read, ckmod._SubGroups.release, ckmod._SubGroups.write = timed_read, timed_release, timed_fill
+    ckmod.SubGroups.read, ckmod.SubGroups.release, ckmod.SubGroups.write = timed_read, timed_release, timed_fill
 
     def save(engine: Any, **kw: Any) -> Any:
         previous = phases.enter("checkpoint")

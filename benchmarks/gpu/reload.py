@@ -14,7 +14,7 @@ def main() -> int:
 
     from memstrata.api import load_job
     from memstrata.cli.modelshape import with_model_shape
-    from memstrata.runtime.train.data import ByteTokenizer, build_data, load_tokenizer
+    from memstrata.runtime.train.data.pipeline import ByteTokenizer, build_data, load_tokenizer
 
     model_dir, job_path = Path(sys.argv[1]), Path(sys.argv[2])
     device = torch.device("cpu" if "--cpu" in sys.argv[3:] else "cuda")

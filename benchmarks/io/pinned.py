@@ -59,7 +59,7 @@ def param_numels(preset: str) -> list[tuple[str, int]]:
     """(name, numel) of every parameter tensor, in registration order (the order ZeRO-3 packs sub-groups)."""
     import torch
 
-    from memstrata.runtime.train.hfmodel import random_model
+    from memstrata.runtime.train.model.hfmodel import random_model
 
     with torch.device("meta"):
         model = random_model(PRESETS[preset], 2048, seed=0)

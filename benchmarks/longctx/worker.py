@@ -33,7 +33,7 @@ DS_CPU_CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": Tru
 def replace_checkpointing(mode: str) -> None:
     """Wrap hfmodel.build_model (the recipe imports it when it builds the engine) so the model it returns
     checkpoints its layers through `mode`'s function instead."""
-    import memstrata.runtime.train.hfmodel as hfmodel
+    import memstrata.runtime.train.model.hfmodel as hfmodel
 
     built = hfmodel.build_model
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         import torch
 
-        from memstrata.runtime.train.device import hbm_peak_bytes
+        from memstrata.runtime.train.observe.device import hbm_peak_bytes
 
         # What the process held on the device (reserved by torch's allocator, and outside it: context, NCCL), and
         # what its tensors held at most, for comparison with figures that report only the latter.

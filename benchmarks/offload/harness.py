@@ -113,7 +113,7 @@ def build_zero3(arch: Any, cfg: dict[str, Any], args: argparse.Namespace, swap: 
 
     import torch
 
-    from memstrata.runtime.train.hfmodel import build_model, preset_config
+    from memstrata.runtime.train.model.hfmodel import build_model, preset_config
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
     layer = None
@@ -179,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepspeed
     from memstrata.api.architecture import PRESETS
-    from memstrata.runtime.train.hfmodel import random_model
+    from memstrata.runtime.train.model.hfmodel import random_model
 
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchronizer
+    from memstrata.runtime.train.observe.device import PhaseClock, hbm_peak_bytes, synchronizer
 
     torch.set_num_threads(os.cpu_count() or 1)
     mem = PhaseMemory()

@@ -35,7 +35,7 @@ NAME = "resumable"
 STEPS = 16
 EVERY = 2
 KILL_AFTER = 4  # the first attempt is killed once it has reported a checkpoint at this step or later
-PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+)\b")  # memstrata.runtime.train.progress.ProgressBar, off a terminal
+PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+)\b")  # train.observe.progress.ProgressBar, off a terminal
 LOSS_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss ([0-9.]+)\b")
 CHECKPOINT_LINE = re.compile(r"^memstrata: checkpoint at step (\d+):")
 

@@ -30,7 +30,7 @@ def main() -> None:
 
     from memstrata.api.architecture import PRESETS
     from memstrata.runtime import initialize
-    from memstrata.runtime.train.hfmodel import random_model
+    from memstrata.runtime.train.model.hfmodel import random_model
 
     arch = PRESETS["gpt-tiny"]
     model = random_model(arch, 32, 1234)

@@ -42,7 +42,7 @@ def main() -> None:
 
     from memstrata.api.architecture import PRESETS
     from memstrata.runtime import initialize
-    from memstrata.runtime.train.hfmodel import random_model
+    from memstrata.runtime.train.model.hfmodel import random_model
 
     torch.manual_seed(0)
     arch = PRESETS["gpt-tiny"]

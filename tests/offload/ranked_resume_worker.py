@@ -26,7 +26,7 @@ from typing import Any
 
 def fail_writes(step: int) -> None:
     """This rank's checkpoint volume is full at `step`: its first file write there fails with ENOSPC."""
-    from memstrata.runtime.train import ckptstore
+    from memstrata.runtime.train.checkpoints import ckptstore
 
     write = ckptstore.write_tensors
 

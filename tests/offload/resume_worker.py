@@ -85,7 +85,7 @@ def arm(recipe: Any, phase: str, step: int, marker: Path) -> None:
 
             swapper.aio_handle = Handle()
     elif phase == "checkpoint":
-        from memstrata.runtime.train import ckptstore
+        from memstrata.runtime.train.checkpoints import ckptstore
 
         write = ckptstore.write_tensors
 

@@ -70,7 +70,7 @@ def transformers_loss(model_dir: Path, precision: str, validation: Path) -> floa
     from transformers import AutoModelForCausalLM
 
     from memstrata.api.finetunejob import Dataset, Training
-    from memstrata.runtime.train.data import build_data, load_tokenizer
+    from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
 
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()

@@ -94,7 +94,7 @@ def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[li
     from transformers import AutoModelForCausalLM
 
     from memstrata.api.finetunejob import Dataset, Training
-    from memstrata.runtime.train.data import build_data, load_tokenizer
+    from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
 
     training = Training(sequence_length=64, micro_batch=2, steps=STEPS, seed=7)
     data = build_data(Dataset(path=str(DATA), format="messages", validation_path=str(validation)), training,

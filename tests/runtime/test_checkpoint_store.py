@@ -14,8 +14,8 @@ from safetensors import safe_open  # noqa: E402
 
 from memstrata.api.checkpoint import Identity, Manifest, identity_mismatches  # noqa: E402
 from memstrata.api.finetunejob import Checkpoint  # noqa: E402
-from memstrata.runtime.train import ckptstore  # noqa: E402
-from memstrata.runtime.train.ckptstore import CheckpointError  # noqa: E402
+from memstrata.runtime.train.checkpoints import ckptstore  # noqa: E402
+from memstrata.runtime.train.checkpoints.ckptstore import CheckpointError  # noqa: E402
 
 IDENTITY = Identity(memstrata_version="0.1.0", model={"layers": 2, "hidden": 128}, precision="bf16", world_size=1,
                     sub_groups=[100, 28])
@@ -126,7 +126,7 @@ def test_when_a_checkpoint_is_due(spec: dict[str, object], step: int, minutes: f
 
 def test_a_path_that_lost_the_checkpoints_the_status_reported_fails_rather_than_starting_over(tmp_path: Path) -> None:
     from memstrata.api.architecture import PRESETS
-    from memstrata.runtime.train.checkpoint import Checkpointer
+    from memstrata.runtime.train.checkpoints.checkpoint import Checkpointer
 
     spec = Checkpoint(path=str(tmp_path / "ck"))
     ck = Checkpointer(spec, job="j", job_uid="u", arch=PRESETS["gpt-tiny"], precision="bf16", engine_name="memstrata",
@@ -167,9 +167,9 @@ from pathlib import Path
 import torch.distributed as dist
 from memstrata.api.architecture import PRESETS
 from memstrata.api.finetunejob import Checkpoint
-from memstrata.runtime.train import ckptstore
-from memstrata.runtime.train.checkpoint import Checkpointer, CheckpointError
-from memstrata.runtime.train.ckptgroup import Group, agree
+from memstrata.runtime.train.checkpoints import ckptstore
+from memstrata.runtime.train.checkpoints.checkpoint import Checkpointer, CheckpointError
+from memstrata.runtime.train.checkpoints.ckptgroup import Group, agree
 
 dist.init_process_group("gloo")
 rank, root = dist.get_rank(), Path(sys.argv[1])

@@ -6,7 +6,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from memstrata.runtime.train.loss import IGNORE_INDEX, chunked_cross_entropy, install_chunked_loss
+from memstrata.runtime.train.model.loss import IGNORE_INDEX, chunked_cross_entropy, install_chunked_loss
 
 VOCAB, SEQ = 1000, 96
 
@@ -100,7 +100,7 @@ def test_a_head_that_is_not_a_plain_linear_layer_is_refused() -> None:
 
 
 def test_logits_are_made_a_chunk_at_a_time_in_forward_and_again_in_backward(monkeypatch) -> None:
-    from memstrata.runtime.train import loss as loss_module
+    from memstrata.runtime.train.model import loss as loss_module
 
     rows: list[int] = []
     real = loss_module._chunk_sum
@@ -122,7 +122,7 @@ def test_logits_are_made_a_chunk_at_a_time_in_forward_and_again_in_backward(monk
 def test_models_whose_own_loss_is_more_than_the_heads_are_refused() -> None:
     from transformers import CohereConfig, GPT2Config, GraniteConfig, LlamaConfig, MixtralConfig
 
-    from memstrata.runtime.train.loss import chunked_loss_refusal
+    from memstrata.runtime.train.model.loss import chunked_loss_refusal
 
     assert chunked_loss_refusal(LlamaConfig()) is None
     assert chunked_loss_refusal(GPT2Config()) is None

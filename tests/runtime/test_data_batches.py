@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
 from memstrata.api.finetunejob import Dataset, Training  # noqa: E402
-from memstrata.runtime.train.data import ByteTokenizer, DatasetError, FileData, build_data  # noqa: E402
-from memstrata.runtime.train.encode import encode_record  # noqa: E402
-from memstrata.runtime.train.records import PromptCompletion  # noqa: E402
-from memstrata.runtime.train.stream import epochs  # noqa: E402
+from memstrata.runtime.train.data.pipeline import ByteTokenizer, DatasetError, FileData, build_data  # noqa: E402
+from memstrata.runtime.train.data.encode import encode_record  # noqa: E402
+from memstrata.runtime.train.data.records import PromptCompletion  # noqa: E402
+from memstrata.runtime.train.data.stream import epochs  # noqa: E402
 
 BYTES = ByteTokenizer()
 BOS, EOS, PAD = ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD

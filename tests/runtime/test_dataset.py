@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
 from memstrata.api.finetunejob import Dataset, Training  # noqa: E402
-from memstrata.runtime.train.data import ByteTokenizer, SyntheticData, TrainData, build_data  # noqa: E402
+from memstrata.runtime.train.data.pipeline import ByteTokenizer, SyntheticData, TrainData, build_data  # noqa: E402
 
 
 def build_dataset(kind: str, sequence_length: int, seed: int, validation_split: float = 0.0) -> TrainData:

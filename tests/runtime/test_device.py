@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memstrata.runtime.train.device import PhaseClock
+from memstrata.runtime.train.observe.device import PhaseClock
 from memstrata.runtime.train.preflight import RecipeError, accelerator_env, on_gpu_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_the_hbm_peak_counts_what_torch_reserved_and_what_lives_outside_it(monke
     llama3.2-1b run allocated at most 8.4 GB of tensors while the process held 18.8 GB of the device."""
     import torch
 
-    from memstrata.runtime.train.device import hbm_peak_bytes
+    from memstrata.runtime.train.observe.device import hbm_peak_bytes
 
     GB = 10**9
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GB, 80 * GB))  # 20 GB used now

@@ -12,7 +12,7 @@ from torch.autograd.graph import saved_tensors_hooks  # noqa: E402
 
 from memstrata.api.architecture import ModelArchitecture  # noqa: E402
 from memstrata.plan.accounting import head_input_bytes, layer_activation_bytes  # noqa: E402
-from memstrata.runtime.train.hfmodel import random_model  # noqa: E402
+from memstrata.runtime.train.model.hfmodel import random_model  # noqa: E402
 
 
 def _shape(family: str) -> ModelArchitecture:

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed: run `make install`")
 
 from memstrata.api.lora import Lora  # noqa: E402
-from memstrata.runtime.train.lora import LoraError, check_target_modules, linear_module_names  # noqa: E402
+from memstrata.runtime.train.model.lora import LoraError, check_target_modules, linear_module_names  # noqa: E402
 
 GOOD = """apiVersion: memstrata.dev/v1alpha1
 kind: FineTuneJob

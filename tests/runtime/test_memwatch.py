@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from memstrata.runtime.train.memwatch import MemWatch, cgroup_peak_files, dir_usage, process_io, tree_rss
+from memstrata.runtime.train.observe.memwatch import MemWatch, cgroup_peak_files, dir_usage, process_io, tree_rss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))  # skip loudly, fail under CI=true
 from native_helpers import child_env, unavailable  # noqa: E402
@@ -102,7 +102,7 @@ def test_in_a_pods_cgroup_two_ranks_peak_is_the_cgroups_own() -> None:
     if cap is None:
         unavailable(f"no memory cgroup can be made here: {why}")
     script = ("import json, subprocess, sys, time\n"
-              "from memstrata.runtime.train.memwatch import MemWatch, own_cgroup_peak\n"
+              "from memstrata.runtime.train.observe.memwatch import MemWatch, own_cgroup_peak\n"
               "watch = MemWatch(None, interval=0.01, cgroup=True).start()\n"
               "rank = 'b = bytearray(200 << 20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(0.5)'\n"
               "ranks = [subprocess.Popen([sys.executable, '-c', 'import time; ' + rank]) for _ in range(2)]\n"

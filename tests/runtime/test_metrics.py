@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memstrata.runtime.train.metrics import METRICS_FILE, MetricsError, MetricsWriter, check_metrics_dir
-from memstrata.runtime.train.metrics import StepResult
+from memstrata.runtime.train.observe.metrics import METRICS_FILE, MetricsError, MetricsWriter, check_metrics_dir
+from memstrata.runtime.train.observe.metrics import StepResult
 
 REPO = Path(__file__).resolve().parents[2]
 

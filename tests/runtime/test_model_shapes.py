@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: run `make i
 from memstrata.api.architecture import PRESETS, ModelArchitecture  # noqa: E402
 from memstrata.api.hfconfig import architecture_from_config, config_mismatches  # noqa: E402
 from memstrata.plan.stock import largest_param, param_tensors  # noqa: E402
-from memstrata.runtime.train.hfmodel import random_model  # noqa: E402
+from memstrata.runtime.train.model.hfmodel import random_model  # noqa: E402
 
 SHAPES = {
     "gpt-tiny": PRESETS["gpt-tiny"],

@@ -7,7 +7,7 @@ import pytest
 from rich.console import Console
 
 from memstrata.api.report import RuntimeReport, StratumCounters
-from memstrata.runtime.train.progress import LossSummary, ProgressBar, RunReport, render_report
+from memstrata.runtime.train.observe.progress import LossSummary, ProgressBar, RunReport, render_report
 
 
 def test_loss_summary_compares_first_and_last_five() -> None:
@@ -61,7 +61,7 @@ def test_report_prints_loss_trend_bytes_and_phases() -> None:
 
 def test_report_fits_100_columns_and_shows_validation_output_and_sample() -> None:
     from memstrata.api.finetunejob import OutputStatus
-    from memstrata.runtime.train.progress import Sample
+    from memstrata.runtime.train.observe.progress import Sample
 
     losses = [2.0, 1.5, 1.0, 0.5, 0.3]
     report = RunReport(

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: run `make i
 
 from memstrata.api.finetunejob import Dataset, FineTuneJobSpec, Resources, Training, WorkerStatus  # noqa: E402
 from memstrata.api.report import RuntimeReport  # noqa: E402
-from memstrata.runtime.train.data import ByteTokenizer, build_data  # noqa: E402
+from memstrata.runtime.train.data.pipeline import ByteTokenizer, build_data  # noqa: E402
 
 TRAINING = Training.model_validate({"sequenceLength": 32, "microBatch": 2, "steps": 4, "seed": 7})
 

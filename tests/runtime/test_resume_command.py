@@ -13,8 +13,8 @@ from memstrata.api import load_job
 from memstrata.api.checkpoint import Identity, Manifest
 
 pytest.importorskip("torch")
-from memstrata.runtime.train import ckptstore  # noqa: E402
-from memstrata.runtime.train.checkpoint import memstrata_version  # noqa: E402
+from memstrata.runtime.train.checkpoints import ckptstore  # noqa: E402
+from memstrata.runtime.train.checkpoints.checkpoint import memstrata_version  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "finetune-tiny.yaml"
 

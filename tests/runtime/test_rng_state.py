@@ -8,7 +8,7 @@ import base64
 import pytest
 import torch
 
-from memstrata.runtime.train.checkpoint import capture_rng, restore_rng
+from memstrata.runtime.train.checkpoints.engine_state import capture_rng, restore_rng
 
 
 class _VisibleGpus:

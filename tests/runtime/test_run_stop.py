@@ -22,7 +22,7 @@ from native_helpers import _loop_unavailable, attach_loop, unavailable  # noqa: 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "finetune-tiny.yaml"
 # Owns each directory named on its command line (made after its owner file, as a run makes its own), then waits.
-HOLDER = ("import pathlib, sys, time\nfrom memstrata.runtime.train.owner import own\nheld = []\n"
+HOLDER = ("import pathlib, sys, time\nfrom memstrata.runtime.train.model.owner import own\nheld = []\n"
           "for name in sys.argv[1:]:\n    held.append(own(pathlib.Path(name)))\n    pathlib.Path(name).mkdir()\n"
           "    (pathlib.Path(name) / 'state').write_bytes(b'x' * 4096)\nprint('held', flush=True)\ntime.sleep(600)\n")
 # `memstrata run` in this process, then which of its threads and files are still open.

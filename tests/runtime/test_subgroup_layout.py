@@ -14,7 +14,7 @@ def _real_sizes(name: str) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memstrata.runtime.train.hfmodel import preset_config
+    from memstrata.runtime.train.model.hfmodel import preset_config
 
     with torch.device("meta"):  # shapes only: no memory, no random init
         model = AutoModelForCausalLM.from_config(preset_config(PRESETS[name], 128))

@@ -31,6 +31,15 @@ log = logging.getLogger("memstrata.operator")
 def build_registry(reconciler: Reconciler, config: OperatorConfig,
                    elector: Elector | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
+    _register_lifecycle(registry, reconciler, config, elector)
+    _register_indices(registry)
+    _register_events(registry, reconciler)
+    return registry
+
+
+def _register_lifecycle(registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorConfig,
+                        elector: Elector | None) -> None:
+    """Startup, cleanup and login: the reconciler and the leader election start and stop with Kopf."""
     election: list[asyncio.Task[None]] = []
 
     @kopf.on.startup(registry=registry)
@@ -56,6 +65,9 @@ def build_registry(reconciler: Reconciler, config: OperatorConfig,
         # Kopf and the reconciler must reach the same API server as the same identity.
         return kopf.ConnectionInfo(**reconciler.kube.credentials())
 
+
+def _register_indices(registry: kopf.OperatorRegistry) -> None:
+    """The node and pod indices, which Kopf fills before any other handler runs."""
     @kopf.index("", "v1", "nodes", registry=registry, id="node_index")  # the id names the kwarg
     def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
         return {name: node_view(body)}
@@ -65,6 +77,9 @@ def build_registry(reconciler: Reconciler, config: OperatorConfig,
         use = pod_use(body)
         return {use.node: use} if use else {}
 
+
+def _register_events(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
+    """Events of jobs, their pods and nodes: each enqueues a job or wakes the waiting ones."""
     def bind(kwargs: Mapping[str, Any]) -> None:
         # Kopf hands its indices over as kwargs named by the index ids; they are live views,
         # so binding them once is enough and binding again is harmless.
@@ -94,5 +109,3 @@ def build_registry(reconciler: Reconciler, config: OperatorConfig,
     @kopf.on.event("", "v1", "nodes", registry=registry)
     async def node_event(**_: Any) -> None:
         reconciler.wake_waiting()
-
-    return registry

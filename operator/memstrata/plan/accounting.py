@@ -182,7 +182,7 @@ def build_transient(job: JobShape) -> int:
 
     The runtime builds the model under DeepSpeed's zero.Init, which partitions each module's parameters
     as soon as it is constructed, then streams the checkpoint in from safetensors one module's tensors
-    at a time (memstrata.runtime.train.hfmodel.load_weights). So each rank holds at most, transiently,
+    at a time (memstrata.runtime.train.model.hfmodel.load_weights). So each rank holds at most, transiently,
     one layer's 16-bit parameters (the module being built or loaded) plus the largest tensor read from
     the shard and converted, counted in fp32 since a checkpoint may be stored in fp32:
         per rank = layer_params · weight_bytes + largest_tensor · 4.

@@ -174,14 +174,6 @@ class ExtentSwapHandle:
             raise first
         return done
 
-    def sync_pwrite(self, buffer: torch.Tensor, path: str) -> int:
-        self.async_pwrite(buffer, path)
-        return self.wait()
-
-    def sync_pread(self, buffer: torch.Tensor, path: str) -> int:
-        self.async_pread(buffer, path)
-        return self.wait()
-
     def new_cpu_locked_tensor(self, numel: int, example: torch.Tensor) -> torch.Tensor:
         return self.pool.tensor(int(numel), example.dtype)
 
@@ -191,12 +183,6 @@ class ExtentSwapHandle:
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return self.pool.owns(t)
-
-    def get_block_size(self) -> int:
-        return self.engine.max_io_bytes if self.engine is not None else 1 << 20
-
-    def get_queue_depth(self) -> int:
-        return 32
 
     # -- memstrata additions ---------------------------------------------------------------------
     def forget(self, path: str) -> None:

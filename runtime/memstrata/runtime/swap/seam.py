@@ -208,7 +208,7 @@ SEAM: tuple[Dependency, ...] = (
                params=("input",)),
     Dependency(Kind.CALLED, _Z3, "get_param_id", "keys of grad_position and of the swapper's state",
                params=("param",)),
-    # -- checkpoints (memstrata.runtime.train.checkpoint): sub-groups brought in and put back as a step does --
+    # -- checkpoints (train.checkpoints.checkpoint): sub-groups brought in and put back as a step does --
     Dependency(Kind.CALLED, _Z3, "_optimizer_states_and_gradient_swap_in", "a checkpoint reads a sub-group's state "
                "through it", params=_SUBGROUP),
     Dependency(Kind.CALLED, _Z3, "_release_swap_buffers", "a checkpoint releases what it read, writing nothing back",
@@ -221,8 +221,8 @@ SEAM: tuple[Dependency, ...] = (
     Dependency(Kind.ATTRIBUTE, "deepspeed.ops.adam.DeepSpeedCPUAdam", "opt_id", "which C++ optimizer that is",
                set_in="__init__"),
     Dependency(Kind.CALLED, "deepspeed.comm", "get_world_size", "a checkpoint records the world size", params=()),
-    # -- the one transformers internal (train.hfmodel): its public activation_checkpointing_enable only takes torch's
-    # checkpoint, and the offloaded checkpoints need their own function around it (swap.activations) --
+    # -- the one transformers internal (train.model.hfmodel): its public activation_checkpointing_enable takes
+    # only torch's checkpoint, and the offloaded checkpoints need their own function around it (swap.activations) --
     Dependency(Kind.CALLED, "transformers.modeling_utils.PreTrainedModel", "_set_gradient_checkpointing",
                "installs ActivationOffload.checkpoint as every layer's checkpoint function",
                params=("enable", "gradient_checkpointing_func")),

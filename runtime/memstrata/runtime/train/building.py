@@ -14,7 +14,7 @@ from memstrata.api.lora import Lora
 from memstrata.runtime.swap.layer import SwapSettings
 from memstrata.runtime.swap.protocols import TrainingEngine
 from memstrata.runtime.train.dsconfig import DsConfig
-from memstrata.runtime.train.hfmodel import ModelDir
+from memstrata.runtime.train.model.hfmodel import ModelDir
 from memstrata.runtime.train.launch import free_port
 from memstrata.runtime.train.preflight import RecipeError, accelerator_env
 from memstrata.runtime.train.schedule import build_scheduler
@@ -58,8 +58,8 @@ def build_engine(ds: DsConfig, training: Training, arch: ModelArchitecture, *, d
     the transformers model as soon as it exists, before the engine (a failed initialize leaves it to clean up)."""
     import contextlib
 
-    from memstrata.runtime.train.hfmodel import build_model, load_weights, preset_config
-    from memstrata.runtime.train.lora import add_adapters
+    from memstrata.runtime.train.model.hfmodel import build_model, load_weights, preset_config
+    from memstrata.runtime.train.model.lora import add_adapters
 
     t = training
     config = hf_config if hf_config is not None else preset_config(arch, t.sequence_length)
@@ -80,7 +80,7 @@ def build_engine(ds: DsConfig, training: Training, arch: ModelArchitecture, *, d
             if model_dir is not None:
                 load_weights(model, model_dir)
         if loss_chunk_tokens:
-            from memstrata.runtime.train.loss import install_chunked_loss
+            from memstrata.runtime.train.model.loss import install_chunked_loss
 
             try:
                 install_chunked_loss(model, loss_chunk_tokens)
@@ -103,7 +103,7 @@ def _initialize(model: Any, ds: DsConfig, training: Training, layer: Any) -> Tra
 
     import deepspeed
 
-    from memstrata.runtime.train.lora import trainable
+    from memstrata.runtime.train.model.lora import trainable
 
     # DeepSpeed calls this with its basic optimizer, steps the scheduler after every applied optimizer step and
     # keeps it as engine.lr_scheduler (saved in its checkpoints).

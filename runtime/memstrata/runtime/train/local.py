@@ -27,13 +27,13 @@ from memstrata.api.finetunejob import FineTuneJob, ResultStatus, WorkerStatus
 from memstrata.api.inventory import Gpu
 from memstrata.api.report import RuntimeReport
 from memstrata.api.strataplan import Plan
-from memstrata.runtime.train.data import DatasetError
-from memstrata.runtime.train.hfmodel import ModelDirError
+from memstrata.runtime.train.data.pipeline import DatasetError
+from memstrata.runtime.train.model.hfmodel import ModelDirError
 from memstrata.runtime.train.launch import (LaunchError, Ranks, Terminated, launch, local_rendezvous, stop_on_sigterm,
                                             worker_setup)
-from memstrata.runtime.train.memwatch import MemWatch
-from memstrata.runtime.train.metrics import MetricsError, MetricsWriter, StepResult
-from memstrata.runtime.train.progress import ProgressBar, Sample, render_report
+from memstrata.runtime.train.observe.memwatch import MemWatch
+from memstrata.runtime.train.observe.metrics import MetricsError, MetricsWriter, StepResult
+from memstrata.runtime.train.observe.progress import ProgressBar, Sample, render_report
 from memstrata.runtime.train.preflight import RecipeError
 from memstrata.runtime.train.recipe import FineTuneRecipe, TrainResult
 from memstrata.runtime.train.runreport import NodeReport, build_report, close_all, step_status

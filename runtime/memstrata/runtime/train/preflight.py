@@ -18,11 +18,11 @@ from memstrata.api.checkpoint import run_fingerprint
 from memstrata.api.finetunejob import FineTuneJobSpec, OutputStatus, Training
 from memstrata.api.lora import Lora
 from memstrata.api.strataplan import Engine, Plan
-from memstrata.runtime.train.checkpoint import CheckpointError, Checkpointer, Found
-from memstrata.runtime.train.export import OutputPathError, check_output_path, finished_output
-from memstrata.runtime.train.hfmodel import ModelDir, ModelDirError, read_model_dir
+from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, Checkpointer, Found
+from memstrata.runtime.train.model.export import OutputPathError, check_output_path, finished_output
+from memstrata.runtime.train.model.hfmodel import ModelDir, ModelDirError, read_model_dir
 from memstrata.runtime.train.launch import LaunchError, Ranks
-from memstrata.runtime.train.metrics import MetricsError, check_metrics_dir
+from memstrata.runtime.train.observe.metrics import MetricsError, check_metrics_dir
 
 __all__ = ["RecipeError", "accelerator_env", "check_adapter", "checkpoints", "engine_of", "hf_config",
            "loss_chunk_tokens", "on_gpu_for", "rank_of", "read_inputs", "visible_gpus"]
@@ -103,8 +103,8 @@ def check_adapter(spec: FineTuneJobSpec, config: Any, arch: ModelArchitecture, *
     adapter = spec.training.adapter()
     if adapter is None:
         return None
-    from memstrata.runtime.train.hfmodel import preset_config
-    from memstrata.runtime.train.lora import LoraError, check_lora
+    from memstrata.runtime.train.model.hfmodel import preset_config
+    from memstrata.runtime.train.model.lora import LoraError, check_lora
 
     try:
         check_lora(config or preset_config(arch, spec.training.sequence_length), adapter, arch, preset=preset,
@@ -120,7 +120,7 @@ def loss_chunk_tokens(training: Training, config: Any) -> int:
     the job set is refused."""
     if not training.loss_chunk_tokens or config is None:
         return training.loss_chunk_tokens
-    from memstrata.runtime.train.loss import chunked_loss_refusal
+    from memstrata.runtime.train.model.loss import chunked_loss_refusal
 
     why = chunked_loss_refusal(config)
     if why is None:

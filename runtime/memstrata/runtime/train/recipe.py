@@ -14,7 +14,7 @@ One process is one rank. Alone (world size 1) it sets up its own process group;
 started by a launcher (memstrata.runtime.train.launch: torch elastic, which
 sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT) it is one of `Ranks.world`: it trains on its own share of the
-micro-batches (memstrata.runtime.train.data, the module doc), on cuda:LOCAL_RANK
+micro-batches (memstrata.runtime.train.data.pipeline, the module doc), on cuda:LOCAL_RANK
 on a GPU node, with a swap directory and DRAM cache slice of its own, and every
 number it reports (loss, tokens, validation loss) is the whole world's.
 """
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from memstrata.api.finetunejob import FineTuneJob, OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
-from memstrata.runtime.train.checkpoint import CheckpointError, CheckpointWriteError, Resumed
-from memstrata.runtime.train.data import ByteTokenizer, TrainData, build_data, load_tokenizer
-from memstrata.runtime.train.export import reclaim_partials
-from memstrata.runtime.train.metrics import StepResult
+from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
+from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data, load_tokenizer
+from memstrata.runtime.train.model.export import reclaim_partials
+from memstrata.runtime.train.observe.metrics import StepResult
 from memstrata.runtime.train.launch import world_sum
-from memstrata.runtime.train.owner import Ownership, own, reclaim
-from memstrata.runtime.train.device import PhaseClock, hbm_peak_bytes, synchronizer
+from memstrata.runtime.train.model.owner import Ownership, own, reclaim
+from memstrata.runtime.train.observe.device import PhaseClock, hbm_peak_bytes, synchronizer
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.preflight import (
     RecipeError, check_adapter, checkpoints, engine_of, hf_config, loss_chunk_tokens, on_gpu_for, rank_of, read_inputs,
@@ -122,12 +122,12 @@ class FineTuneRecipe:
         self.ds: DsConfig | None = None
         self.engine: TrainingEngine | None = None
         self.phases = Phases()
-        self.hbm_peak_bytes = 0  # the device memory held at its peak so far (GPU runs; memstrata.runtime.train.device)
+        self.hbm_peak_bytes = 0  # the device memory held at its peak so far (GPU runs; train.observe.device)
 
     # --- setup ------------------------------------------------------------------------------------
     def _reclaim(self) -> None:
         """Remove the scratch directories and partial outputs of runs that died without cleaning up (never a
-        live run's: memstrata.runtime.train.owner)."""
+        live run's: memstrata.runtime.train.model.owner)."""
         out = self.spec.output
         left = reclaim(self.swap_dir.parent, SWAP_DIR_PREFIX) + (reclaim_partials(Path(out.path)) if out else [])
         for path in left:
@@ -173,7 +173,7 @@ class FineTuneRecipe:
         existed), and a rank that starts afresh while another resumes would meet it in different collectives."""
         if self.checkpointer is None or self.ranks.world == 1:
             return
-        from memstrata.runtime.train.ckptgroup import Group
+        from memstrata.runtime.train.checkpoints.ckptgroup import Group
 
         found = Group().gather(self.found is not None)
         if any(found) and not all(found):
@@ -317,7 +317,7 @@ class FineTuneRecipe:
     def save(self, step: int, validation_loss: float | None) -> OutputStatus | None:
         """Write the fine-tuned model to spec.output.path (None when the job has no output, and on every rank but
         0, which only takes part in the gathers)."""
-        from memstrata.runtime.train.export import join_save, save_model
+        from memstrata.runtime.train.model.export import join_save, save_model
 
         out = self.spec.output
         if out is None:
@@ -329,7 +329,7 @@ class FineTuneRecipe:
         dtype = self._dtype()
         tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
         if self.adapter is not None:
-            from memstrata.runtime.train import lora
+            from memstrata.runtime.train.model import lora
 
             if not self.ranks.leader:
                 lora.join_save(self.engine.module, self.adapter)

@@ -9,9 +9,9 @@ from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.launch import node_sums
-from memstrata.runtime.train.memwatch import MemWatch
-from memstrata.runtime.train.metrics import StepResult
-from memstrata.runtime.train.progress import LossSummary, RunReport
+from memstrata.runtime.train.observe.memwatch import MemWatch
+from memstrata.runtime.train.observe.metrics import StepResult
+from memstrata.runtime.train.observe.progress import LossSummary, RunReport
 from memstrata.runtime.train.recipe import FineTuneRecipe, TrainResult
 from memstrata.runtime.train.schedule import describe
 
@@ -74,7 +74,7 @@ def _strata(watch: MemWatch, swap: SwapStatus | None, hbm: int = 0) -> dict[str,
     """Per stratum. Stock: the process tree's block I/O and the swap folder's size, watched from outside.
     memstrata: its NVMe engine's own counters (bytes through its namespaces, state live on them), and the
     activation checkpoints' pool when the plan put them on CXL. On a GPU, `hbm`: the device memory the process
-    held at its peak (memstrata.runtime.train.device)."""
+    held at its peak (memstrata.runtime.train.observe.device)."""
     on_gpu = {"hbm": StratumCounters(peak_bytes=hbm)} if hbm else {}
     return {**on_gpu, **_host_strata(watch, swap)}
 

@@ -23,8 +23,8 @@ from pydantic import ValidationError
 
 from memstrata.api.checkpoint import (MANIFEST, MARKER, FileDigest, Manifest, file_rank, parse_step_dir,
                                       step_dir_name)
-from memstrata.runtime.train.export import fsync_dir
-from memstrata.runtime.train.tensorfile import DTYPE_NAMES
+from memstrata.runtime.train.model.export import fsync_dir
+from memstrata.runtime.train.model.tensorfile import DTYPE_NAMES
 
 if TYPE_CHECKING:
     import torch

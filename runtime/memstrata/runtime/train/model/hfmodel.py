@@ -7,7 +7,7 @@ a directory's `config.json` is read as written. Either way the model is construc
 random weights on gathered parameters), so every module's parameters are partitioned - and, with
 `offload_param: nvme`, swapped out - as soon as the module exists. A directory's weights are then
 streamed in one safetensors shard at a time, one module's tensors at a time: each is read from the
-shard (plain reads, never a mapping: memstrata.runtime.train.tensorfile), its partitions gathered, copied and
+shard (plain reads, never a mapping: memstrata.runtime.train.model.tensorfile), its partitions gathered, copied and
 re-partitioned. The host never holds the whole
 model, in fp32 or otherwise.
 """
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.hfconfig import ModelConfigError, architecture_from_config, config_mismatches
-from memstrata.runtime.train.tensorfile import TensorFile, TensorFileError
+from memstrata.runtime.train.model.tensorfile import TensorFile, TensorFileError
 
 if TYPE_CHECKING:
     import torch

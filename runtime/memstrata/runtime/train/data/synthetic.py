@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from memstrata.runtime.train.tokenizer import ByteTokenizer
+from memstrata.runtime.train.data.tokenizer import ByteTokenizer
 
 __all__ = ["SyntheticKind", "COPY_ALPHABET", "EXAMPLES", "copy_example", "arithmetic_example", "synthetic_block"]
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstrata.api.finetunejob import OutputStatus
-from memstrata.runtime.train.hfmodel import INDEX, SINGLE
-from memstrata.runtime.train.owner import Ownership, own, reclaim
+from memstrata.runtime.train.model.hfmodel import INDEX, SINGLE
+from memstrata.runtime.train.model.owner import Ownership, own, reclaim
 
 if TYPE_CHECKING:
     import torch

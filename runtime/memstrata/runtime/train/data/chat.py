@@ -13,8 +13,8 @@ model stops generating at the end-of-turn token and never produces it.
 """
 from __future__ import annotations
 
-from memstrata.runtime.train.records import DatasetError, Messages, RecordError
-from memstrata.runtime.train.tokenizer import Tokenizer
+from memstrata.runtime.train.data.records import DatasetError, Messages, RecordError
+from memstrata.runtime.train.data.tokenizer import Tokenizer
 
 __all__ = ["chat_spans", "chat_example", "check_chat_template"]
 

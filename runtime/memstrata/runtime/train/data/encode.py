@@ -10,9 +10,9 @@
 """
 from __future__ import annotations
 
-from memstrata.runtime.train.chat import chat_example
-from memstrata.runtime.train.records import Messages, PromptCompletion, Record, TextRecord
-from memstrata.runtime.train.tokenizer import Tokenizer
+from memstrata.runtime.train.data.chat import chat_example
+from memstrata.runtime.train.data.records import Messages, PromptCompletion, Record, TextRecord
+from memstrata.runtime.train.data.tokenizer import Tokenizer
 
 __all__ = ["Example", "encode_record"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from memstrata.runtime.train.encode import Example
+from memstrata.runtime.train.data.encode import Example
 
 if TYPE_CHECKING:
     import torch

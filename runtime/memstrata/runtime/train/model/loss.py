@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memstrata.runtime.train.packing import IGNORE as IGNORE_INDEX
+from memstrata.runtime.train.data.packing import IGNORE as IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memstrata.api.finetunejob import Dataset, Training
-from memstrata.runtime.train.chat import check_chat_template
-from memstrata.runtime.train.encode import Example, encode_record
-from memstrata.runtime.train.packing import labels_of, micro_batches, sequences, trains
-from memstrata.runtime.train.records import DatasetError, Format, Record, RecordError, read_records, scan
-from memstrata.runtime.train.stream import SHUFFLE_BUFFER, epochs, held_out
-from memstrata.runtime.train.synthetic import SyntheticKind, synthetic_block
-from memstrata.runtime.train.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from memstrata.runtime.train.data.chat import check_chat_template
+from memstrata.runtime.train.data.encode import Example, encode_record
+from memstrata.runtime.train.data.packing import labels_of, micro_batches, sequences, trains
+from memstrata.runtime.train.data.records import DatasetError, Format, Record, RecordError, read_records, scan
+from memstrata.runtime.train.data.stream import SHUFFLE_BUFFER, epochs, held_out
+from memstrata.runtime.train.data.synthetic import SyntheticKind, synthetic_block
+from memstrata.runtime.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ The output is the adapter in PEFT's format (`adapter_config.json`, `adapter_mode
 tokenizer, and with `mergeOnSave` also the merged model under `merged/`, a plain Hugging Face directory. PEFT's
 own `save_pretrained` would read the ZeRO-3 placeholders (empty tensors), so every tensor is gathered first,
 and the whole output is written like a full model's: into a temporary directory renamed into place, its run
-file last, so a retry recognises finished work (memstrata.runtime.train.export).
+file last, so a retry recognises finished work (memstrata.runtime.train.model.export).
 """
 from __future__ import annotations
 
@@ -23,7 +23,13 @@ from memstrata.api.finetunejob import OutputStatus
 from memstrata.api.architecture import Family, ModelArchitecture
 from memstrata.api.families import family as family_of
 from memstrata.api.lora import Lora, check_targets
-from memstrata.runtime.train.export import atomic_output, check_output_path, module_tensors, write_hf_model, write_run_file
+from memstrata.runtime.train.model.export import (
+    atomic_output,
+    check_output_path,
+    module_tensors,
+    write_hf_model,
+    write_run_file,
+)
 
 if TYPE_CHECKING:
     import torch

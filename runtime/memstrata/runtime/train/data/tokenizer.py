@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from memstrata.runtime.train.records import DatasetError, RecordError
+from memstrata.runtime.train.data.records import DatasetError, RecordError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

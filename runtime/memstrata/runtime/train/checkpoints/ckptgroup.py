@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from memstrata.runtime.train import ckptstore
-from memstrata.runtime.train.ckptstore import CheckpointError, CheckpointWriteError, Found
+from memstrata.runtime.train.checkpoints import ckptstore
+from memstrata.runtime.train.checkpoints.ckptstore import CheckpointError, CheckpointWriteError, Found
 
 __all__ = ["Group", "agree", "outcome"]
 
