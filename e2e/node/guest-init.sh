@@ -141,6 +141,10 @@ setup_nvme() {
   attr "/sys/block/${NS[4]}/size"
   DM_DISABLE_UDEV=1 dmsetup create --noudevsync memstrata-hold \
     --table "0 $REPLY linear /dev/${NS[4]} 0" || die "dmsetup create over /dev/${NS[4]}"
+  # What a node's udev makes of block devices (root:disk 0660; this guest has no udev): the node agent offers
+  # only what the training pod's user and group (uid 1000, group 6) can open.
+  chown 0:6 "/dev/${NS[1]}" "/dev/${NS[2]}" "/dev/${NS[3]}" "/dev/${NS[4]}" || die "chown of the namespaces"
+  chmod 0660 "/dev/${NS[1]}" "/dev/${NS[2]}" "/dev/${NS[3]}" "/dev/${NS[4]}" || die "chmod of the namespaces"
   echo "NVMe: nsid 1 free ${NS[1]}, nsid 2 ext4 ${NS[2]}, nsid 3 gpt ${NS[3]}, nsid 4 dm-held ${NS[4]}"
 }
 
