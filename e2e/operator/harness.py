@@ -254,3 +254,12 @@ def events_of(cluster: Any, ns: str, job: str) -> list[dict[str, Any]]:
 
 def apply_yaml(cluster: Any, doc: dict[str, Any], ns: str) -> str:
     return cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+
+
+def one_pod_quota(cluster: Any, ns: str) -> None:
+    """A ResourceQuota of one pod in `ns`, in force (counted by the quota controller) when this returns."""
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}}
+    apply_yaml(cluster, quota, ns)
+    # Until the quota controller has counted the namespace, admission refuses every pod.
+    wait("the quota counted", lambda: (cluster.get_json("resourcequota", "pods", "-n", ns).get("status") or {})
+         .get("hard"), timeout=60)

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from e2e.operator.harness import apply_yaml, events_of, ftj, job, kubectl_as, pods_of, token_kubeconfig, wait
+from e2e.operator.harness import (apply_yaml, events_of, ftj, job, kubectl_as, one_pod_quota, pods_of, token_kubeconfig,
+                                  wait)
 from memstrata.api.runtimeconfig import RENDEZVOUS_PORT
 from memstrata.operator import names
 
@@ -158,11 +159,7 @@ def test_a_quota_admitting_one_pod_of_two_keeps_the_attempt_and_completes_it_onc
     cluster = memstrata_cluster
     nodes.add("gang-a", dram_gib=64, gpus=1)
     nodes.add("gang-b", dram_gib=64, gpus=1)
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}}
-    apply_yaml(cluster, quota, ns)
-    # Until the quota controller has counted the namespace, admission refuses every pod.
-    wait("the quota counted", lambda: (cluster.get_json("resourcequota", "pods", "-n", ns).get("status") or {})
-         .get("hard"), timeout=60)
+    one_pod_quota(cluster, ns)
     apply_yaml(cluster, job("squeezed", resources={"gpus": 1, "nodes": 2}), ns)
     wait("squeezed says the quota stops it", lambda: "exceeded quota" in (
         _status(cluster, ns, "squeezed").get("message") or ""), timeout=60)

@@ -11,7 +11,8 @@ import pytest
 
 from e2e.operator.conftest import wait_active
 from e2e.operator.harness import (
-    SUCCEED_LABEL, apply_yaml, events_of, ftj, job, kubectl_as, mid_transition, pods_of, token_kubeconfig, wait,
+    SUCCEED_LABEL, apply_yaml, events_of, ftj, job, kubectl_as, mid_transition, one_pod_quota, pods_of,
+    token_kubeconfig, wait,
 )
 from memstrata.api import RuntimeReport, StratumCounters
 
@@ -103,11 +104,7 @@ def test_jobs_a_pod_quota_refuses_are_pending_saying_why_at_once(memstrata_clust
     cluster = memstrata_cluster
     nodes.add("quota", dram_gib=64, gpus=4)
     nodes.add("quota2", dram_gib=64, gpus=4)
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}}
-    apply_yaml(cluster, quota, ns)
-    # Until the quota controller has counted the namespace, admission refuses every pod.
-    wait("the quota counted", lambda: (cluster.get_json("resourcequota", "pods", "-n", ns).get("status") or {})
-         .get("hard"), timeout=60)
+    one_pod_quota(cluster, ns)
     start = time.monotonic()
     _submit(cluster, ns, [job(f"q{i}") for i in range(5)])
 

@@ -20,12 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("deepspeed_ready")
 
 
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("plan_memory", REPO / "benchmarks/plan/memory.py")
+def _load(name: str, path: str):  # type: ignore[no-untyped-def]
+    """A benchmark's module, by file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench():  # type: ignore[no-untyped-def]
+    return _load("plan_memory", "benchmarks/plan/memory.py")
 
 
 # gpt-125m: the largest preset that trains here in seconds, and one whose planned bytes (about 1 GiB) are
@@ -47,11 +52,7 @@ def test_peak_host_memory_stays_within_the_pods_limit(tmp_path: Path, preset: st
 
 
 def _memcap():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("memcap", REPO / "benchmarks/offload/memcap.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("memcap", "benchmarks/offload/memcap.py")
 
 
 def _chat_job(tmp_path: Path, model: Path, sequence_length: int | None, checkpointing: bool | None) -> Path:

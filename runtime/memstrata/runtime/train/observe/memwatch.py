@@ -63,15 +63,20 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def _hwm(pid: int) -> int:
-    """The kernel's exact high-water mark of one process's RSS (VmHWM): catches spikes between samples."""
+def _status_bytes(pid: int, key: str) -> int:
+    """One `key:  N kB` line of /proc/<pid>/status, in bytes (0 when the process or the line is gone)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return 0
+
+
+def _hwm(pid: int) -> int:
+    """The kernel's exact high-water mark of one process's RSS (VmHWM): catches spikes between samples."""
+    return _status_bytes(pid, "VmHWM")
 
 
 def _rollup(pid: int) -> dict[str, int]:
@@ -95,13 +100,7 @@ def _own_pss(pid: int) -> int:
 
 
 def _rss_file(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssFile:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+    return _status_bytes(pid, "RssFile")
 
 
 def tree_rss(root: int) -> int:
