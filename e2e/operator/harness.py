@@ -256,10 +256,12 @@ def apply_yaml(cluster: Any, doc: dict[str, Any], ns: str) -> str:
     return cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
 
 
-def one_pod_quota(cluster: Any, ns: str) -> None:
-    """A ResourceQuota of one pod in `ns`, in force (counted by the quota controller) when this returns."""
+def one_pod_quota(cluster: Any, ns: str) -> dict[str, Any]:
+    """A ResourceQuota of one pod in `ns`, in force (counted by the quota controller) when this returns; the
+    object, for a test to raise it."""
     quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}}
     apply_yaml(cluster, quota, ns)
     # Until the quota controller has counted the namespace, admission refuses every pod.
     wait("the quota counted", lambda: (cluster.get_json("resourcequota", "pods", "-n", ns).get("status") or {})
          .get("hard"), timeout=60)
+    return quota

@@ -159,7 +159,7 @@ def test_a_quota_admitting_one_pod_of_two_keeps_the_attempt_and_completes_it_onc
     cluster = memstrata_cluster
     nodes.add("gang-a", dram_gib=64, gpus=1)
     nodes.add("gang-b", dram_gib=64, gpus=1)
-    one_pod_quota(cluster, ns)
+    quota = one_pod_quota(cluster, ns)
     apply_yaml(cluster, job("squeezed", resources={"gpus": 1, "nodes": 2}), ns)
     wait("squeezed says the quota stops it", lambda: "exceeded quota" in (
         _status(cluster, ns, "squeezed").get("message") or ""), timeout=60)
