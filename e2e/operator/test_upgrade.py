@@ -26,7 +26,7 @@ from e2e.operator.harness import (
 pytestmark = pytest.mark.cluster
 
 kube = pytest.importorskip("kubernetes", reason="the operator's dependencies are not installed")
-from memstrata.api.finetunejob import FineTuneJobStatus  # noqa: E402
+from memstrata.api.jobstatus import FineTuneJobStatus  # noqa: E402
 from memstrata.api.strataplan import Plan  # noqa: E402
 from memstrata.operator.names import UID_SUFFIX  # noqa: E402
 

@@ -6,7 +6,7 @@ import yaml
 from pydantic import ValidationError
 
 from memstrata.api.crd import crd_yaml, generate_crd
-from memstrata.api.finetunejob import FineTuneJobStatus
+from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.strataplan import Plan
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from memstrata.api.finetunejob import FineTuneJobStatus
+from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.report import RUNTIME_STATUS_FIELDS, RuntimeReport, StratumCounters
 
 POLICY = Path(__file__).resolve().parents[2] / "charts/memstrata/templates/runtime-status-policy.yaml"
@@ -30,7 +30,7 @@ def test_the_policy_lets_the_runtime_write_exactly_its_fields() -> None:
 
 
 def test_the_runtime_reports_the_saved_model_as_status_output() -> None:
-    from memstrata.api.finetunejob import OutputStatus
+    from memstrata.api.jobstatus import OutputStatus
 
     saved = OutputStatus(path="/output/m", step=2000, files=4, bytes=16 << 30, validation_loss=1.25)
     report = RuntimeReport(stage="finished", step=2000, total_steps=2000, output=saved)

@@ -93,7 +93,8 @@ def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[li
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from memstrata.api.finetunejob import Dataset, Training
+    from memstrata.api.finetunejob import Training
+    from memstrata.api.jobdata import Dataset
     from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
 
     training = Training(sequence_length=64, micro_batch=2, steps=STEPS, seed=7)

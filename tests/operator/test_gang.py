@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from ftj_factories import at, inventory, job_dict, node_dict
 
-from memstrata.api.finetunejob import FineTuneJobStatus
+from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.runtimeconfig import RENDEZVOUS_PORT
 from memstrata.operator import gang, names, render
 from memstrata.operator.actions import CreateAttempt, Decision, DeletePods, Event, PatchStatus

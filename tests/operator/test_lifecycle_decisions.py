@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from ftj_factories import at, inventory, job_dict, node_dict, pod_dict
 
-from memstrata.api.finetunejob import FineTuneJobStatus
+from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, DeleteJob, DeletePods, Event, PatchStatus,
 )

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 
 from memstrata.api.checkpoint import Identity, Manifest, identity_mismatches  # noqa: E402
-from memstrata.api.finetunejob import Checkpoint  # noqa: E402
+from memstrata.api.jobdata import Checkpoint  # noqa: E402
 from memstrata.runtime.train.checkpoints import ckptstore  # noqa: E402
 from memstrata.runtime.train.checkpoints.ckptstore import CheckpointError  # noqa: E402
 
@@ -166,7 +166,7 @@ import json, os, sys, time
 from pathlib import Path
 import torch.distributed as dist
 from memstrata.api.architecture import PRESETS
-from memstrata.api.finetunejob import Checkpoint
+from memstrata.api.jobdata import Checkpoint
 from memstrata.runtime.train.checkpoints import ckptstore
 from memstrata.runtime.train.checkpoints.checkpoint import Checkpointer, CheckpointError
 from memstrata.runtime.train.checkpoints.ckptgroup import Group, agree

@@ -11,7 +11,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 pytest.importorskip("transformers", reason="transformers is not installed: run `make install`")
 
-from memstrata.api.finetunejob import Dataset, Training  # noqa: E402
+from memstrata.api.finetunejob import Training  # noqa: E402
+from memstrata.api.jobdata import Dataset  # noqa: E402
 from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
-from memstrata.api.finetunejob import Dataset, Training  # noqa: E402
+from memstrata.api.finetunejob import Training  # noqa: E402
+from memstrata.api.jobdata import Dataset  # noqa: E402
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, DatasetError, build_data  # noqa: E402
 
 TRAINING = Training(steps=1, sequence_length=32, micro_batch=2)

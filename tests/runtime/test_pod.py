@@ -115,7 +115,7 @@ def test_reports_are_paced_but_the_last_one_always_goes() -> None:
 
 
 def test_the_saved_model_is_reported_at_once_and_once() -> None:
-    from memstrata.api.finetunejob import OutputStatus
+    from memstrata.api.jobstatus import OutputStatus
 
     sent: list[dict[str, Any]] = []
     now = [0.0]
@@ -135,7 +135,7 @@ def test_a_new_checkpoint_is_reported_at_once_and_says_which_attempt_wrote_it() 
     that reported it: each patch names the pod's attempt and clears what an earlier attempt left in progress."""
     from datetime import datetime, timezone
 
-    from memstrata.api.finetunejob import CheckpointStatus
+    from memstrata.api.jobstatus import CheckpointStatus
 
     sent: list[dict[str, Any]] = []
     now = [0.0]

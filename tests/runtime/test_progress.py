@@ -60,7 +60,7 @@ def test_report_prints_loss_trend_bytes_and_phases() -> None:
 
 
 def test_report_fits_100_columns_and_shows_validation_output_and_sample() -> None:
-    from memstrata.api.finetunejob import OutputStatus
+    from memstrata.api.jobstatus import OutputStatus
     from memstrata.runtime.train.observe.progress import Sample
 
     losses = [2.0, 1.5, 1.0, 0.5, 0.3]

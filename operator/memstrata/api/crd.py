@@ -14,10 +14,10 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonDict
 
 from memstrata.api.architecture import PRESETS
+from memstrata.api.base import cel
 from memstrata.api.families import FAMILIES
-from memstrata.api.finetunejob import (
-    GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, FineTuneJobSpec, FineTuneJobStatus, cel,
-)
+from memstrata.api.finetunejob import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, FineTuneJobSpec
+from memstrata.api.jobstatus import FineTuneJobStatus
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},

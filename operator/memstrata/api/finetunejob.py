@@ -1,4 +1,6 @@
-"""FineTuneJob (memstrata.dev/v1alpha1): what a user applies and what the operator reports.
+"""FineTuneJob (memstrata.dev/v1alpha1): what a user applies — how to train, on what resources, with what
+memory policy. The model, data, output and volumes it names are memstrata.api.jobdata's; the status the
+operator and the job's pods report, memstrata.api.jobstatus's.
 
 The CRD in crds/ is generated from these models (`memstrata crd`); cross-field
 rules are written twice on purpose — as pydantic validators for the CLI and as
@@ -6,18 +8,18 @@ CEL `x-kubernetes-validations` for the API server — and tests hold them togeth
 """
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Final, Literal
 
 from pydantic import ConfigDict, Field, model_validator
-from pydantic.json_schema import JsonDict
 
-from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
-from memstrata.api.base import ApiModel
-from memstrata.api.jobstatus import OperatorStatus
+from memstrata.api.architecture import ModelArchitecture
+from memstrata.api.base import ApiModel, cel
+from memstrata.api.bounds import MAX_BATCH, MAX_SEED, MAX_STEPS
+from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, Dataset, ModelSource, Output, Volume, VolumeMount, under
+from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.lora import Lora, check_targets
 from memstrata.api.strataplan import Engine
-from memstrata.api.units import Bytes, GiB
+from memstrata.api.units import Bytes
 
 GROUP = "memstrata.dev"
 VERSION = "v1alpha1"
@@ -29,218 +31,6 @@ SHORT_NAMES = ["ftj"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Method = Literal["full", "lora"]
-
-
-def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
-    out: JsonDict = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    return out
-
-
-class ModelSource(ApiModel):
-    """Exactly one of `preset` or `path`. With `path`, `architecture` is optional: when absent, the operator
-    reads the shape from the directory's config.json (an inspection pod) before planning; when present, it
-    must match that file."""
-
-    preset: PresetName | None = Field(None, description="A built-in model shape, trained from random weights.")
-    path: str | None = Field(None, description="A Hugging Face-format directory (config.json, *.safetensors, "
-                                                "tokenizer.json) on a mounted volume.")
-    architecture: ModelArchitecture | None = Field(
-        None, description="The model's shape. Optional with `path`: the operator then learns it from the volume."
-    )
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.preset) != has(self.path)", "set exactly one of model.preset or model.path"),
-                cel("!has(self.preset) || !has(self.architecture)",
-                    "model.architecture is only for model.path; a preset has a fixed shape"),
-            ]
-        }
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "ModelSource":
-        if (self.preset is None) == (self.path is None):
-            raise ValueError("set exactly one of model.preset or model.path")
-        if self.preset is not None and self.architecture is not None:
-            raise ValueError("model.architecture is only for model.path; a preset has a fixed shape")
-        return self
-
-    def known_shape(self) -> ModelArchitecture | None:
-        """The shape, when the spec states it (a preset or an inline architecture); None when only the
-        model directory knows it."""
-        if self.preset is not None:
-            return PRESETS[self.preset]
-        return self.architecture
-
-    def shape(self) -> ModelArchitecture:
-        shape = self.known_shape()
-        if shape is None:
-            raise ValueError(f"model.path {self.path}: the shape is not known yet (no model.architecture, and "
-                             "the model directory has not been inspected)")
-        return shape
-
-
-DatasetFormat = Literal["auto", "text", "prompt_completion", "messages"]
-
-
-class Dataset(ApiModel):
-    """A JSONL file on a volume, or a built-in synthetic set.
-
-    Records are `{"text": ...}` (trained on every token), `{"prompt": ..., "completion": ...}` (loss on the
-    completion only) or `{"messages": [{"role": ..., "content": ...}, ...]}` (the model's chat template
-    applied, loss on the assistant turns only); `format: auto` takes the format of the first record.
-    """
-
-    synthetic: Literal["copy", "arithmetic"] | None = Field(
-        None, description="A built-in synthetic set with learnable structure."
-    )
-    path: str | None = Field(None, description="A JSONL file: one text, prompt/completion or messages record "
-                                                "per line.")
-    format: DatasetFormat = Field("auto", description="The record format; auto: that of the first record.")
-    text_field: str = Field("text", min_length=1, description="The JSONL field that holds the text (format text).")
-    packing: bool = Field(True, description="Pack examples end to end into full sequences; false: one example "
-                                            "per sequence, padded.")
-    validation_split: float = Field(0.0, ge=0, lt=0.5, description="Fraction of the records held out for "
-                                                                   "validation (chosen by record, reproducibly).")
-    validation_path: str | None = Field(None, description="A separate JSONL file for validation (instead of a "
-                                                          "split).")
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.synthetic) != has(self.path)", "set exactly one of dataset.synthetic or dataset.path"),
-                cel("!has(self.validationPath) || !has(self.validationSplit) || self.validationSplit == 0.0",
-                    "set at most one of dataset.validationSplit or dataset.validationPath"),
-            ]
-        }
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "Dataset":
-        if (self.synthetic is None) == (self.path is None):
-            raise ValueError("set exactly one of dataset.synthetic or dataset.path")
-        if self.validation_path is not None and self.validation_split:
-            raise ValueError("set at most one of dataset.validationSplit or dataset.validationPath")
-        return self
-
-
-class Output(ApiModel):
-    """Where the fine-tuned model goes: a Hugging Face directory, written atomically at the end (with
-    training.method lora: the adapter in PEFT format, and the merged model in `merged/` with lora.mergeOnSave)."""
-
-    path: str = Field(min_length=1, description="A directory that must not exist yet, on a writable volume.")
-    shard_size: Bytes = Field(2 * GiB, description="Largest safetensors shard (default 2Gi).")
-    metrics_path: str | None = Field(
-        None, min_length=1, description="Directory for metrics.jsonl (one line per step) and TensorBoard event "
-                                        "files; default: `<path>-metrics` beside the model.")
-
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
-        "!has(self.metricsPath) || !(self.metricsPath == self.path || self.metricsPath.startsWith(self.path + '/'))",
-        "output.metricsPath must not be output.path or inside it: the model directory is created whole at the end",
-        ".metricsPath")]})
-
-    @model_validator(mode="after")
-    def _metrics_outside_model(self) -> "Output":
-        if self.metrics_path is not None and _under(self.metrics_path.rstrip("/"), self.path.rstrip("/")):
-            raise ValueError("output.metricsPath must not be output.path or inside it: the model directory is "
-                             "created whole at the end")
-        return self
-
-    def metrics_dir(self) -> str:
-        return self.metrics_path or f"{self.path.rstrip('/')}-metrics"
-
-
-# Bounds on the counts of a job, far past any real one, so that a typo (steps: 1e21) is refused naming its field
-# instead of being planned, scheduled and shown with an ETA of billions of hours: ten million optimizer steps
-# (years of the fastest steps), 65,536 sequences per micro-batch or accumulation, and a seed every RNG takes
-# (numpy's are 32-bit).
-MAX_STEPS: Final = 10_000_000
-MAX_BATCH: Final = 65_536
-MAX_SEED: Final = (1 << 32) - 1
-
-
-class Checkpoint(ApiModel):
-    """Resumable training state: model (fp32 master weights), optimizer state, LR schedule, data position and
-    every RNG, in one directory per step under `path`, completed by a marker file."""
-
-    path: str = Field(min_length=1, description="A directory on a writable volume; `step-NNNNNNNN` directories "
-                                                "are written under it.")
-    every_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="A checkpoint every this many optimizer "
-                                                                           "steps.")
-    every_minutes: float | None = Field(
-        None, gt=0, description="A checkpoint when this many minutes have passed since the last one (or the "
-                                "start); with neither field set: every 30 minutes.")
-    keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are removed only after "
-                                                   "a newer one is complete.")
-
-    def due(self, step: int, minutes_since_last: float) -> bool:
-        """Whether a checkpoint is due after optimizer step `step`."""
-        if self.every_steps is not None and step % self.every_steps == 0:
-            return True
-        minutes = self.every_minutes if self.every_minutes is not None else (
-            30.0 if self.every_steps is None else None)
-        return minutes is not None and minutes_since_last >= minutes
-
-
-# What the operator itself puts in the job's pod: the runtime config's volume and where it is mounted, and
-# where the ServiceAccount token the runtime reports with is mounted. A user volume may not take these.
-OPERATOR_VOLUMES: Final = ("runtime-config",)
-OPERATOR_MOUNT_PATHS: Final = ("/etc/memstrata", "/var/run/secrets/kubernetes.io/serviceaccount")
-MAX_VOLUMES = 64
-
-
-def _under(path: str, root: str) -> bool:
-    return path.rstrip("/") == root or path.startswith(root + "/")
-
-
-class VolumeMount(ApiModel):
-    """Kubernetes' VolumeMount (the fields a training container needs)."""
-
-    name: str = Field(min_length=1, max_length=63, description="One of spec.volumes.")
-    mount_path: str = Field(min_length=1, max_length=4096, pattern=r"^/", description="An absolute path.")
-    read_only: bool = False
-    sub_path: str | None = Field(None, max_length=4096)
-
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        cel(" && ".join(f"self.mountPath != '{p}' && !self.mountPath.startsWith('{p}/')"
-                        for p in OPERATOR_MOUNT_PATHS),
-            f"mountPath must not be at or under {' or '.join(OPERATOR_MOUNT_PATHS)}: the operator mounts the "
-            "runtime config and the ServiceAccount token there", ".mountPath"),
-    ]})
-
-    @model_validator(mode="after")
-    def _not_the_operators(self) -> "VolumeMount":
-        for root in OPERATOR_MOUNT_PATHS:
-            if _under(self.mount_path, root):
-                raise ValueError(f"mountPath {self.mount_path}: must not be at or under {root}, where the "
-                                 "operator mounts the runtime config or the ServiceAccount token")
-        return self
-
-
-class Volume(ApiModel):
-    """Kubernetes' Volume: a `name` and one volume source (`persistentVolumeClaim`, `nfs`, `hostPath`, `csi`,
-    ...), passed to the pod as written; the API server validates the source when the pod is created."""
-
-    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    model_config = ConfigDict(extra="allow", json_schema_extra={
-        "x-kubernetes-preserve-unknown-fields": True,
-        "x-kubernetes-validations": [cel(
-            " && ".join(f"self.name != '{n}'" for n in OPERATOR_VOLUMES),
-            f"name must not be {' or '.join(OPERATOR_VOLUMES)}: the operator's own volume in the job's pod",
-            ".name")],
-    })
-
-    @model_validator(mode="after")
-    def _not_the_operators(self) -> "Volume":
-        if self.name in OPERATOR_VOLUMES:
-            raise ValueError(f"name {self.name!r} is the operator's own volume in the job's pod "
-                             "(the runtime config); choose another name")
-        return self
-
-
 ScheduleType = Literal["constant", "linear", "cosine"]
 
 
@@ -413,7 +203,7 @@ class FineTuneJobSpec(ApiModel):
                 raise ValueError(f"volumeMounts[{i}].mountPath: {m.mount_path} is given twice")
             paths.add(m.mount_path)
         if (self.checkpoint is not None and self.output is not None
-                and _under(self.checkpoint.path.rstrip("/"), self.output.path.rstrip("/"))):
+                and under(self.checkpoint.path.rstrip("/"), self.output.path.rstrip("/"))):
             raise ValueError("checkpoint.path must not be output.path or inside it: the model directory is created "
                              "whole at the end")
         adapter = self.training.adapter()
@@ -450,118 +240,4 @@ class FineTuneJob(ApiModel):
     kind: Literal["FineTuneJob"] = KIND
     metadata: Metadata
     spec: FineTuneJobSpec
-    status: "FineTuneJobStatus | None" = None
-
-
-# --- status ----------------------------------------------------------------------------------------
-
-Phase = Literal["Pending", "Created", "Scheduled", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
-ConditionType = Literal["Inspected", "Created", "Scheduled", "Running", "Restarting", "Succeeded", "Failed",
-                        "Suspended"]
-
-
-# What a job's pod writes into its status (api.report.RUNTIME_STATUS_FIELDS) it writes with its own token, and a
-# job may run its own code: so none of it is free text. Strings have a fixed form, maps fixed keys; what is left
-# is numbers and the job's own paths.
-DNS_NAME = r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-STRATA_KEYS: JsonDict = {"maxProperties": 4, "x-kubernetes-validations": [
-    cel("self.all(k, k in ['hbm', 'dram', 'cxl', 'nvme'])", "strata are hbm, dram, cxl and nvme")]}
-
-
-class Condition(ApiModel):
-    type: ConditionType
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: datetime
-
-
-class Progress(ApiModel):
-    step: int = Field(0, ge=0)
-    total: int = Field(0, ge=0)
-    loss: float | None = None
-    validation_loss: float | None = Field(None, description="The latest validation loss.")
-    learning_rate: float | None = None
-    resumed_from: int | None = Field(None, description="The checkpoint step this attempt resumed from.")
-    attempt: int | None = Field(None, ge=0, description="The pod attempt (0-based) that reported this progress: "
-                                                        "what a previous attempt reported is not this one's.")
-    tokens_per_second: float | None = None
-    percent: int = Field(0, ge=0, le=100)
-    eta_seconds: float | None = None
-    # Written by the job's pod, whose token a job's own code holds: no free text (DNS_NAME, above).
-    eta: str | None = Field(None, max_length=24, pattern=r"^[0-9]{1,12}(s|m[0-9]{2}s|h[0-9]{2}m)$",
-                            description="The ETA for `kubectl get ftj`, e.g. 12m30s.")
-    summary: str | None = Field(None, max_length=40, pattern=r"^[0-9]{1,15}/[0-9]{1,15} \([0-9]{1,3}%\)$",
-                                description="step/total (percent), for `kubectl get ftj`.")
-
-
-class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping fields: memstrata.api.jobstatus
-    phase: Phase | None = None
-    conditions: list[Condition] = []
-    node: str | None = None
-    nodes: list[str] | None = Field(None, description="A multi-node job's nodes by node rank, for the current "
-                                                      "or last attempt (node is node rank 0's).")
-    progress: Progress | None = None
-    peak_memory: dict[str, int] | None = Field(
-        None, description="Peak bytes per stratum, reported by the runtime: of the node of the job's rank 0, all its "
-                          "ranks together (every node's: status.workers).", json_schema_extra=STRATA_KEYS)
-    start_time: datetime | None = None
-    completion_time: datetime | None = None
-    restarts: int = 0
-    message: str | None = None
-    model_architecture: ModelArchitecture | None = Field(
-        None, description="The shape read from the model directory (when spec.model.architecture is absent).")
-    output: "OutputStatus | None" = None
-    checkpoint: "CheckpointStatus | None" = Field(None, description="The latest complete checkpoint.")
-    result: "ResultStatus | None" = Field(None, description="The final losses, once training has finished.")
-    workers: "dict[str, WorkerStatus] | None" = Field(
-        None, description="Per node of the job, keyed by its node rank (\"0\", \"1\", ...): each pod reports its "
-                          "own entry, so one pod's report never overwrites another's.",
-        json_schema_extra={"maxProperties": 64, "x-kubernetes-validations": [
-            cel("self.all(k, k.matches('^[0-9]{1,2}$'))", "workers are keyed by node rank: 0, 1, ...")]})
-
-
-class OutputStatus(ApiModel):
-    """The fine-tuned model the runtime wrote."""
-
-    path: str = Field(max_length=4096, pattern=r"^/")
-    step: int = Field(ge=0, description="The optimizer step whose weights were saved.")
-    files: int = Field(ge=0)
-    bytes: int = Field(ge=0)
-    validation_loss: float | None = None
-
-
-class CheckpointStatus(ApiModel):
-    """The latest complete checkpoint the runtime wrote."""
-
-    path: str = Field(max_length=4096, pattern=r"^/.*/step-[0-9]{8,12}$")
-    step: int = Field(ge=0)
-    time: datetime
-    bytes: int = Field(0, ge=0)
-    seconds: float = Field(0, ge=0, description="How long writing it took.")
-
-
-class WorkerStatus(ApiModel):
-    """What one pod (one node of the job) reports about itself: its ranks fold into one entry."""
-
-    pod: str = Field("", max_length=253, pattern=DNS_NAME)
-    node: str | None = Field(None, max_length=253, pattern=DNS_NAME, description="The Kubernetes node the pod runs "
-                                                                                  "on.")
-    ranks: int = Field(1, ge=1, description="Training processes in this pod.")
-    step: int = Field(0, ge=0)
-    attempt: int | None = Field(None, ge=0)
-    stage: Literal["initializing", "training", "finished", "failed"] | None = None
-    tokens_per_second: float | None = Field(None, description="This node's ranks together.")
-    peak_memory: dict[str, int] | None = Field(None, description="Peak bytes per stratum on this node (all its "
-                                                                 "ranks).", json_schema_extra=STRATA_KEYS)
-
-
-class ResultStatus(ApiModel):
-    """The final numbers of a finished run."""
-
-    steps: int = Field(ge=0)
-    train_loss: float | None = Field(None, description="The mean loss of the last step.")
-    validation_loss: float | None = None
-
-
-FineTuneJob.model_rebuild()
+    status: FineTuneJobStatus | None = None

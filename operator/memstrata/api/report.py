@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import CheckpointStatus, OutputStatus, Progress, ResultStatus, WorkerStatus
+from memstrata.api.jobstatus import CheckpointStatus, OutputStatus, Progress, ResultStatus, WorkerStatus
 
 RuntimeStage = Literal["initializing", "training", "finished", "failed"]
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping, TypeVar
 from pydantic import ValidationError
 
 from memstrata.api.base import ApiModel
-from memstrata.api.finetunejob import CheckpointStatus, Progress
+from memstrata.api.jobstatus import CheckpointStatus, Progress
 from memstrata.api.report import format_duration
 from memstrata.api.units import format_bytes
 from memstrata.operator.actions import Event

@@ -12,7 +12,8 @@ object the operator finds under one of its names but not owned by this job is ne
 """
 from __future__ import annotations
 
-from memstrata.api.finetunejob import GROUP, OPERATOR_MOUNT_PATHS, OPERATOR_VOLUMES
+from memstrata.api.finetunejob import GROUP
+from memstrata.api.jobdata import OPERATOR_MOUNT_PATHS, OPERATOR_VOLUMES
 
 FINALIZER = f"{GROUP}/cleanup"
 FIELD_MANAGER = "memstrata-operator"

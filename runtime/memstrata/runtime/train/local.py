@@ -23,7 +23,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from memstrata.api.finetunejob import FineTuneJob, ResultStatus, WorkerStatus
+from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.jobstatus import ResultStatus, WorkerStatus
 from memstrata.api.inventory import Gpu
 from memstrata.api.report import RuntimeReport
 from memstrata.api.strataplan import Plan

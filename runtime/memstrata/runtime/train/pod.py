@@ -38,7 +38,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from memstrata.api.finetunejob import GROUP, PLURAL, VERSION, FineTuneJob, WorkerStatus
+from memstrata.api.finetunejob import GROUP, PLURAL, VERSION, FineTuneJob
+from memstrata.api.jobstatus import WorkerStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.validation import describe_validation_error
 from memstrata.api.report import RuntimeReport

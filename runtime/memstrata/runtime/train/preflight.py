@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.checkpoint import run_fingerprint
-from memstrata.api.finetunejob import FineTuneJobSpec, OutputStatus, Training
+from memstrata.api.finetunejob import FineTuneJobSpec, Training
+from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.lora import Lora
 from memstrata.api.strataplan import Engine, Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, Checkpointer, Found

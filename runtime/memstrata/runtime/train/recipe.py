@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from memstrata.api.finetunejob import FineTuneJob, OutputStatus
+from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed

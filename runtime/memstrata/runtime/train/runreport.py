@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memstrata.api.finetunejob import FineTuneJob, WorkerStatus
+from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.jobstatus import WorkerStatus
 from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus

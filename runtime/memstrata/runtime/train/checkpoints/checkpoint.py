@@ -36,7 +36,8 @@ from typing import Any
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.checkpoint import (FORMAT, FileDigest, Identity, Manifest, group_file, identity_mismatches,
                                       rank_file)
-from memstrata.api.finetunejob import Checkpoint, CheckpointStatus
+from memstrata.api.jobdata import Checkpoint
+from memstrata.api.jobstatus import CheckpointStatus
 from memstrata.runtime.train.checkpoints import ckptstore
 from memstrata.runtime.train.checkpoints.ckptgroup import Group, agree, outcome
 from memstrata.runtime.train.checkpoints.ckptstore import CheckpointError, CheckpointWriteError, Found

@@ -29,7 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memstrata.api.finetunejob import Dataset, Training
+from memstrata.api.finetunejob import Training
+from memstrata.api.jobdata import Dataset
 from memstrata.runtime.train.data.chat import check_chat_template
 from memstrata.runtime.train.data.encode import Example, encode_record
 from memstrata.runtime.train.data.packing import labels_of, micro_batches, sequences, trains

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memstrata.api.finetunejob import OutputStatus
+from memstrata.api.jobstatus import OutputStatus
 from memstrata.runtime.train.model.hfmodel import INDEX, SINGLE
 from memstrata.runtime.train.model.owner import Ownership, own, reclaim
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memstrata.api.finetunejob import OutputStatus
+from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.architecture import Family, ModelArchitecture
 from memstrata.api.families import family as family_of
 from memstrata.api.lora import Lora, check_targets

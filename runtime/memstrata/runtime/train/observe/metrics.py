@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from memstrata.api.finetunejob import CheckpointStatus
+from memstrata.api.jobstatus import CheckpointStatus
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memstrata.api.finetunejob import OutputStatus
+from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.report import RuntimeReport, StratumCounters, format_duration
 from memstrata.api.units import format_bytes
 from memstrata.runtime.swap.status import SwapStatus

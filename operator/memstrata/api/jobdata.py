@@ -1,0 +1,208 @@
+"""What a FineTuneJob reads and writes: its model, its dataset, its output and checkpoints, and the volumes
+(Kubernetes' own types) that hold them, with where the operator's own volume and mounts are, which a user's
+may not take."""
+from __future__ import annotations
+
+from typing import Final, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
+from memstrata.api.base import ApiModel, cel
+from memstrata.api.bounds import MAX_STEPS
+from memstrata.api.units import Bytes, GiB
+
+
+class ModelSource(ApiModel):
+    """Exactly one of `preset` or `path`. With `path`, `architecture` is optional: when absent, the operator
+    reads the shape from the directory's config.json (an inspection pod) before planning; when present, it
+    must match that file."""
+
+    preset: PresetName | None = Field(None, description="A built-in model shape, trained from random weights.")
+    path: str | None = Field(None, description="A Hugging Face-format directory (config.json, *.safetensors, "
+                                                "tokenizer.json) on a mounted volume.")
+    architecture: ModelArchitecture | None = Field(
+        None, description="The model's shape. Optional with `path`: the operator then learns it from the volume."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.preset) != has(self.path)", "set exactly one of model.preset or model.path"),
+                cel("!has(self.preset) || !has(self.architecture)",
+                    "model.architecture is only for model.path; a preset has a fixed shape"),
+            ]
+        }
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("set exactly one of model.preset or model.path")
+        if self.preset is not None and self.architecture is not None:
+            raise ValueError("model.architecture is only for model.path; a preset has a fixed shape")
+        return self
+
+    def known_shape(self) -> ModelArchitecture | None:
+        """The shape, when the spec states it (a preset or an inline architecture); None when only the
+        model directory knows it."""
+        if self.preset is not None:
+            return PRESETS[self.preset]
+        return self.architecture
+
+    def shape(self) -> ModelArchitecture:
+        shape = self.known_shape()
+        if shape is None:
+            raise ValueError(f"model.path {self.path}: the shape is not known yet (no model.architecture, and "
+                             "the model directory has not been inspected)")
+        return shape
+
+
+DatasetFormat = Literal["auto", "text", "prompt_completion", "messages"]
+
+
+class Dataset(ApiModel):
+    """A JSONL file on a volume, or a built-in synthetic set.
+
+    Records are `{"text": ...}` (trained on every token), `{"prompt": ..., "completion": ...}` (loss on the
+    completion only) or `{"messages": [{"role": ..., "content": ...}, ...]}` (the model's chat template
+    applied, loss on the assistant turns only); `format: auto` takes the format of the first record.
+    """
+
+    synthetic: Literal["copy", "arithmetic"] | None = Field(
+        None, description="A built-in synthetic set with learnable structure."
+    )
+    path: str | None = Field(None, description="A JSONL file: one text, prompt/completion or messages record "
+                                                "per line.")
+    format: DatasetFormat = Field("auto", description="The record format; auto: that of the first record.")
+    text_field: str = Field("text", min_length=1, description="The JSONL field that holds the text (format text).")
+    packing: bool = Field(True, description="Pack examples end to end into full sequences; false: one example "
+                                            "per sequence, padded.")
+    validation_split: float = Field(0.0, ge=0, lt=0.5, description="Fraction of the records held out for "
+                                                                   "validation (chosen by record, reproducibly).")
+    validation_path: str | None = Field(None, description="A separate JSONL file for validation (instead of a "
+                                                          "split).")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.synthetic) != has(self.path)", "set exactly one of dataset.synthetic or dataset.path"),
+                cel("!has(self.validationPath) || !has(self.validationSplit) || self.validationSplit == 0.0",
+                    "set at most one of dataset.validationSplit or dataset.validationPath"),
+            ]
+        }
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Dataset":
+        if (self.synthetic is None) == (self.path is None):
+            raise ValueError("set exactly one of dataset.synthetic or dataset.path")
+        if self.validation_path is not None and self.validation_split:
+            raise ValueError("set at most one of dataset.validationSplit or dataset.validationPath")
+        return self
+
+
+class Output(ApiModel):
+    """Where the fine-tuned model goes: a Hugging Face directory, written atomically at the end (with
+    training.method lora: the adapter in PEFT format, and the merged model in `merged/` with lora.mergeOnSave)."""
+
+    path: str = Field(min_length=1, description="A directory that must not exist yet, on a writable volume.")
+    shard_size: Bytes = Field(2 * GiB, description="Largest safetensors shard (default 2Gi).")
+    metrics_path: str | None = Field(
+        None, min_length=1, description="Directory for metrics.jsonl (one line per step) and TensorBoard event "
+                                        "files; default: `<path>-metrics` beside the model.")
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "!has(self.metricsPath) || !(self.metricsPath == self.path || self.metricsPath.startsWith(self.path + '/'))",
+        "output.metricsPath must not be output.path or inside it: the model directory is created whole at the end",
+        ".metricsPath")]})
+
+    @model_validator(mode="after")
+    def _metrics_outside_model(self) -> "Output":
+        if self.metrics_path is not None and under(self.metrics_path.rstrip("/"), self.path.rstrip("/")):
+            raise ValueError("output.metricsPath must not be output.path or inside it: the model directory is "
+                             "created whole at the end")
+        return self
+
+    def metrics_dir(self) -> str:
+        return self.metrics_path or f"{self.path.rstrip('/')}-metrics"
+
+
+class Checkpoint(ApiModel):
+    """Resumable training state: model (fp32 master weights), optimizer state, LR schedule, data position and
+    every RNG, in one directory per step under `path`, completed by a marker file."""
+
+    path: str = Field(min_length=1, description="A directory on a writable volume; `step-NNNNNNNN` directories "
+                                                "are written under it.")
+    every_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="A checkpoint every this many optimizer "
+                                                                           "steps.")
+    every_minutes: float | None = Field(
+        None, gt=0, description="A checkpoint when this many minutes have passed since the last one (or the "
+                                "start); with neither field set: every 30 minutes.")
+    keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are removed only after "
+                                                   "a newer one is complete.")
+
+    def due(self, step: int, minutes_since_last: float) -> bool:
+        """Whether a checkpoint is due after optimizer step `step`."""
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        minutes = self.every_minutes if self.every_minutes is not None else (
+            30.0 if self.every_steps is None else None)
+        return minutes is not None and minutes_since_last >= minutes
+
+
+# What the operator itself puts in the job's pod: the runtime config's volume and where it is mounted, and
+# where the ServiceAccount token the runtime reports with is mounted. A user volume may not take these.
+OPERATOR_VOLUMES: Final = ("runtime-config",)
+OPERATOR_MOUNT_PATHS: Final = ("/etc/memstrata", "/var/run/secrets/kubernetes.io/serviceaccount")
+MAX_VOLUMES = 64
+
+
+def under(path: str, root: str) -> bool:
+    """Whether `path` is `root` or inside it (`root` without a trailing slash)."""
+    return path.rstrip("/") == root or path.startswith(root + "/")
+
+
+class VolumeMount(ApiModel):
+    """Kubernetes' VolumeMount (the fields a training container needs)."""
+
+    name: str = Field(min_length=1, max_length=63, description="One of spec.volumes.")
+    mount_path: str = Field(min_length=1, max_length=4096, pattern=r"^/", description="An absolute path.")
+    read_only: bool = False
+    sub_path: str | None = Field(None, max_length=4096)
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel(" && ".join(f"self.mountPath != '{p}' && !self.mountPath.startsWith('{p}/')"
+                        for p in OPERATOR_MOUNT_PATHS),
+            f"mountPath must not be at or under {' or '.join(OPERATOR_MOUNT_PATHS)}: the operator mounts the "
+            "runtime config and the ServiceAccount token there", ".mountPath"),
+    ]})
+
+    @model_validator(mode="after")
+    def _not_the_operators(self) -> "VolumeMount":
+        for root in OPERATOR_MOUNT_PATHS:
+            if under(self.mount_path, root):
+                raise ValueError(f"mountPath {self.mount_path}: must not be at or under {root}, where the "
+                                 "operator mounts the runtime config or the ServiceAccount token")
+        return self
+
+
+class Volume(ApiModel):
+    """Kubernetes' Volume: a `name` and one volume source (`persistentVolumeClaim`, `nfs`, `hostPath`, `csi`,
+    ...), passed to the pod as written; the API server validates the source when the pod is created."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "x-kubernetes-preserve-unknown-fields": True,
+        "x-kubernetes-validations": [cel(
+            " && ".join(f"self.name != '{n}'" for n in OPERATOR_VOLUMES),
+            f"name must not be {' or '.join(OPERATOR_VOLUMES)}: the operator's own volume in the job's pod",
+            ".name")],
+    })
+
+    @model_validator(mode="after")
+    def _not_the_operators(self) -> "Volume":
+        if self.name in OPERATOR_VOLUMES:
+            raise ValueError(f"name {self.name!r} is the operator's own volume in the job's pod "
+                             "(the runtime config); choose another name")
+        return self
