@@ -2,5 +2,5 @@
 
 Pure decisions — node selection (placement), the state machine (lifecycle, conditions),
 the objects of an attempt (render) — and a thin edge: Kopf registrations (handlers), a
-keyed work queue (reconciler) and a small async API client (kube).
+keyed work queue (workqueue) under the reconciler, and a small async API client (kube).
 """

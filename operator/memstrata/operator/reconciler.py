@@ -1,11 +1,9 @@
-"""The edge that turns decisions into API calls: a keyed work queue, like a controller's.
+"""The edge that turns decisions into API calls, over a keyed work queue (memstrata.operator.workqueue).
 
 Every trigger (a job event, one of its pods changing, capacity freeing up, a
-timer) only enqueues the job's key; a few workers take keys off the queue, and
-one key is never reconciled by two workers at once — a key that changes while it
-is being reconciled is simply run again afterwards. Each reconcile reads the
-job's pods with a consistent LIST, asks the pure lifecycle what to do, and does
-it in a safe order: the pod before the status that names it.
+timer) only enqueues the job's key. Each reconcile reads the job's pods with a
+consistent LIST, asks the pure lifecycle what to do, and does it in a safe
+order: the pod before the status that names it.
 
 Nothing is done unless this replica leads (the `gate`, a Lease: memstrata.operator.leadership),
 checked before every write; and a destructive decision (a pod deleted, the job failed, a retry)
@@ -18,7 +16,7 @@ import logging
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping
 
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
 from memstrata.api.finetunejob import FineTuneJobSpec
@@ -27,22 +25,16 @@ from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, Decision, DeleteJob, DeletePods, Event,
     PatchStatus,
 )
-from memstrata.operator.kube import Conflict, Kube, KubeError, NotFound, NotLeading, api_path, gather_ok
+from memstrata.operator.kube import Kube, KubeError, NotFound, api_path, gather_ok
 from memstrata.operator.leadership import AlwaysLeading
 from memstrata.operator.lifecycle import LifecyclePolicy, decide, fail
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
 from memstrata.operator.observe import JobView, format_time, job_view, pod_view
 from memstrata.operator.scheduling import PlanCache, Placement, place
+from memstrata.operator.workqueue import Gate, JobKey, WorkQueue
 
 log = logging.getLogger("memstrata.operator")
-JobKey = tuple[str, str]
 ASSUME_SECONDS = 60.0  # how long a created pod counts against its node before the watch reports it
-
-
-class Gate(Protocol):
-    def leading(self) -> bool: ...
-
-    async def wait_leading(self) -> None: ...
 
 
 def _rv(body: Mapping[str, Any]) -> int:
@@ -56,12 +48,12 @@ def _rv_str(body: Mapping[str, Any] | None) -> str:
     return str(((body or {}).get("metadata") or {}).get("resourceVersion") or "")
 
 
-class Reconciler:
+class Reconciler(WorkQueue):
     def __init__(self, kube: Kube, policy: LifecyclePolicy = LifecyclePolicy(), workers: int = 16,
                  report_interval_seconds: float = 10.0, cleanup_tries: int = 60,
                  gate: Gate | None = None, pod_security: render.PodSecurity = render.PodSecurity()) -> None:
+        super().__init__(gate or AlwaysLeading(), workers)
         self.kube = kube
-        self.gate: Gate = gate or AlwaysLeading()
         kube.write_gate = self.gate.leading  # every write, whichever path it comes from
         self.pod_security = pod_security
         self.cleanup_tries = cleanup_tries
@@ -71,20 +63,11 @@ class Reconciler:
         self.plans = PlanCache()
         self.nodes: Callable[[], Iterable[NodeView]] = lambda: ()
         self.pod_uses: Callable[[], Iterable[PodUse]] = lambda: ()
-        self._workers_n = workers
-        self._workers: list[asyncio.Task[None]] = []
-        self._queue: asyncio.Queue[JobKey] = asyncio.Queue()
-        self._queued: set[JobKey] = set()
-        self._running: set[JobKey] = set()
-        self._dirty: set[JobKey] = set()
-        self._timers: dict[JobKey, tuple[float, asyncio.TimerHandle]] = {}
-        self._errors: dict[JobKey, int] = {}
         self._bodies: dict[JobKey, dict[str, Any]] = {}
         self._assumed: dict[str, tuple[PodUse, float]] = {}
         self._assumed_by_job: dict[JobKey, set[str]] = {}  # which job's reconcile claimed each assumed pod
         self._waiting: set[JobKey] = set()
         self._wake: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
         self.reconciles = 0
 
     # -- triggers ---------------------------------------------------------------------------------
@@ -111,31 +94,7 @@ class Reconciler:
         self._bodies.pop(key, None)
         self._assumed_by_job.pop(key, None)
         self._waiting.discard(key)
-        self._errors.pop(key, None)
-        timer = self._timers.pop(key, None)
-        if timer:
-            timer[1].cancel()
-
-    def enqueue(self, key: JobKey, delay: float = 0.0) -> None:
-        if delay > 0:
-            loop = asyncio.get_running_loop()
-            due = loop.time() + delay
-            old = self._timers.get(key)
-            if old and old[0] <= due:
-                return  # an earlier wake-up is already set
-            if old:
-                old[1].cancel()
-            self._timers[key] = (due, loop.call_at(due, self._fire, key))
-            return
-        if key in self._running:
-            self._dirty.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
-
-    def _fire(self, key: JobKey) -> None:
-        self._timers.pop(key, None)
-        self.enqueue(key)
+        super().forget(key)
 
     def wake_waiting(self) -> None:
         """Capacity may have freed up: re-place every waiting job, coalescing bursts of events."""
@@ -147,59 +106,15 @@ class Reconciler:
         for key in sorted(self._waiting):
             self.enqueue(key)
 
-    # -- workers ----------------------------------------------------------------------------------
-    async def start(self) -> None:
-        self._workers = [asyncio.create_task(self._work(), name=f"reconcile-{i}") for i in range(self._workers_n)]
+    # -- what the work queue leaves to its reconciler --------------------------------------------------
+    def drop_cached(self, key: JobKey) -> None:
+        self._bodies.pop(key, None)
 
-    async def stop(self) -> None:
-        for t in self._workers:
-            t.cancel()
-        await asyncio.gather(*self._workers, *self._tasks, return_exceptions=True)
-        for _, handle in self._timers.values():
-            handle.cancel()
-
-    @property
-    def idle(self) -> bool:
-        return not self._queued and not self._running
-
-    async def _work(self) -> None:
-        while True:
-            await self.gate.wait_leading()
-            key = await self._queue.get()
-            if not self.gate.leading():  # lost while this worker waited for work: leave the key queued
-                self._queue.put_nowait(key)
-                continue
-            self._queued.discard(key)
-            self._running.add(key)
-            try:
-                await self.reconcile(key)
-                self._errors.pop(key, None)
-            except asyncio.CancelledError:
-                raise
-            except NotLeading:
-                # Keep the key: whoever leads next (this replica included) reconciles it afresh.
-                self._bodies.pop(key, None)
-                self._dirty.add(key)
-            except Conflict as exc:
-                # Someone wrote the job since we read it: what we decided may be stale. Forget our copy
-                # and decide again on a fresh read, at once; a conflict is not an error to back off from.
-                log.info("reconcile %s/%s: conflict (%s); again on a fresh read", *key, exc)
-                self._bodies.pop(key, None)
-                self.enqueue(key)
-            except Exception as exc:  # noqa: BLE001 — one job's error must not stop the others
-                n = self._errors[key] = self._errors.get(key, 0) + 1
-                delay = min(0.5 * 2 ** (n - 1), 60.0)
-                log.warning("reconcile %s/%s failed (try %d), again in %.1fs: %s", *key, n, delay, exc)
-                self.enqueue(key, delay)
-                body = self._bodies.get(key)
-                if body is not None and (n == 1 or n % 10 == 0):  # tell the user, without flooding
-                    self._spawn(self.post_event(job_view(body), Event(
-                        "Warning", "ReconcileError", f"try {n}, next in {delay:.0f}s: {str(exc)[:800]}")))
-            finally:
-                self._running.discard(key)
-                if key in self._dirty:
-                    self._dirty.discard(key)
-                    self.enqueue(key)
+    def on_error(self, key: JobKey, tries: int, delay: float, exc: Exception) -> None:
+        body = self._bodies.get(key)
+        if body is not None and (tries == 1 or tries % 10 == 0):  # tell the user, without flooding
+            self._spawn(self.post_event(job_view(body), Event(
+                "Warning", "ReconcileError", f"try {tries}, next in {delay:.0f}s: {str(exc)[:800]}")))
 
     # -- one reconcile ----------------------------------------------------------------------------
     async def reconcile(self, key: JobKey) -> None:
@@ -369,11 +284,6 @@ class Reconciler:
         known = self._bodies.get(key)
         if known is None or _rv(body) >= _rv(known):
             self._bodies[key] = dict(body)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def post_event(self, job: JobView, event: Event) -> None:
         now = format_time(datetime.now(timezone.utc))
