@@ -23,7 +23,8 @@ from native_helpers import child_env, need_tool, run
 from memstrata.node.header import State, parse_header
 from memstrata.node.safety import read_head
 from memstrata.runtime.strata.errors import NvmeError
-from memstrata.runtime.strata.nvme import Handle, NvmeEngine
+from memstrata.runtime.strata.nvme import NvmeEngine
+from memstrata.runtime.strata.nvmeio import Handle
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent

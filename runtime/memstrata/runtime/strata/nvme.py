@@ -22,12 +22,15 @@ the device, the operation and what is in flight, instead of hanging the
 process; close then gives up on those ops without freeing their buffers and
 leaves the headers OPEN, so the node agent scrubs the devices.
 
+The I/O itself (the ops of a transfer, bounce regions, completions, bounded
+waits) is memstrata.runtime.strata.nvmeio's; this module opens, allocates,
+counts and closes.
+
 Single-threaded by design: one engine per rank, driven by its swap layer.
 """
 from __future__ import annotations
 
 import errno as E
-import itertools
 import logging
 import os
 import uuid
@@ -35,30 +38,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memstrata.runtime import _native
 from memstrata.runtime.strata.buffers import as_byte_view
 from memstrata.runtime.strata.claim import claim_device, open_device, release_device
 from memstrata.runtime.strata.errors import NvmeError
-from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError, FreeStats, per_device_bytes, round_up, stripe_chunks
-from memstrata.runtime.strata.iobackend import OpenedQueue, choose_backend, open_queue, register_fixed
+from memstrata.runtime.strata.extents import ExtentAllocator, ExtentError, FreeStats, per_device_bytes, round_up
+from memstrata.runtime.strata.iobackend import OpenedQueue, choose_backend, open_queue
+from memstrata.runtime.strata.nvmeio import Extent, ExtentIo, Handle, OpenedDevice
 from memstrata.node.header import DATA_OFFSET, Header
 
-__all__ = ["NvmeEngine", "NvmeError", "Extent", "Handle", "DeviceStats"]
+__all__ = ["NvmeEngine", "NvmeError", "DeviceStats"]
 
-_PAGE = _native.PAGE_SIZE
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Extent:
-    """Where one tensor's bytes live: a run on each device of `slots`."""
-
-    nbytes: int
-    padded: int  # nbytes rounded up to `align`; what is really transferred
-    align: int
-    stripe_bytes: int
-    slots: tuple[int, ...]  # engine device indices
-    bases: tuple[int, ...]  # absolute byte offset of this extent's run on each slot
 
 
 @dataclass(frozen=True)
@@ -74,54 +64,19 @@ class DeviceStats:
     errors: int
 
 
-@dataclass
-class _Device:
-    path: str
-    fd: int
-    lbs: int
-    alloc: ExtentAllocator
-    header: Header
-    bytes_read: int = 0
-    bytes_written: int = 0
-    reads: int = 0
-    writes: int = 0
-    fixed_ios: int = 0
-    errors: int = 0
-    # [DATA_OFFSET, dirty_end) may hold a job's data: zeroed on close. Only grows: freed extents keep their bytes.
-    dirty_end: int = DATA_OFFSET
-
-
-class Handle:
-    """An asynchronous read or write of one extent; pass it to NvmeEngine.wait."""
-
-    def __init__(self, kind: str, extent: Extent) -> None:
-        self.kind = kind
-        self.extent = extent
-        self.pending = 0
-        self.done = False
-        self.error: NvmeError | None = None
-        self._error_at = -1  # logical offset in the extent of the op whose failure `error` reports
-        self._copy_back: tuple[memoryview, memoryview, int] | None = None
-        self._keep: list[Any] = []  # bounce regions and views alive until completion
-
-
 class NvmeEngine:
     """Extents, asynchronous I/O and statistics over a set of opened devices."""
 
-    def __init__(self, devices: list[_Device], ring: Any, *, stripe_bytes: int, max_io_bytes: int,
+    def __init__(self, devices: list[OpenedDevice], ring: Any, *, stripe_bytes: int, max_io_bytes: int,
                  recovered: list[tuple[str, Header]], io_backend: str = "io_uring",
                  io_fallback: str | None = None) -> None:
         self._devices = devices
-        self._ring = ring
+        self._io = ExtentIo(devices, ring, max_io_bytes=max_io_bytes, backend=io_backend)
         self.io_backend = io_backend  # "io_uring" | "threads"
         self.io_fallback = io_fallback  # why io_uring is not used, when the kernel refused it
         self.stripe_bytes = stripe_bytes
         self.max_io_bytes = max_io_bytes
         self.recovered = recovered  # stale headers of killed runs that open() reset
-        self._tags = itertools.count(1)
-        # tag -> (handle, slot, device offset, length, logical offset in the extent)
-        self._inflight: dict[int, tuple[Handle, int, int, int, int]] = {}
-        self._busy: dict[Extent, int] = {}
         self._live: set[Extent] = set()
         self._closed = False
 
@@ -141,7 +96,7 @@ class NvmeEngine:
         if len(set(map(os.path.realpath, paths))) != len(paths):
             raise ValueError(f"device list names the same device twice: {list(paths)}")
         set_id = uuid.uuid4()
-        devices: list[_Device] = []
+        devices: list[OpenedDevice] = []
         recovered: list[tuple[str, Header]] = []
         try:
             for i, path in enumerate(paths):
@@ -151,8 +106,8 @@ class NvmeEngine:
                 except BaseException:
                     os.close(fd)
                     raise
-                devices.append(_Device(path, fd, lbs, ExtentAllocator(DATA_OFFSET, header.capacity_bytes, lbs),
-                                       header, dirty_end=dirty_end))
+                devices.append(OpenedDevice(path, fd, lbs, ExtentAllocator(DATA_OFFSET, header.capacity_bytes, lbs),
+                                            header, dirty_end=dirty_end))
                 if stale is not None:
                     recovered.append((path, stale))
             align = max(d.lbs for d in devices)
@@ -205,7 +160,7 @@ class NvmeEngine:
         self._check_open()
         if extent not in self._live:
             raise ValueError("extent is not live in this engine (freed twice, or from another engine)")
-        if self._busy.get(extent):
+        if self._io.busy(extent):
             raise ValueError("extent still has I/O in flight; wait for its handles first")
         self._live.discard(extent)
         for slot, base in zip(extent.slots, extent.bases):
@@ -218,8 +173,7 @@ class NvmeEngine:
         I/O whose memory lies inside one of them skips the per-op page pinning. Where the kernel
         refuses (RLIMIT_MEMLOCK in a pod), one warning and I/O goes on without; False then."""
         self._check_open()
-        return register_fixed(self._ring, [as_byte_view(b, writable=True) for b in buffers],
-                              device=self._devices[0].path)
+        return self._io.register(buffers)
 
     def write(self, extent: Extent, data: Any) -> Handle:
         """Start writing `data` (exactly extent.nbytes) to `extent`."""
@@ -232,47 +186,16 @@ class NvmeEngine:
     def wait(self, handle: Handle) -> None:
         """Block until `handle` completes; raise its NvmeError if it failed (or nothing completes for
         io_timeout_s: then errno ETIMEDOUT, and the handle stays in flight)."""
-        while not handle.done:
-            self._wait_queue(1, handle)
-        if handle.error is not None:
-            raise handle.error
+        self._io.wait(handle)
 
     def wait_all(self) -> None:
         """Complete everything in flight (errors stay on their handles); NvmeError when the queue fails
         or nothing completes for io_timeout_s."""
-        while self._inflight:
-            self._wait_queue(-1, None)
+        self._io.wait_all()
 
     def poll(self) -> None:
         """Account completions that are ready, without blocking."""
-        self._wait_queue(0, None)
-
-    def _wait_queue(self, n: int, handle: Handle | None) -> None:
-        if n != 0 and self._ring.queued == 0:
-            # The ops this engine waits for are not in the queue: waiting would never end.
-            raise self._wait_error(handle, f"{len(self._inflight)} ops in flight here, none in the I/O queue",
-                                   E.EPROTO)
-        try:
-            results = self._ring.wait(n)
-        except OSError as exc:
-            raise self._wait_error(handle, exc.strerror or str(exc), exc.errno) from exc
-        self._dispatch(results)
-
-    def _wait_error(self, handle: Handle | None, why: str, errno: int | None) -> NvmeError:
-        """What a failed wait reports: the operation, the device, and what is in flight where."""
-        counts: dict[str, int] = {}
-        for _, slot, _, _, _ in self._inflight.values():
-            path = self._devices[slot].path
-            counts[path] = counts.get(path, 0) + 1
-        where = ", ".join(f"{n} on {path}" for path, n in counts.items()) or "none"
-        if handle is not None:
-            ext = handle.extent
-            return NvmeError(f"{handle.kind} of {ext.nbytes} bytes did not complete: {why} "
-                             f"[{self.io_backend}; ops in flight: {where}]", device=self._devices[ext.slots[0]].path,
-                             offset=ext.bases[0], length=ext.padded, errno=errno)
-        device = next(iter(counts), self._devices[0].path)
-        return NvmeError(f"waiting for in-flight I/O failed: {why} [{self.io_backend}; ops in flight: {where}]",
-                         device=device, errno=errno)
+        self._io.poll()
 
     def _start(self, kind: str, extent: Extent, mv: memoryview) -> Handle:
         self._check_open()
@@ -280,97 +203,7 @@ class NvmeEngine:
             raise ValueError("extent is not live in this engine")
         if mv.nbytes != extent.nbytes:
             raise ValueError(f"{kind} buffer has {mv.nbytes} bytes, extent holds {extent.nbytes}")
-        handle = Handle(kind, extent)
-        # O_DIRECT needs aligned memory and lengths: an aligned buffer is used in
-        # place up to its last whole block; the rest goes through a bounce region.
-        aligned = _native.buffer_address(mv)[0] % extent.align == 0
-        prefix = extent.nbytes // extent.align * extent.align if aligned else 0
-        bounce: memoryview | None = None
-        if prefix < extent.padded:
-            region = _native.Region(round_up(extent.padded - prefix, _PAGE))
-            bounce = memoryview(region)
-            handle._keep.append(region)
-            if kind == "write":
-                bounce[: extent.nbytes - prefix] = mv[prefix:]
-            else:
-                handle._copy_back = (bounce, mv, prefix)
-        handle._keep.append(mv)
-        self._busy[extent] = self._busy.get(extent, 0) + 1
-        try:
-            for chunk in stripe_chunks(extent.padded, extent.stripe_bytes, len(extent.slots)):
-                slot = extent.slots[chunk.slot]
-                dev_base = extent.bases[chunk.slot] + chunk.device_offset - chunk.logical
-                lo, hi = chunk.logical, chunk.logical + chunk.length
-                if lo < prefix:
-                    self._queue(handle, slot, mv, 0, lo, min(hi, prefix), dev_base)
-                if hi > prefix and bounce is not None:
-                    self._queue(handle, slot, bounce, prefix, max(lo, prefix), hi, dev_base)
-        except OSError as exc:
-            handle.error = NvmeError(f"{kind} submission failed", device=self._devices[extent.slots[0]].path,
-                                     errno=exc.errno)
-            if handle.pending == 0:
-                self._finish(handle)
-        return handle
-
-    def _queue(self, handle: Handle, slot: int, src: memoryview, src_origin: int, lo: int, hi: int,
-               dev_base: int) -> None:
-        """Submit logical bytes [lo, hi) of `src` (which starts at logical `src_origin`)."""
-        for start in range(lo, hi, self.max_io_bytes):
-            n = min(self.max_io_bytes, hi - start)
-            tag = next(self._tags)
-            self._inflight[tag] = (handle, slot, dev_base + start, n, start)
-            view = src[start - src_origin : start - src_origin + n]
-            try:
-                fixed = self._ring.submit(handle.kind == "write", slot, view, dev_base + start, tag)
-            except BaseException:
-                del self._inflight[tag]
-                raise
-            handle.pending += 1
-            self._devices[slot].fixed_ios += bool(fixed)
-
-    def _dispatch(self, results: list[tuple[int, int]]) -> None:
-        for tag, res in results:
-            handle, slot, offset, n, logical = self._inflight.pop(tag)
-            dev = self._devices[slot]
-            if res == n:
-                if handle.kind == "write":
-                    dev.bytes_written += n
-                    dev.writes += 1
-                else:
-                    dev.bytes_read += n
-                    dev.reads += 1
-            else:
-                dev.errors += 1
-                # Ops of one handle complete in any order (the thread path's above all): the one
-                # reported is the failing op that starts first in the extent, whatever the order.
-                if handle.error is None or logical < handle._error_at:
-                    reason = (f"{handle.kind} failed" if res < 0
-                              else f"short {handle.kind}: {res} of {n} bytes (past the end of the device?)")
-                    handle.error = NvmeError(reason, device=dev.path, offset=offset, length=n,
-                                             errno=-res if res < 0 else E.EIO)
-                    handle._error_at = logical
-            handle.pending -= 1
-            if handle.pending == 0:
-                self._finish(handle)
-
-    def _finish(self, handle: Handle) -> None:
-        if handle._copy_back is not None and handle.error is None:
-            bounce, mv, prefix = handle._copy_back
-            mv[prefix:] = bounce[: mv.nbytes - prefix]
-        handle._copy_back = None
-        for obj in handle._keep:
-            if isinstance(obj, memoryview):
-                try:
-                    obj.release()
-                except BufferError:
-                    pass  # a caller's own export of it is still alive; GC frees it later
-        handle._keep.clear()
-        left = self._busy[handle.extent] - 1
-        if left:
-            self._busy[handle.extent] = left
-        else:
-            del self._busy[handle.extent]
-        handle.done = True
+        return self._io.start(kind, extent, mv)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -395,10 +228,7 @@ class NvmeEngine:
         except BaseException as exc:  # the ring must still be torn down
             first = exc
         try:
-            # After a wait that timed out, waiting the whole timeout again for the same ops is
-            # pointless: the queue gives them a second, then leaks (never frees) their buffers.
-            timed_out = isinstance(first, NvmeError) and first.errno == E.ETIMEDOUT
-            self._ring.close(timeout_s=min(1.0, self._ring.timeout_s) if timed_out else None)
+            self._io.close(timed_out=isinstance(first, NvmeError) and first.errno == E.ETIMEDOUT)
         except OSError as exc:
             first = first or NvmeError(f"closing the I/O queue: {exc.strerror or exc}", device=self._devices[0].path,
                                        errno=exc.errno)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from memstrata.runtime.strata.buffers import as_byte_view
-from memstrata.runtime.strata.nvme import Extent, Handle, NvmeEngine
+from memstrata.runtime.strata.nvme import NvmeEngine
+from memstrata.runtime.strata.nvmeio import Extent, Handle
 from memstrata.runtime.strata.pinned import LockedPool
 from memstrata.runtime.swap.tokens import IoTokens
 
