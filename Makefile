@@ -53,8 +53,10 @@ demo: install model
 demo-tiny: install
 	@$(TIMED) demo-tiny $(MEMSTRATA) run examples/finetune-tiny.yaml
 
+# Side by side (conftest.py says what shares a worker): most tests wait on a peer, so 3 workers on 2 cores.
+TEST_WORKERS ?= 3
 test: install $(TEST_PREREQS)
-	@$(TIMED) tests $(PY) -m pytest $(PYTEST_ARGS)
+	@$(TIMED) tests $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: install
 	@$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)

@@ -152,23 +152,6 @@ def smollm2_dir() -> Path:
     return path
 
 
-_stage_seconds: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "e2e/realnode/" in report.nodeid:
-        _stage_seconds[report.when] = _stage_seconds.get(report.when, 0.0) + report.duration
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The real node's share of `make test` (issue budget: the whole suite under 45 min fresh, 15 warm)."""
-    if _stage_seconds:
-        total = sum(_stage_seconds.values())
-        parts = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(_stage_seconds.items()))
-        terminalreporter.write_line(f"[realnode] stage time: {total:.0f} s ({parts}; setup includes the node, "
-                                    "the images' import and helm install)")
-
-
 @pytest.fixture
 def storage(real_cluster: RealCluster, job_ns: str, tmp_path: Path, smollm2_dir: Path) -> Iterator[JobStorage]:
     """One test's volumes in `job_ns`: the model (a copy of SmolLM2-135M-Instruct), the chat dataset in a

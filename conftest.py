@@ -1,0 +1,99 @@
+"""How `make test` runs its parts side by side, and what each part cost.
+
+`make test` runs pytest with xdist workers (`-n`, `--dist loadgroup`): a test waiting on an API server, a kubelet or
+a guest leaves the CPU to another. What cannot be had twice stays on one worker: the real node (one kubelet and
+containerd per host) and the QEMU guest's shared boot (a second would double it). Everything else goes wherever a
+worker is free; a worker that meets a control-plane test starts its own control plane (about 6 s) and operator. At the end, one line per stage: its tests, the wall time from its first test's
+start to its last's end, and the seconds its tests took (which add up over the workers).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+# (stage, the node-id prefixes of its tests), in the order they are printed: the first that matches wins.
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("realnode", ("e2e/realnode/",)),
+    ("guest", ("e2e/node/",)),
+    ("cluster", ("e2e/",)),
+    ("offload", ("tests/offload/", "tests/native/")),
+    ("runtime", ("tests/runtime/", "tests/cli/")),
+    ("unit", ("tests/",)),
+)
+# Fixtures whose peer exists once per worker that asks for it: their tests share one worker (xdist_group).
+SHARED_PEERS: tuple[tuple[str, str], ...] = (
+    ("real_cluster", "realnode"),
+    ("probe_boot", "guest"),
+)
+
+
+START_ORDER = ["realnode", "offload", "guest", "cluster", "runtime", "unit", "other"]
+
+
+def stage_of(nodeid: str) -> str:
+    for name, prefixes in STAGES:
+        if nodeid.startswith(prefixes):
+            return name
+    return "other"
+
+
+def group_of(fixtures: list[str]) -> str | None:
+    """The worker group of a test that uses these fixtures (transitively): the first shared peer it needs."""
+    for fixture, group in SHARED_PEERS:
+        if fixture in fixtures:
+            return group
+    return None
+
+
+def module_group(item: pytest.Item) -> str | None:
+    """A test whose fixtures include one scoped to its module (or class) stays with its module's other tests: on
+    another worker that fixture (often a whole training run) would be made again."""
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        if defs and defs[-1].scope in ("module", "class", "package"):
+            return item.nodeid.split("::")[0]
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = group_of(list(getattr(item, "fixturenames", ()))) or module_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    # Workers take tests in this order: the longest stages first, so none starts last and runs alone.
+    items.sort(key=lambda item: START_ORDER.index(stage_of(item.nodeid)))
+
+
+@dataclass
+class Stage:
+    tests: int = 0
+    seconds: float = 0.0
+    first: float = field(default=float("inf"))
+    last: float = 0.0
+
+
+_stages: dict[str, Stage] = {}
+_began = time.time()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Called in the controller for every worker's report, so the sums cover the whole run.
+    stage = _stages.setdefault(stage_of(report.nodeid), Stage())
+    stage.seconds += report.duration
+    stage.first, stage.last = min(stage.first, report.start), max(stage.last, report.stop)
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        stage.tests += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _stages:
+        return
+    terminalreporter.section("time per stage")
+    for name in [s for s, _ in STAGES] + ["other"]:
+        if name in _stages:
+            s = _stages[name]
+            terminalreporter.write_line(
+                f"[stage] {name:<9} {s.tests:5d} tests  {s.last - s.first:7.1f} s wall "
+                f"(from {s.first - _began:6.1f} s to {s.last - _began:6.1f} s)  {s.seconds:7.1f} s in its tests")
