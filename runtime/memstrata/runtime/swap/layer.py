@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -129,22 +130,24 @@ def activate(layer: SwapLayer) -> Iterator[SwapLayer]:
         _active = None
 
 
+@functools.cache
+def _glibc(name: str) -> Any:
+    """glibc's function `name` from this process's own symbols, or None where there is no glibc."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def release_free_heap() -> None:
     """Return malloc's free pages to the kernel (glibc `malloc_trim(0)`; a no-op elsewhere).
 
     Tensors under glibc's dynamic mmap threshold (up to 32 MiB) come from the
     heap, and what they free stays resident until trimmed."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim(0)
 
-
-_malloc_trim: Any = None
 
 # glibc's mallopt parameter number and the size from which every allocation gets its own mapping.
 _M_MMAP_THRESHOLD = -3
@@ -160,11 +163,8 @@ def bound_host_heap() -> bool:
     4 x 1024 tokens held 1.1 GiB above its saved tensors (4.8 GiB for 3.7), which no plan can count. A fixed
     threshold makes the host's peak the tensors the planner counts (memstrata.plan.accounting.activation_bytes);
     its price is a page fault per fresh page, measured 20% more forward and backward time on the CPU."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
+    mallopt = _glibc("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
 
 
 def locked_pool(settings: SwapSettings, kind: TensorKind, *, dma: DmaDevice | None = None,
