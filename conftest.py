@@ -8,7 +8,9 @@ start to its last's end, and the seconds its tests took (which add up over the w
 """
 from __future__ import annotations
 
+import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -70,6 +72,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class Stage:
     tests: int = 0
     seconds: float = 0.0
+    cpu: float = 0.0
     first: float = field(default=float("inf"))
     last: float = 0.0
 
@@ -78,10 +81,30 @@ _stages: dict[str, Stage] = {}
 _began = time.time()
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the children it has waited for (a test's training runs, its CLIs)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_cpu_mark = [_cpu_seconds()]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    # The CPU spent since the previous phase's report, carried to the controller with the report (xdist sends
+    # a report's attributes along). On 2 cores the CPU, not the wall, is what the suite's time is made of.
+    now = _cpu_seconds()
+    outcome.get_result().cpu_seconds = now - _cpu_mark[0]
+    _cpu_mark[0] = now
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Called in the controller for every worker's report, so the sums cover the whole run.
     stage = _stages.setdefault(stage_of(report.nodeid), Stage())
     stage.seconds += report.duration
+    stage.cpu += getattr(report, "cpu_seconds", 0.0)
     stage.first, stage.last = min(stage.first, report.start), max(stage.last, report.stop)
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         stage.tests += 1
@@ -96,4 +119,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             s = _stages[name]
             terminalreporter.write_line(
                 f"[stage] {name:<9} {s.tests:5d} tests  {s.last - s.first:7.1f} s wall "
-                f"(from {s.first - _began:6.1f} s to {s.last - _began:6.1f} s)  {s.seconds:7.1f} s in its tests")
+                f"(from {s.first - _began:6.1f} s to {s.last - _began:6.1f} s)  {s.seconds:7.1f} s in its tests, "
+                f"{s.cpu:7.1f} s of CPU")

@@ -23,10 +23,13 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINE = """
-import os, resource
+import os, resource, socket
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+with socket.socket() as s:  # a port of the kernel's choice: another run may hold any fixed one
+    s.bind(("127.0.0.1", 0))
+    port = str(s.getsockname()[1])
 for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-             ("MASTER_PORT", "29533")):
+             ("MASTER_PORT", port)):
     os.environ.setdefault(k, v)
 import torch, deepspeed, transformers  # noqa: E401
 import memstrata.runtime.train.recipe  # noqa: F401

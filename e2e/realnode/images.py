@@ -41,6 +41,10 @@ from e2e.cluster.controlplane import cache_root
 
 from . import imagebuild
 from .imagebuild import REPO, cached_layer, deps_entries, log, measure_deps
+
+# How long ctr waits to connect (its own default, 10 s, is what a containerd busy importing 5 GiB on a loaded
+# machine once missed, failing the whole real-node stage).
+CONNECT_TIMEOUT = "60s"
 from .ociarchive import Blob, ImageConfig, manifest_digest, stream_archive
 
 REGISTRY = "memstrata.local"
@@ -223,7 +227,8 @@ def _gcc_version() -> str:
 
 
 def _ctr(address: str, namespace: str, *args: str) -> str:
-    out = subprocess.run(["ctr", "--address", address, "--namespace", namespace, *args], capture_output=True, text=True)
+    out = subprocess.run(["ctr", "--address", address, "--connect-timeout", CONNECT_TIMEOUT, "--namespace", namespace,
+                          *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"ctr {' '.join(args)} in namespace {namespace} at {address} failed: {out.stderr.strip()}")
     return out.stdout
@@ -286,7 +291,8 @@ def prune_images(ctr_address: str, images: ImageSet, namespace: str = "k8s.io") 
 
 
 def _import(address: str, namespace: str, image: Image, present: frozenset[str]) -> None:
-    cmd = ["ctr", "--address", address, "--namespace", namespace, "images", "import", "-"]
+    cmd = ["ctr", "--address", address, "--connect-timeout", CONNECT_TIMEOUT, "--namespace", namespace, "images",
+           "import", "-"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdin is not None and proc.stdout is not None
     error = None
