@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from _pytest.nodeid import coerce_node_id
 
 # (stage, the node-id prefixes of its tests), in the order they are printed: the first that matches wins.
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -59,12 +60,18 @@ def module_group(item: pytest.Item) -> str | None:
     return None
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    group = group_of(list(getattr(item, "fixturenames", ()))) or module_group(item)
+    if group is None:
+        return
+    item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(item.config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
+        # xdist's scheduler groups by an "@group" suffix of the node id, which its worker writes to `_nodeid`;
+        # pytest 9.2 derives the node id from `_id`, so the suffix is written here (or no test would be grouped).
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        group = group_of(list(getattr(item, "fixturenames", ()))) or module_group(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-    # Workers take tests in this order: the longest stages first, so none starts last and runs alone.
     items.sort(key=lambda item: START_ORDER.index(stage_of(item.nodeid)))
 
 
@@ -88,6 +95,10 @@ def _cpu_seconds() -> float:
 
 
 _cpu_mark = [_cpu_seconds()]
+
+
+def pytest_runtest_logstart() -> None:
+    _cpu_mark[0] = _cpu_seconds()  # not the collection's, nor what ran between tests
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -165,6 +165,28 @@ def test_each_rank_takes_the_plans_own_share_whatever_the_environment_says(tmp_p
         swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env={"MEMSTRATA_NVME_DEVICES": "/dev/nvme1n1"})
 
 
+def test_the_namespaces_split_over_the_plans_ranks_and_a_launcher_that_disagrees_is_refused(tmp_path: Path) -> None:
+    """The device plugin's namespaces are shared by the node's ranks, each taking every ranks_per_node-th: the
+    count is the plan's (its bytes per rank were counted with it), and a launcher that started another count of
+    ranks is refused naming both, not given shares the plan never counted."""
+    from memstrata.runtime.swap.layer import node_ranks
+
+    job = JobShape(model=ARCH, sequence_length=128, micro_batch=1, gpus=0, engine="memstrata", ranks_per_node=2)
+    node = NODE.model_copy(update={"nvme_namespaces": [NvmeNamespace(name=f"/s{i}", size_bytes=1 << 40, free=True)
+                                                       for i in range(2)]})
+    plan = plan_for_node(job, node, MemoryPolicy(engine="memstrata", dram_budget=672 * MiB))
+    devices = {"MEMSTRATA_NVME_DEVICES": "/dev/nvme1n1,/dev/nvme2n1,/dev/nvme3n1,/dev/nvme4n1"}
+    settings = swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env=devices).settings
+    assert settings.ranks_per_node == 2 and settings.nvme_shared
+    assert node_ranks(settings, {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}) == 2
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=4: the launcher started 4 ranks on this node, but the "
+                                         r"plan split the node's namespaces over plan.ranks_per_node=2"):
+        node_ranks(settings, {"LOCAL_WORLD_SIZE": "4"})
+    # A layer no plan made (a script of one's own around memstrata.initialize) takes the launcher's count.
+    assert node_ranks(settings.model_copy(update={"ranks_per_node": None}), {"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert node_ranks(settings.model_copy(update={"ranks_per_node": None}), {}) == 1
+
+
 def test_weights_on_any_addressable_stratum_stay_resident(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stratum that loads and stores reach (the registry says so) keeps its weights resident; one reached by
     block I/O, like NVMe, does not: a stratum added to the registry is counted with no change here."""

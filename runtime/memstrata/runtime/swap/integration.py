@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, release_free_heap
+from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, node_ranks, release_free_heap
 from memstrata.runtime.swap.stratamap import unplanned_namespace_bytes
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
 from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed
@@ -194,8 +194,8 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
         # at speed, and NCCL nothing else), gloo on the CPU.
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank, local_world=local_world,
+    return SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank,
+                          local_world=node_ranks(settings, os.environ),
                           fallback_dir=_unplanned_dir(settings, config, swap_dir),
                           needed_bytes=unplanned_namespace_bytes(numel), device=accelerator.current_device_name())
 

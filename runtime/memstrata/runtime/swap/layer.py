@@ -12,7 +12,7 @@ import ctypes
 import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from memstrata.runtime.swap.pinning import Pins
 from memstrata.runtime.swap.status import ActivationStatus, DramStatus, MovedBytes, NvmeStatus, SwapStatus
 from memstrata.runtime.swap.tokens import IoTokens
 
-__all__ = ["SwapSettings", "SwapLayer", "active", "activate", "release_free_heap"]
+__all__ = ["SwapSettings", "SwapLayer", "active", "activate", "node_ranks", "release_free_heap"]
 
 
 class SwapSettings(BaseModel):
@@ -43,6 +43,9 @@ class SwapSettings(BaseModel):
     nvme_shared: bool = Field(
         True, description="Whether `nvme` is shared by the node's ranks (the device plugin's namespaces: each rank "
                           "takes its share) or is this rank's own (a local run's per-rank files: it takes them all).")
+    ranks_per_node: int | None = Field(
+        None, ge=1, description="The node's ranks the plan split `nvme` over (plan.ranks_per_node). None: an "
+                                "unplanned layer, which takes the launcher's LOCAL_WORLD_SIZE.")
     job: str = Field("memstrata", description="Owner written into each namespace's header.")
     queue_depth: int = Field(32, ge=1, le=4096, description="io_uring entries per rank.")
     stripe_bytes: int = Field(1 << 20, ge=4096, description="Stripe unit over namespaces (multi-path).")
@@ -179,6 +182,16 @@ def locked_pool(settings: SwapSettings, kind: TensorKind, *, dma: DmaDevice | No
                       placement=place(kind, dram_nodes=settings.dram_nodes or cpu_nodes(),
                                       cxl_nodes=settings.cxl_nodes),
                       dma=dma)
+
+
+def node_ranks(settings: SwapSettings, env: Mapping[str, str]) -> int:
+    """The ranks of this node that share its namespaces: the plan's, which the launcher must have started (a
+    different count would give each rank a share the plan never counted); the launcher's where nothing was planned."""
+    launched = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    if settings.ranks_per_node is not None and settings.ranks_per_node != launched:
+        raise ValueError(f"LOCAL_WORLD_SIZE={launched}: the launcher started {launched} ranks on this node, but the "
+                         f"plan split the node's namespaces over plan.ranks_per_node={settings.ranks_per_node}")
+    return settings.ranks_per_node or launched
 
 
 class SwapLayer:
