@@ -92,11 +92,6 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     if why:
         _unavailable(why)
     began = time.monotonic()
-    # make test runs other stages beside this one (conftest.py): the node's daemons and its pods, spawned from here,
-    # come first, as a node's system-reserved CPU gives them, so that their own deadlines (containerd's dial, the
-    # kubelet's probes) hold on a busy machine.
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, niceness - 5)
     timings: dict[str, float] = {}
     images = build_images(cache_root())
     timings["images"] = time.monotonic() - began
@@ -130,7 +125,6 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
             node.stop()  # the loop devices too
         finally:
             cp.stop(keep_workdir=failed)
-            os.setpriority(os.PRIO_PROCESS, 0, niceness)
 
 
 @pytest.fixture
