@@ -20,8 +20,17 @@ pytestmark = [pytest.mark.realnode, pytest.mark.cluster, pytest.mark.slow]
 # landed mid-flight and prints the step it landed at, so a shrinking margin shows in the log.
 STEPS = 24
 REGISTERED = "memstrata.dev/nvme-ns"
-# The kubelet's own line for a plugin's registration (pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go).
-REGISTRATION = f'Got registration request from device plugin with resource" resourceName="{REGISTERED}"'
+# The kubelet's own lines (pkg/kubelet/cm/devicemanager): a plugin connected, and the devices it listed.
+CONNECTED = f'"Device plugin connected" resourceName="{REGISTERED}"'
+PROCESSED = f'"Processed device updates for resource" resourceName="{REGISTERED}"'
+
+
+def plugin_serving(log: str, healthy: int) -> bool:
+    """Whether the last device plugin to connect in this stretch of the kubelet's log has listed `healthy` healthy
+    devices: until then the kubelet refuses a pod that asks for one ("no healthy devices present"), though the
+    scheduler, which sees the node's last allocatable, sends it there."""
+    connected = log.rfind(CONNECTED)
+    return connected >= 0 and f"{PROCESSED} totalCount={healthy} healthyCount={healthy}" in log[connected:]
 
 
 def container_identity(pod: dict[str, Any]) -> tuple[str, int]:
@@ -55,8 +64,8 @@ def test_kubelet_agent_and_containerd_restarts_leave_a_training_job_running(
     offset = log.stat().st_size
     rc.node.restart_kubelet()
     back = time.monotonic()
-    rc.cp.wait_for("the device plugin to register with the restarted kubelet",
-                   lambda: REGISTERED in log.read_text(errors="replace")[offset:], timeout=60)
+    rc.cp.wait_for("the device plugin to register with the restarted kubelet and list its devices",
+                   lambda: plugin_serving(log.read_text(errors="replace")[offset:], len(rc.loops)), timeout=60)
     seconds = time.monotonic() - back
     _say(request, f"[realnode] kubelet restart at step {step}/{STEPS}: the device plugin registered again "
                   f"{seconds:.1f} s after the kubelet came back")
@@ -68,10 +77,14 @@ def test_kubelet_agent_and_containerd_restarts_leave_a_training_job_running(
     # 2. The node-agent pod is deleted: the DaemonSet replaces it; the held namespace stays held.
     old = rc.agent_pod()
     assert old is not None
+    offset = log.stat().st_size
     rc.kubectl("delete", "pod", old["metadata"]["name"], "-n", RELEASE_NS, "--wait=true", timeout=120)
     rc.cp.wait_for("a new node-agent pod Running", lambda: bool(
         (new := rc.agent_pod()) and new["metadata"]["uid"] != old["metadata"]["uid"]
         and new["status"].get("phase") == "Running"), timeout=120)
+    # Running is not serving: its plugin registers and lists the devices moments later (seconds on a busy machine).
+    rc.cp.wait_for("the new agent's device plugin to list the namespaces",
+                   lambda: plugin_serving(log.read_text(errors="replace")[offset:], len(rc.loops)), timeout=60)
     free = len(rc.loops) - 1
     claimants = [pause_pod(f"claim-{i}", rc.images.pause) for i in range(free + 1)]
     rc.cp.apply(*claimants, namespace=ns)
