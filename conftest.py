@@ -2,9 +2,11 @@
 
 `make test` runs pytest with xdist workers (`-n`, `--dist loadgroup`): a test waiting on an API server, a kubelet or
 a guest leaves the CPU to another. What cannot be had twice stays on one worker: the real node (one kubelet and
-containerd per host) and the QEMU guest's shared boot (a second would double it). Everything else goes wherever a
-worker is free; a worker that meets a control-plane test starts its own control plane (about 6 s) and operator. At the end, one line per stage: its tests, the wall time from its first test's
-start to its last's end, and the seconds its tests took (which add up over the workers).
+containerd per host) and the QEMU guest's shared boot (a second would double it). The control-plane tests share one
+worker too, as they share one control plane and operator in a serial run: on 2 cores a control plane and an operator
+per worker, idling between tests, cost more CPU than running those tests one after another costs time. Everything
+else goes wherever a worker is free. At the end, one line per stage: its tests, the wall time from its first test's
+start to its last's end, the seconds its tests took (which add up over the workers) and the CPU they spent.
 """
 from __future__ import annotations
 
@@ -29,10 +31,13 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 SHARED_PEERS: tuple[tuple[str, str], ...] = (
     ("real_cluster", "realnode"),
     ("probe_boot", "guest"),
+    ("cluster", "cluster"),
+    ("quiet_cluster", "cluster"),
 )
 
 
-START_ORDER = ["realnode", "offload", "guest", "cluster", "runtime", "unit", "other"]
+# The two longest groups first (the control-plane tests, then the real node), so that neither starts last.
+START_ORDER = ["cluster", "realnode", "offload", "guest", "runtime", "unit", "other"]
 
 
 def stage_of(nodeid: str) -> str:
