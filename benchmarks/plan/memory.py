@@ -23,13 +23,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINE = """
-import os, resource, socket
+import os, resource
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-with socket.socket() as s:  # a port of the kernel's choice: another run may hold any fixed one
-    s.bind(("127.0.0.1", 0))
-    port = str(s.getsockname()[1])
+from memstrata.runtime.train.launch import free_port  # another run may hold any fixed port
 for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-             ("MASTER_PORT", port)):
+             ("MASTER_PORT", str(free_port()))):
     os.environ.setdefault(k, v)
 import torch, deepspeed, transformers  # noqa: E401
 import memstrata.runtime.train.recipe  # noqa: F401
