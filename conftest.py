@@ -90,6 +90,8 @@ class Stage:
 
 
 _stages: dict[str, Stage] = {}
+_modules: dict[str, Stage] = {}  # the same sums per test module, for the costliest-modules lines
+COSTLIEST = 15
 _began = time.time()
 
 
@@ -118,12 +120,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Called in the controller for every worker's report, so the sums cover the whole run.
-    stage = _stages.setdefault(stage_of(report.nodeid), Stage())
-    stage.seconds += report.duration
-    stage.cpu += getattr(report, "cpu_seconds", 0.0)
-    stage.first, stage.last = min(stage.first, report.start), max(stage.last, report.stop)
-    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        stage.tests += 1
+    module = report.nodeid.split("::")[0]
+    for stage in (_stages.setdefault(stage_of(report.nodeid), Stage()), _modules.setdefault(module, Stage())):
+        stage.seconds += report.duration
+        stage.cpu += getattr(report, "cpu_seconds", 0.0)
+        stage.first, stage.last = min(stage.first, report.start), max(stage.last, report.stop)
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            stage.tests += 1
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -137,3 +140,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 f"[stage] {name:<9} {s.tests:5d} tests  {s.last - s.first:7.1f} s wall "
                 f"(from {s.first - _began:6.1f} s to {s.last - _began:6.1f} s)  {s.seconds:7.1f} s in its tests, "
                 f"{s.cpu:7.1f} s of CPU")
+    # Where to look first when the suite grows slow: on 2 cores the CPU a module spends is what it costs the rest.
+    for module, s in sorted(_modules.items(), key=lambda kv: -kv[1].cpu)[:COSTLIEST]:
+        terminalreporter.write_line(f"[cost] {s.cpu:7.1f} s of CPU  {s.seconds:7.1f} s  {s.tests:4d} tests  {module}")
