@@ -64,3 +64,41 @@ def test_gemma_lora_targets_are_its_separate_projections() -> None:
     assert adapter_tensor_sizes(arch, Lora(rank=8)) == [8 * 2048, 2048 * 8, 8 * 2048, 256 * 8] * 18
     with pytest.raises(ValueError, match="c_attn: not a linear module of a Gemma model's layers"):
         adapter_tensor_sizes(arch, Lora(target_modules=["c_attn"]))
+
+
+# Gemma-7B's and Mistral-NeMo's config.json (as `transformers` saves them): heads not hidden / heads wide.
+GEMMA_7B = {**GEMMA_2B, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256}
+MISTRAL_NEMO = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 5120,
+                "intermediate_size": 14336, "num_hidden_layers": 40, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 131072, "max_position_embeddings": 1024000,
+                "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize(("config", "preset"), [(GEMMA_7B, "gemma-7b"), (MISTRAL_NEMO, "mistral-nemo-12b")])
+def test_a_head_width_other_than_hidden_over_heads_is_read_and_counted(config: dict, preset: str) -> None:
+    arch = architecture_from_config(config)
+    assert arch.head_dim == config["head_dim"] and arch.q_dim == config["head_dim"] * config["num_attention_heads"]
+    assert arch == PRESETS[preset].model_copy(update={"max_positions": config["max_position_embeddings"]})
+
+
+def test_gemma_7b_counts_by_hand() -> None:
+    """h 3072, i 24576, 16 heads of 256 (q 4096, kv 4096), vocab 256000, tied. A layer: q and o 2·3072·4096,
+    k and v 2·3072·4096, the MLP 3·3072·24576, two norms: 25,165,824 + 226,492,416 + 6,144 = 251,664,384;
+    with the embedding 786,432,000 and the final norm, 8,537,680,896 (Gemma-7B's published 8.54B). In bf16 a
+    token keeps in a layer: Gemma's norms 2·(8h + 4) = 49,160; 2hw + 2qw = 28,672; 2·kv·w = 16,384; 4n = 64;
+    2dw = 1,024; 4iw = 196,608: 291,912 (hidden / heads would have made q 3072: 4,096 less)."""
+    arch = PRESETS["gemma-7b"]
+    assert arch.parameters() == 8_537_680_896
+    assert layer_activation_bytes(arch, 2) == 291_912
+    assert adapter_tensor_sizes(arch, Lora(rank=8)) == [8 * 3072, 4096 * 8, 8 * 3072, 4096 * 8] * 28
+
+
+def test_a_head_width_is_refused_where_the_family_has_none_and_where_it_is_not_a_count() -> None:
+    with pytest.raises(ValueError, match="headDim 64: a GPT-2 model's heads are hidden / heads wide"):
+        ModelArchitecture(family="gpt", layers=1, hidden=256, intermediate=1024, heads=8, kv_heads=8, vocab=8,
+                          head_dim=64)
+    with pytest.raises(ValueError, match="config.json: head_dim must be a positive integer, got 'wide'"):
+        architecture_from_config({**GEMMA_7B, "head_dim": "wide"})
+    with pytest.raises(ValueError, match="hidden .250. must be divisible by heads .8., or headDim given"):
+        ModelArchitecture(layers=1, hidden=250, intermediate=1024, heads=8, kv_heads=8, vocab=8)

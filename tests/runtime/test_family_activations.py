@@ -15,21 +15,22 @@ from memstrata.plan.accounting import head_input_bytes, layer_activation_bytes  
 from memstrata.runtime.train.model.hfmodel import random_model  # noqa: E402
 
 
-def _shape(family: str) -> ModelArchitecture:
+def _shape(family: str, head_dim: int | None = None) -> ModelArchitecture:
     return ModelArchitecture(family=family, layers=2, hidden=256, intermediate=640, heads=8, kv_heads=2, vocab=256,
-                             tied=True)
+                             tied=True, head_dim=head_dim)
 
 
 def _saved(model: torch.nn.Module, module: torch.nn.Module, tokens: int) -> int:
-    """Bytes `module` saves for backward in a training forward of `tokens` tokens (parameters and views of one
-    tensor counted once; the parameters themselves are not activations)."""
+    """Bytes `module` saves for backward in a training forward of `tokens` tokens: each storage once, whatever
+    views of it are saved (sdpa's output and o_proj's input are one tensor in two shapes); the parameters
+    themselves are not activations."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[tuple[int, torch.dtype, tuple[int, ...], int], int] = {}
+    seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            seen[(t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape), t.storage_offset())] = \
-                t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     hooks = saved_tensors_hooks(pack, lambda t: t)
@@ -42,8 +43,8 @@ def _saved(model: torch.nn.Module, module: torch.nn.Module, tokens: int) -> int:
     return sum(seen.values())
 
 
-def _per_token(family: str, dtype: torch.dtype) -> tuple[int, int]:
-    model = random_model(_shape(family), 128, seed=0).to(dtype)
+def _per_token(family: str, dtype: torch.dtype, head_dim: int | None = None) -> tuple[int, int]:
+    model = random_model(_shape(family, head_dim), 128, seed=0).to(dtype)
     layer, norm = model.model.layers[1], model.model.norm
     layer_slope = (_saved(model, layer, 96) - _saved(model, layer, 32)) // 64
     norm_slope = (_saved(model, norm, 96) - _saved(model, norm, 32)) // 64
@@ -60,3 +61,14 @@ def test_gemma_keeps_what_its_formula_adds_to_llamas(dtype: torch.dtype) -> None
     assert gemma[1] - llama[1] == head_input_bytes(arch, w) - head_input_bytes(as_llama, w)
     if w == 2:
         assert gemma[0] - llama[0] == 2 * 2 * 256, "two norms' fp32 normalized outputs instead of bf16 ones"
+
+
+@pytest.mark.parametrize("head_dim", [16, 64], ids=["narrower", "wider"])
+def test_heads_not_hidden_over_heads_wide_keep_what_the_formula_says(head_dim: int) -> None:
+    """Mistral-NeMo's heads are narrower than hidden / heads, Gemma-7B's wider: the queries, keys, values, the
+    attention output o_proj keeps and the rotary tables change width, the rest does not (bf16; 8 heads at hidden
+    256 are 32 wide). At one sequence a layer keeps exactly what the formula says, both ways."""
+    wide, plain = _per_token("llama", torch.bfloat16, head_dim), _per_token("llama", torch.bfloat16)
+    arch, default = _shape("llama", head_dim), _shape("llama")
+    assert (wide[0], plain[0]) == (layer_activation_bytes(arch, 2), layer_activation_bytes(default, 2))
+    assert wide[0] != plain[0] and wide[1] == plain[1], "the final norm keeps what it did"

@@ -43,23 +43,35 @@ class ModelArchitecture(ApiModel):
     vocab: int = Field(gt=0, description="Vocabulary size.")
     tied: bool = Field(False, description="LM head shares the input embedding.")
     qkv_bias: bool = Field(False, description="Q/K/V projections carry a bias (Qwen2).")
+    head_dim: int | None = Field(None, gt=0, description=(
+        "Width of one attention head where it is not hidden / heads (config.json's head_dim: Gemma-7B's 256 at "
+        "hidden 3072 and 16 heads, Mistral-NeMo's 128 at 5120 and 32); omitted: hidden / heads."))
     max_positions: int = Field(2048, gt=0, description="Learned position table length (gpt family).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelArchitecture":
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}), or headDim given")
+        if self.head_dim is not None and self.head_dim * self.heads != self.hidden and not self.spec.free_head_dim:
+            raise ValueError(f"headDim {self.head_dim}: a {self.spec.title} model's heads are hidden / heads wide "
+                             f"({self.hidden} / {self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be divisible by kvHeads ({self.kv_heads})")
         return self
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def head_width(self) -> int:
+        """One attention head's width: headDim where given, else hidden / heads."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """The queries' width (and the attention output's, which o_proj reads): hidden unless headDim says."""
+        return self.head_width * self.heads
 
     @property
     def kv_dim(self) -> int:
-        return self.head_dim * self.kv_heads
+        return self.head_width * self.kv_heads
 
     @property
     def spec(self) -> ModelFamily:

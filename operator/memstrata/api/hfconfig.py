@@ -27,6 +27,7 @@ _NAMES = {
     "kv_heads": ("num_key_value_heads",),
     "vocab": ("vocab_size",),
     "max_positions": ("max_position_embeddings", "n_positions", "n_ctx"),
+    "head_dim": ("head_dim",),
 }
 
 
@@ -68,17 +69,19 @@ def architecture_from_config(config: dict[str, Any], source: str = "config.json"
     intermediate = _int(config, source, "intermediate", required=ratio is None) or (ratio or 0) * hidden
     kv_heads = _int(config, source, "kv_heads", required=False) or heads
     positions = _int(config, source, "max_positions", required=False) or 2048
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim != hidden // heads:
+    head_dim = _int(config, source, "head_dim", required=False)
+    if head_dim is not None and head_dim * heads == hidden:
+        head_dim = None  # the width every family assumes: a shape says it only where it differs
+    if head_dim is not None and not fam.free_head_dim:
         raise ModelConfigError(f"{source}: head_dim {head_dim} is not hidden_size / num_attention_heads "
-                               f"({hidden} / {heads}); memstrata plans only models where it is")
+                               f"({hidden} / {heads}), which a {fam.title} model's heads always are")
     try:
         return ModelArchitecture(
             family=fam.name,
             layers=_int(config, source, "layers"), hidden=hidden, intermediate=intermediate, heads=heads,
             kv_heads=kv_heads, vocab=_int(config, source, "vocab"),
             tied=bool(config.get("tie_word_embeddings", fam.tied_by_default)),
-            qkv_bias=fam.qkv_bias(model_type, config), max_positions=positions,
+            qkv_bias=fam.qkv_bias(model_type, config), max_positions=positions, head_dim=head_dim,
         )
     except ValueError as exc:
         raise ModelConfigError(f"{source}: {exc}") from None
@@ -86,7 +89,8 @@ def architecture_from_config(config: dict[str, Any], source: str = "config.json"
 
 def config_mismatches(declared: ModelArchitecture, found: ModelArchitecture) -> list[str]:
     """Each field where a job's declared architecture differs from the directory's, with both values."""
-    fields = ["family", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "tied", "qkv_bias"]
+    fields = ["family", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "tied", "qkv_bias",
+              "head_dim"]
     if found.spec.learned_positions:
         fields.append("max_positions")
     out = []

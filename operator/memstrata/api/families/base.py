@@ -28,7 +28,10 @@ class Shape(Protocol):
     max_positions: int
 
     @property
-    def head_dim(self) -> int: ...
+    def head_width(self) -> int: ...
+
+    @property
+    def q_dim(self) -> int: ...
 
     @property
     def kv_dim(self) -> int: ...
@@ -58,6 +61,8 @@ class ModelFamily:
     lora_defaults: ClassVar[tuple[str, ...]]
     # The linear modules store their weight transposed (GPT-2's Conv1D): PEFT must be told.
     lora_fan_in_fan_out: ClassVar[bool] = False
+    # Its heads may be wider or narrower than hidden / heads (config.json's head_dim); else they are exactly that.
+    free_head_dim: ClassVar[bool] = False
     # Preset name -> ModelArchitecture fields (family aside): shapes the CRD offers as spec.model.preset.
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
@@ -71,8 +76,8 @@ class ModelFamily:
         return arch.vocab * arch.hidden
 
     def attention_params(self, arch: Shape) -> int:
-        h, kv = arch.hidden, arch.kv_dim
-        return 2 * h * h + 2 * h * kv + ((h + 2 * kv) if arch.qkv_bias else 0)
+        h, q, kv = arch.hidden, arch.q_dim, arch.kv_dim
+        return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if arch.qkv_bias else 0)
 
     def mlp_params(self, arch: Shape) -> int:
         return 3 * arch.hidden * arch.intermediate

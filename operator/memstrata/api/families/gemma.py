@@ -21,6 +21,9 @@ class Gemma(Llama):
     presets = {
         # Gemma-2B's shape (multi-query attention, head_dim 256 = 2048 / 8, 256k vocabulary): for planning.
         "gemma-2b": dict(layers=18, hidden=2048, intermediate=16384, heads=8, kv_heads=1, vocab=256000, tied=True),
+        # Gemma-7B's: heads wider than hidden / heads (256 against 192), so q and o are 4096 wide at hidden 3072.
+        "gemma-7b": dict(layers=28, hidden=3072, intermediate=24576, heads=16, kv_heads=16, vocab=256000, tied=True,
+                         head_dim=256),
     }
 
     def norm_bytes(self, arch: Shape, w: int) -> int:
@@ -30,8 +33,7 @@ class Gemma(Llama):
         return 8 * arch.hidden + 4
 
     def preset_config(self, arch: Shape, sequence_length: int) -> tuple[str, dict[str, Any]]:
-        return "gemma", {**self.common_config(arch, sequence_length), "head_dim": arch.head_dim,
-                         "hidden_activation": "gelu_pytorch_tanh"}
+        return "gemma", {**self.common_config(arch, sequence_length), "hidden_activation": "gelu_pytorch_tanh"}
 
 
 FAMILY = Gemma()

@@ -14,6 +14,7 @@ class Llama(ModelFamily):
     # Also the family of any other model type no family names: its config is read with Llama's field names.
     model_types = frozenset({"llama", "qwen2", "mistral"})
     qkv_bias_model_types = frozenset({"qwen2"})
+    free_head_dim = True
     lora_defaults = ("q_proj", "v_proj")
     presets = {
         # Shapes only: for planning real jobs (random weights build too: the long-context benchmark on a GPU).
@@ -24,21 +25,24 @@ class Llama(ModelFamily):
         "qwen2.5-14b": dict(layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8, vocab=152064,
                             qkv_bias=True),
         "mistral-7b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000),
+        # Heads narrower than hidden / heads (128 against 160): q and o are 4096 wide at hidden 5120.
+        "mistral-nemo-12b": dict(layers=40, hidden=5120, intermediate=14336, heads=32, kv_heads=8, vocab=131072,
+                                 head_dim=128),
     }
 
     def tensor_sizes(self, arch: Shape) -> list[int]:
         """q/k/v/o apart (Q/K/V biases in Qwen2), then gate/up/down, then two RMSNorms; the final norm."""
-        h, i, kv, v = arch.hidden, arch.intermediate, arch.kv_dim, arch.vocab
+        h, i, q, kv, v = arch.hidden, arch.intermediate, arch.q_dim, arch.kv_dim, arch.vocab
         head = [] if arch.tied else [v * h]
         bias = arch.qkv_bias
-        attention = [h * h, *([h] if bias else []), kv * h, *([kv] if bias else []), kv * h,
-                     *([kv] if bias else []), h * h]
+        attention = [q * h, *([q] if bias else []), kv * h, *([kv] if bias else []), kv * h,
+                     *([kv] if bias else []), h * q]
         layer = attention + [i * h, i * h, h * i, h, h]
         return [v * h] + layer * arch.layers + [h] + head
 
     def layer_linears(self, arch: Shape) -> list[Linear]:
-        h, i, kv = arch.hidden, arch.intermediate, arch.kv_dim
-        return [("q_proj", h, h), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", h, h),
+        h, i, q, kv = arch.hidden, arch.intermediate, arch.q_dim, arch.kv_dim
+        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
                 ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
 
     def norm_bytes(self, arch: Shape, w: int) -> int:
@@ -47,15 +51,16 @@ class Llama(ModelFamily):
         return 4 * arch.hidden + 4 + arch.hidden * w
 
     def layer_activation_bytes(self, arch: Shape, w: int) -> int:
-        """Both RMSNorms' (`norm_bytes`); the q/k/v projections share their input (hw); the rotated query (hw),
-        key and value (2·kv·w: sdpa takes grouped-query attention without repeating them); sdpa's output, which
-        o_proj keeps (hw), and its fp32 log-sum-exp (4n); the rotary cos and sin (2·(h/n)·w); the MLP's input
-        (hw), gate, SiLU(gate), up and their product (4iw):  8h + 8 + 6hw + 2·kv·w + 4n + 2(h/n)w + 4iw.
+        """Both RMSNorms' (`norm_bytes`); the q/k/v projections share their input (hw); the rotated query (qw: q
+        is the queries' width, h unless headDim says), key and value (2·kv·w: sdpa takes grouped-query attention
+        without repeating them); sdpa's output, which o_proj keeps (qw), and its fp32 log-sum-exp (4n); the rotary
+        cos and sin (2·d·w, d the head width); the MLP's input (hw), gate, SiLU(gate), up and their product (4iw):
+        8h + 8 + 4hw + 2qw + 2·kv·w + 4n + 2dw + 4iw.
         Measured with torch's saved-tensor hooks on transformers 5.23 at b = 1, equal to the formula: Llama-3.2-1B
         201,352 B in fp32, Qwen2.5-14B 217,768 in bf16 (at b > 1 the rotary tables are per position, not per
         token: SmolLM2-135M at b = 2 saves 24,748 B of the formula's 24,876 in bf16)."""
         h, i, n = arch.hidden, arch.intermediate, arch.heads
-        rest = 4 * h * w + 2 * arch.kv_dim * w + 4 * n + 2 * arch.head_dim * w + 4 * i * w
+        rest = 2 * h * w + 2 * arch.q_dim * w + 2 * arch.kv_dim * w + 4 * n + 2 * arch.head_width * w + 4 * i * w
         return 2 * self.norm_bytes(arch, w) + rest
 
     def head_input_bytes(self, arch: Shape, w: int) -> int:
@@ -70,7 +75,7 @@ class Llama(ModelFamily):
         return dict(vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
                     num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
                     num_key_value_heads=arch.kv_heads, max_position_embeddings=max(sequence_length, 2048),
-                    tie_word_embeddings=arch.tied, use_cache=False, **NO_SPECIAL_TOKENS)
+                    head_dim=arch.head_width, tie_word_embeddings=arch.tied, use_cache=False, **NO_SPECIAL_TOKENS)
 
 
 FAMILY = Llama()
