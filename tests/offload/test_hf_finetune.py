@@ -142,11 +142,12 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
         "qwen2": Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, **common),
         "gpt2": GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **{**common, "tie_word_embeddings": True}),
+        # Heads narrower than hidden / heads, as Mistral-NeMo's (4 of 8 at hidden 64), and wider, as Gemma-7B's.
         "mistral": MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=1, sliding_window=32, **common),
+                                 num_key_value_heads=1, head_dim=8, sliding_window=32, **common),
         # Gemma ties its head by default (its config.json then leaves tie_word_embeddings out).
         "gemma": GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=1, head_dim=16, **{**common, "tie_word_embeddings": True}),
+                             num_key_value_heads=1, head_dim=32, **{**common, "tie_word_embeddings": True}),
     }[family]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -164,6 +165,15 @@ def test_families_load_train_and_reload(tmp_path: Path, smollm2_dir: Path, famil
     model = _small(tmp_path, family, smollm2_dir)
     if family == "qwen2":
         assert (model / "model.safetensors.index.json").exists(), "the Qwen2 checkpoint should be sharded"
+    # The shape memstrata reads from config.json lays out the tensors transformers builds from it, one for one.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memstrata.api.hfconfig import architecture_from_config
+
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    shape = architecture_from_config(json.loads((model / "config.json").read_text()))
+    assert shape.tensor_sizes() == [p.numel() for p in built.parameters()]
     # These small models are almost all embedding (one sub-group of its own): streaming it would need buffers of
     # its size, so the plan keeps everything in DRAM - the memstrata engine's all-DRAM run, with no namespace.
     check_round_trip(tmp_path, model, engine="memstrata", precision="fp32", lr=1e-3, dram_budget="128Mi")
