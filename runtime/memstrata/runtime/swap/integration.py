@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memstrata.runtime.swap.cpufacts import cpu_info_answered
 from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, node_ranks, release_free_heap
 from memstrata.runtime.swap.stratamap import unplanned_namespace_bytes
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
@@ -238,7 +239,7 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
         numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
         layer = open_layer(config, settings, numel=numel)
     try:
-        with constructing(layer):
+        with constructing(layer), cpu_info_answered():
             result = deepspeed.initialize(*call.args, **call.kwargs)
     except BaseException:
         layer.close()

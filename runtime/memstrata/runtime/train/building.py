@@ -109,8 +109,11 @@ def _initialize(model: Any, ds: DsConfig, training: Training, layer: Any) -> Tra
     # keeps it as engine.lr_scheduler (saved in its checkpoints).
     scheduler = functools.partial(build_scheduler, training=training)
     if layer is None:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model), config=ds.config,
-                                               lr_scheduler=scheduler)
+        from memstrata.runtime.swap.cpufacts import cpu_info_answered
+
+        with cpu_info_answered():
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model), config=ds.config,
+                                                   lr_scheduler=scheduler)
         return engine
     from memstrata.runtime.swap.integration import initialize
 
