@@ -34,7 +34,10 @@ def test_import_contracts_hold() -> None:
 
 
 def test_both_floors_type_check() -> None:
-    proc = _tool("mypy")
+    # mypy's cache beside the other heavy builds: it checks every cached module against its source's hash, so a
+    # fresh checkout (CI copies the tree) reuses it safely; 29 s of CPU cold, 2 s warm.
+    cache = Path(os.environ.get("CACHE") or Path.home() / ".cache" / "memstrata") / "mypy"
+    proc = _tool("mypy", "--cache-dir", str(cache))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("Success: no issues found"), proc.stdout
 
