@@ -92,6 +92,7 @@ class Stage:
 _stages: dict[str, Stage] = {}
 _modules: dict[str, Stage] = {}  # the same sums per test module, for the costliest-modules lines
 COSTLIEST = 15
+SESSION_TEARDOWN = "(the workers' session fixtures, stopped after their last tests)"
 _began = time.time()
 
 
@@ -114,13 +115,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     # The CPU spent since the previous phase's report, carried to the controller with the report (xdist sends
     # a report's attributes along). On 2 cores the CPU, not the wall, is what the suite's time is made of.
     now = _cpu_seconds()
-    outcome.get_result().cpu_seconds = now - _cpu_mark[0]
+    report = outcome.get_result()
+    report.cpu_seconds = now - _cpu_mark[0]
     _cpu_mark[0] = now
+    if call.when == "teardown" and _last_on_worker[0]:
+        report.session_teardown = True  # a worker's last teardown also stops its session fixtures (planes, nodes)
+
+
+_last_on_worker = [False]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _last_on_worker[0] = nextitem is None
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Called in the controller for every worker's report, so the sums cover the whole run.
-    module = report.nodeid.split("::")[0]
+    # The CPU of a worker's session fixtures (control planes, the real node: their daemons are reaped as they
+    # stop) is no one test module's cost.
+    module = SESSION_TEARDOWN if getattr(report, "session_teardown", False) else report.nodeid.split("::")[0]
     for stage in (_stages.setdefault(stage_of(report.nodeid), Stage()), _modules.setdefault(module, Stage())):
         stage.seconds += report.duration
         stage.cpu += getattr(report, "cpu_seconds", 0.0)
