@@ -27,7 +27,7 @@ def test_a_gemma_config_reads_as_the_gemma_family_tied_unless_it_says_otherwise(
 
 
 def test_model_types_no_family_names_are_read_as_llama_as_before() -> None:
-    assert family_of_model_type("phi3").name == "llama"
+    assert family_of_model_type("olmo").name == "llama" and family_of_model_type("phi3").name == "phi3"
     assert family_of_model_type("qwen2").name == "llama" and family_of_model_type("gpt2").name == "gpt"
 
 
@@ -35,12 +35,12 @@ def test_the_crd_offers_every_registered_family_and_preset() -> None:
     spec = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     schema = spec["properties"]["model"]
     assert schema["properties"]["architecture"]["properties"]["family"]["enum"] == list(FAMILIES) \
-        == ["gpt", "llama", "gemma"]
+        == ["gpt", "llama", "gemma", "phi3"]
     assert "gemma-2b" in schema["properties"]["preset"]["enum"]
 
 
 def test_an_unknown_family_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown family 'phi'.*gpt, llama, gemma"):
+    with pytest.raises(ValueError, match="unknown family 'phi'.*gpt, llama, gemma, phi3"):
         ModelArchitecture(family="phi", layers=1, hidden=8, intermediate=8, heads=2, kv_heads=2, vocab=8)
 
 
@@ -102,3 +102,23 @@ def test_a_head_width_is_refused_where_the_family_has_none_and_where_it_is_not_a
         architecture_from_config({**GEMMA_7B, "head_dim": "wide"})
     with pytest.raises(ValueError, match="hidden .250. must be divisible by heads .8., or headDim given"):
         ModelArchitecture(layers=1, hidden=250, intermediate=1024, heads=8, kv_heads=8, vocab=8)
+
+
+# Phi-3-mini-4k-instruct's config.json (the fields memstrata reads; its own pad token 32000 and rope settings aside).
+PHI3_MINI = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+             "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "vocab_size": 32064, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+             "attention_bias": False}
+
+
+def test_phi3_reads_as_its_fused_family_and_lora_targets_its_fused_projections() -> None:
+    """Phi-3-mini: 3,821,079,552 parameters (Llama's count of the same shape), in 32 · 6 + 3 tensors: o_proj
+    3072², qkv_proj 3·3072², gate_up_proj 2·8192·3072, down_proj 3072·8192, two norms; embedding, norm, head."""
+    arch = architecture_from_config(PHI3_MINI)
+    assert arch == PRESETS["phi3-mini"].model_copy(update={"max_positions": 4096})
+    assert arch.parameters() == 3_821_079_552 == arch.model_copy(update={"family": "llama"}).parameters()
+    sizes = arch.tensor_sizes()
+    assert len(sizes) == 32 * 6 + 3 and sizes[1:5] == [3072 * 3072, 3 * 3072 * 3072, 2 * 8192 * 3072, 3072 * 8192]
+    assert adapter_tensor_sizes(arch, Lora(rank=8)) == [8 * 3072, 3 * 3072 * 8] * 32  # qkv_proj by default
+    with pytest.raises(ValueError, match="q_proj: not a linear module of a Phi-3 model's layers"):
+        adapter_tensor_sizes(arch, Lora(target_modules=["q_proj"]))

@@ -135,7 +135,7 @@ def test_smollm2_fine_tunes_on_stock_deepspeed_and_reloads(tmp_path: Path, smoll
 
 def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
     """A small random checkpoint of `family`, saved by transformers itself, with SmolLM2's tokenizer."""
-    from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, MistralConfig, Phi3Config, Qwen2Config
 
     common = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
     config = {
@@ -148,6 +148,9 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
         # Gemma ties its head by default (its config.json then leaves tie_word_embeddings out).
         "gemma": GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=1, head_dim=32, **{**common, "tie_word_embeddings": True}),
+        # Q/K/V and gate/up fused in one tensor each.
+        "phi3": Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, **common),
     }[family]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -160,7 +163,7 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral", "gemma"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral", "gemma", "phi3"])
 def test_families_load_train_and_reload(tmp_path: Path, smollm2_dir: Path, family: str) -> None:
     model = _small(tmp_path, family, smollm2_dir)
     if family == "qwen2":

@@ -72,3 +72,14 @@ def test_heads_not_hidden_over_heads_wide_keep_what_the_formula_says(head_dim: i
     arch, default = _shape("llama", head_dim), _shape("llama")
     assert (wide[0], plain[0]) == (layer_activation_bytes(arch, 2), layer_activation_bytes(default, 2))
     assert wide[0] != plain[0] and wide[1] == plain[1], "the final norm keeps what it did"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_phi3s_fused_projections_keep_what_its_formula_says(dtype: torch.dtype) -> None:
+    """Phi-3 fuses q/k/v and gate/up into single tensors: the value sdpa keeps is a view of the whole fused output,
+    and its attention output is kept beside o_proj's copy. A layer of the real model, per token, is the formula."""
+    w = 2 if dtype == torch.bfloat16 else 4
+    phi3, llama = _per_token("phi3", dtype), _per_token("llama", dtype)
+    assert phi3[0] == layer_activation_bytes(_shape("phi3"), w)
+    assert phi3[0] - llama[0] == (2 * 256 + 64) * w, "(q + kv)·w of the fused qkv output and o_proj's copy (qw)"
+    assert phi3[1] == llama[1], "the final norm is Llama's"
