@@ -35,12 +35,12 @@ def test_the_crd_offers_every_registered_family_and_preset() -> None:
     spec = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     schema = spec["properties"]["model"]
     assert schema["properties"]["architecture"]["properties"]["family"]["enum"] == list(FAMILIES) \
-        == ["gpt", "llama", "gemma", "phi3"]
+        == ["gpt", "llama", "gemma", "phi3", "qwen3"]
     assert "gemma-2b" in schema["properties"]["preset"]["enum"]
 
 
 def test_an_unknown_family_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown family 'phi'.*gpt, llama, gemma, phi3"):
+    with pytest.raises(ValueError, match="unknown family 'phi'.*gpt, llama, gemma, phi3, qwen3"):
         ModelArchitecture(family="phi", layers=1, hidden=8, intermediate=8, heads=2, kv_heads=2, vocab=8)
 
 
@@ -122,3 +122,21 @@ def test_phi3_reads_as_its_fused_family_and_lora_targets_its_fused_projections()
     assert adapter_tensor_sizes(arch, Lora(rank=8)) == [8 * 3072, 3 * 3072 * 8] * 32  # qkv_proj by default
     with pytest.raises(ValueError, match="q_proj: not a linear module of a Phi-3 model's layers"):
         adapter_tensor_sizes(arch, Lora(target_modules=["q_proj"]))
+
+
+# Qwen3-0.6B's config.json (the fields memstrata reads): 16 heads of 128 at hidden 1024, the head tied.
+QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+             "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+             "attention_bias": False}
+
+
+def test_qwen3_reads_as_its_family_with_its_head_norms_counted() -> None:
+    """Qwen3-0.6B: 596,049,920 parameters (its published 0.6B; 440,467,456 without the embedding, the published
+    0.44B): Llama's count of the shape plus 28 layers' q_norm and k_norm of 128 each (7,168)."""
+    arch = architecture_from_config(QWEN3_06B)
+    assert arch == PRESETS["qwen3-0.6b"].model_copy(update={"max_positions": 40960})
+    assert arch.parameters() == 596_049_920
+    assert arch.parameters() - arch.model_copy(update={"family": "llama"}).parameters() == 28 * 2 * 128
+    assert arch.tensor_sizes()[1:10] == [2048 * 1024, 1024 * 1024, 1024 * 1024, 1024 * 2048, 128, 128,
+                                         3072 * 1024, 3072 * 1024, 1024 * 3072]

@@ -135,7 +135,8 @@ def test_smollm2_fine_tunes_on_stock_deepspeed_and_reloads(tmp_path: Path, smoll
 
 def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
     """A small random checkpoint of `family`, saved by transformers itself, with SmolLM2's tokenizer."""
-    from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import (AutoModelForCausalLM, GemmaConfig, GPT2Config, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
     common = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
     config = {
@@ -151,6 +152,9 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
         # Q/K/V and gate/up fused in one tensor each.
         "phi3": Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, **common),
+        # A norm over every query and key head, the heads wider than hidden / heads (as Qwen3-0.6B's).
+        "qwen3": Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, **common),
     }[family]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -163,7 +167,7 @@ def _small(tmp: Path, family: str, smollm2_dir: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral", "gemma", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral", "gemma", "phi3", "qwen3"])
 def test_families_load_train_and_reload(tmp_path: Path, smollm2_dir: Path, family: str) -> None:
     model = _small(tmp_path, family, smollm2_dir)
     if family == "qwen2":

@@ -83,3 +83,16 @@ def test_phi3s_fused_projections_keep_what_its_formula_says(dtype: torch.dtype) 
     assert phi3[0] == layer_activation_bytes(_shape("phi3"), w)
     assert phi3[0] - llama[0] == (2 * 256 + 64) * w, "(q + kv)·w of the fused qkv output and o_proj's copy (qw)"
     assert phi3[1] == llama[1], "the final norm is Llama's"
+
+
+@pytest.mark.parametrize("head_dim", [None, 64], ids=["plain", "wider"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_qwen3s_head_norms_keep_what_its_formula_adds(dtype: torch.dtype, head_dim: int | None) -> None:
+    """Qwen3 normalizes every query and key head before the rotary positions: a layer of the real model keeps
+    Llama's bytes and those two norms', per token, exactly as the formula says."""
+    w = 2 if dtype == torch.bfloat16 else 4
+    qwen3, llama = _per_token("qwen3", dtype, head_dim), _per_token("llama", dtype, head_dim)
+    arch = _shape("qwen3", head_dim)
+    assert qwen3[0] == layer_activation_bytes(arch, w)
+    assert qwen3[0] - llama[0] == (4 + w) * (arch.q_dim + arch.kv_dim) + 4 * (8 + 2)
+    assert qwen3[1] == llama[1]

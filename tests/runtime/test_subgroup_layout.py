@@ -22,7 +22,8 @@ def _real_sizes(name: str) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-125m", "llama3-8b", "qwen2.5-14b", "mistral-7b", "mistral-nemo-12b",
-                                  "gemma-2b", "gemma-7b", "phi3-mini"])
+                                  "gemma-2b", "gemma-7b", "phi3-mini",
+                                  "qwen3-0.6b", "qwen3-8b"])
 def test_the_planned_tensor_list_is_the_models(name: str) -> None:
     assert PRESETS[name].tensor_sizes() == _real_sizes(name)
 

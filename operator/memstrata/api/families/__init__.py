@@ -6,12 +6,12 @@ all come from the registry.
 """
 from __future__ import annotations
 
-from memstrata.api.families import gemma, gpt, llama, phi3
+from memstrata.api.families import gemma, gpt, llama, phi3, qwen3
 from memstrata.api.families.base import Linear, ModelFamily
 
 __all__ = ["FAMILIES", "DEFAULT_FAMILY", "Linear", "ModelFamily", "family", "family_of_model_type"]
 
-_ALL: tuple[ModelFamily, ...] = (gpt.FAMILY, llama.FAMILY, gemma.FAMILY, phi3.FAMILY)
+_ALL: tuple[ModelFamily, ...] = (gpt.FAMILY, llama.FAMILY, gemma.FAMILY, phi3.FAMILY, qwen3.FAMILY)
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in _ALL}
 # The family of a model type no family names: most causal LMs are built like Llama and use its config names.
 DEFAULT_FAMILY = llama.FAMILY
