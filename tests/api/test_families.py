@@ -140,3 +140,14 @@ def test_qwen3_reads_as_its_family_with_its_head_norms_counted() -> None:
     assert arch.parameters() - arch.model_copy(update={"family": "llama"}).parameters() == 28 * 2 * 128
     assert arch.tensor_sizes()[1:10] == [2048 * 1024, 1024 * 1024, 1024 * 1024, 1024 * 2048, 128, 128,
                                          3072 * 1024, 3072 * 1024, 1024 * 3072]
+
+
+@pytest.mark.parametrize(("model_type", "key"), [("mixtral", "num_local_experts"), ("qwen3_moe", "num_experts"),
+                                                 ("deepseek_v3", "n_routed_experts")])
+def test_a_mixture_of_experts_is_refused_naming_the_field(model_type: str, key: str) -> None:
+    """Read as Llama-shaped, a mixture of experts would be planned with one expert a layer: a fraction of its
+    memory, and an OOM kill at the first step. It is refused with the field that says so."""
+    config = {**MISTRAL_NEMO, "model_type": model_type, key: 8, "architectures": ["XForCausalLM"]}
+    with pytest.raises(ValueError, match=f"config.json: {key} 8: a mixture-of-experts model .{model_type}."):
+        architecture_from_config(config)
+    assert architecture_from_config({**MISTRAL_NEMO, "num_local_experts": 1}).family == "llama", "one expert: dense"

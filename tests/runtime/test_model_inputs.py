@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,14 +20,15 @@ REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def _model(tmp: Path, smollm2_dir: Path, *, vocab: int = 49152, shards: bool = False) -> Path:
+def _model(tmp: Path, smollm2_dir: Path, *, vocab: int = 49152, shards: bool = False,
+           config: Any = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=vocab, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)
+    config = config or LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=vocab, bos_token_id=None, eos_token_id=None,
+                                   pad_token_id=None)
     path = tmp / "model"
     AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size="2MB" if shards else "1GB")
     for name in TOKENIZER_FILES:
@@ -71,6 +73,21 @@ def test_declared_architecture_that_differs_names_both_values(cli, tmp_path: Pat
     err = _run(cli, tmp_path, model, architecture=declared).stderr
     assert "architecture.layers: the job declares 3, the model directory has 2" in err, err
     assert str(model / "config.json") in err
+
+
+def test_a_model_built_unlike_the_shape_memstrata_read_is_refused_naming_its_type(
+        cli, tmp_path: Path, smollm2_dir: Path) -> None:
+    """Gemma-2 has no family here, so its config reads as Llama-shaped; its layers have four norms, not two. The
+    run compares the tensors transformers builds with the planned ones (on the meta device) and refuses."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=49152, bos_token_id=None, eos_token_id=None,
+                          pad_token_id=None, final_logit_softcapping=None)
+    model = _model(tmp_path, smollm2_dir, config=config)
+    proc = _run(cli, tmp_path, model)
+    assert f"{model / 'config.json'}: model_type 'gemma2' read as a Llama-family model, but transformers builds " \
+        in proc.stderr and "memstrata cannot plan this model's memory" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_missing_shard_is_named_with_the_index(cli, tmp_path: Path, smollm2_dir: Path) -> None:

@@ -31,6 +31,10 @@ _NAMES = {
 }
 
 
+# How transformers' configs count a mixture of experts' experts (Mixtral, Qwen2/3-MoE and OLMoE, DeepSeek).
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 class ModelConfigError(ValueError):
     """A model's config.json cannot be read as a causal LM shape; the message names the file and the field."""
 
@@ -61,6 +65,11 @@ def architecture_from_config(config: dict[str, Any], source: str = "config.json"
             and not any(c.endswith(CAUSAL_LM_SUFFIXES) for c in classes):
         raise ModelConfigError(f"{source}: architectures {classes}: not a causal language model (memstrata "
                                f"fine-tunes a *{' or *'.join(CAUSAL_LM_SUFFIXES)} model)")
+    for key in EXPERT_COUNTS:
+        experts = config.get(key)
+        if isinstance(experts, int) and not isinstance(experts, bool) and experts > 1:
+            raise ModelConfigError(f"{source}: {key} {experts}: a mixture-of-experts model ({model_type}); memstrata "
+                                   "plans dense decoder-only models only, and would count one expert of each layer")
     fam = family_of_model_type(model_type)
     hidden = _int(config, source, "hidden")
     heads = _int(config, source, "heads")

@@ -2,7 +2,7 @@
 q/k/v/o projections without biases (Q/K/V biases in Qwen2), grouped-query attention, a 3-matrix SwiGLU MLP."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from memstrata.api.families.base import NO_SPECIAL_TOKENS, Linear, ModelFamily, Shape
 
@@ -15,7 +15,7 @@ class Llama(ModelFamily):
     model_types = frozenset({"llama", "qwen2", "mistral"})
     qkv_bias_model_types = frozenset({"qwen2"})
     free_head_dim = True
-    lora_defaults = ("q_proj", "v_proj")
+    lora_defaults: ClassVar[tuple[str, ...]] = ("q_proj", "v_proj")
     presets = {
         # Shapes only: for planning real jobs (random weights build too: the long-context benchmark on a GPU).
         "llama3.2-1b": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256,

@@ -58,11 +58,15 @@ def build_engine(ds: DsConfig, training: Training, arch: ModelArchitecture, *, d
     the transformers model as soon as it exists, before the engine (a failed initialize leaves it to clean up)."""
     import contextlib
 
-    from memstrata.runtime.train.model.hfmodel import build_model, load_weights, preset_config
+    from memstrata.runtime.train.model.hfmodel import build_model, layout_mismatch, load_weights, preset_config
     from memstrata.runtime.train.model.lora import add_adapters
 
     t = training
     config = hf_config if hf_config is not None else preset_config(arch, t.sequence_length)
+    if model_dir is not None:  # a preset's layout is its family's by construction (tests/runtime)
+        wrong = layout_mismatch(arch, config, str(model_dir.path / "config.json"))
+        if wrong:
+            raise RecipeError(wrong)
     layer, handed = None, False
     if swap is not None:
         from memstrata.runtime.swap.integration import constructing, open_layer

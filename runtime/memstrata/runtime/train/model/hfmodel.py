@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["ModelDirError", "ModelDir", "preset_config", "read_model_dir", "random_model", "build_model",
-           "load_weights"]
+           "load_weights", "layout_mismatch"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -117,6 +117,32 @@ def preset_config(arch: ModelArchitecture, sequence_length: int) -> "PretrainedC
 
     model_type, kwargs = arch.spec.preset_config(arch, sequence_length)
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def layout_mismatch(arch: ModelArchitecture, config: "PretrainedConfig", source: str) -> str | None:
+    """Why the model `config` builds is not the one memstrata planned (the tensors, in `model.parameters()` order,
+    against its family's layout), or None. Built on the meta device: shapes only, no memory. A model type no family
+    names is read as Llama-shaped, and a mixture of experts, a fused or extra tensor would otherwise be planned
+    wrong without a word."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        built = [p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()]
+    planned = arch.tensor_sizes()
+    if built == planned:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(planned, built)) if a != b), min(len(planned), len(built)))
+    return (f"{source}: model_type {getattr(config, 'model_type', '?')!r} read as a {arch.spec.title} model, but "
+            f"transformers builds {len(built)} tensors of {sum(built):,} elements where that shape has "
+            f"{len(planned)} of {sum(planned):,} (first difference at tensor {at}); memstrata cannot plan this "
+            f"model's memory (its families: {', '.join(_family_names())})")
+
+
+def _family_names() -> list[str]:
+    from memstrata.api.families import FAMILIES
+
+    return [f.title for f in FAMILIES.values()]
 
 
 def random_model(arch: ModelArchitecture, sequence_length: int, seed: int) -> "PreTrainedModel":
