@@ -92,7 +92,7 @@ class Stage:
 _stages: dict[str, Stage] = {}
 _modules: dict[str, Stage] = {}  # the same sums per test module, for the costliest-modules lines
 COSTLIEST = 15
-SESSION_TEARDOWN = "(the workers' session fixtures, stopped after their last tests)"
+SESSION_TEARDOWN = "(each worker's last teardown: its session fixtures, and its last module's)"
 _began = time.time()
 
 

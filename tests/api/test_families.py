@@ -8,7 +8,7 @@ import pytest
 from memstrata.api.architecture import PRESETS, ModelArchitecture
 from memstrata.api.crd import generate_crd
 from memstrata.api.families import FAMILIES, family_of_model_type
-from memstrata.api.hfconfig import architecture_from_config
+from memstrata.api.hfconfig import architecture_from_config, config_mismatches
 from memstrata.api.lora import Lora, adapter_tensor_sizes
 from memstrata.plan.accounting import head_input_bytes, layer_activation_bytes
 
@@ -84,7 +84,7 @@ def test_a_head_width_other_than_hidden_over_heads_is_read_and_counted(config: d
 
 def test_gemma_7b_counts_by_hand() -> None:
     """h 3072, i 24576, 16 heads of 256 (q 4096, kv 4096), vocab 256000, tied. A layer: q and o 2·3072·4096,
-    k and v 2·3072·4096, the MLP 3·3072·24576, two norms: 25,165,824 + 226,492,416 + 6,144 = 251,664,384;
+    k and v 2·3072·4096, the MLP 3·3072·24576, two norms: 50,331,648 + 226,492,416 + 6,144 = 276,830,208;
     with the embedding 786,432,000 and the final norm, 8,537,680,896 (Gemma-7B's published 8.54B). In bf16 a
     token keeps in a layer: Gemma's norms 2·(8h + 4) = 49,160; 2hw + 2qw = 28,672; 2·kv·w = 16,384; 4n = 64;
     2dw = 1,024; 4iw = 196,608: 291,912 (hidden / heads would have made q 3072: 4,096 less)."""
@@ -151,3 +151,28 @@ def test_a_mixture_of_experts_is_refused_naming_the_field(model_type: str, key: 
     with pytest.raises(ValueError, match=f"config.json: {key} 8: a mixture-of-experts model .{model_type}."):
         architecture_from_config(config)
     assert architecture_from_config({**MISTRAL_NEMO, "num_local_experts": 1}).family == "llama", "one expert: dense"
+
+
+def test_a_declared_head_width_is_compared_by_width_and_a_missing_one_is_the_config_classes() -> None:
+    """A job may declare headDim as config.json says it, also where it is hidden / heads (Llama-3-8B's 128); a
+    config.json without head_dim gets the width transformers' config class assumes (Qwen3 128, Gemma 256)."""
+    found = architecture_from_config({**MISTRAL_NEMO, "head_dim": 160})  # 5120 / 32: no explicit width
+    assert found.head_dim is None and config_mismatches(found.model_copy(update={"head_dim": 160}), found) == []
+    assert config_mismatches(found.model_copy(update={"head_dim": 128}), found) == [
+        "architecture.headDim: the job declares 128, the model directory has 160"]
+    no_width = {k: v for k, v in QWEN3_06B.items() if k != "head_dim"}
+    assert architecture_from_config(no_width).head_width == 128
+    assert architecture_from_config({k: v for k, v in GEMMA_7B.items() if k != "head_dim"}).head_width == 256
+    with pytest.raises(ValueError, match="config.json: attention_bias true: a Qwen3 with biased projections"):
+        architecture_from_config({**QWEN3_06B, "attention_bias": True})
+
+
+def test_the_largest_tensor_is_the_layouts_a_fused_one_included() -> None:
+    """Phi-3-medium (h 5120, i 17920, vocab 32064): its gate_up_proj, 2·17920·5120 = 183,500,800 elements, is
+    larger than the embedding (164,167,680): the stock engine's parameter buffers and the planner's build
+    transient are sized by it."""
+    medium = PRESETS["phi3-mini"].model_copy(update={"layers": 40, "hidden": 5120, "intermediate": 17920,
+                                                     "heads": 40, "kv_heads": 10})
+    assert medium.largest_tensor() == 2 * 17920 * 5120 == max(medium.tensor_sizes())
+    for name in ("gpt-125m", "llama3-8b", "gemma-7b"):  # the embedding, as before
+        assert PRESETS[name].largest_tensor() == PRESETS[name].vocab * PRESETS[name].hidden

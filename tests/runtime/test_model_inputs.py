@@ -88,6 +88,9 @@ def test_a_model_built_unlike_the_shape_memstrata_read_is_refused_naming_its_typ
     proc = _run(cli, tmp_path, model)
     assert f"{model / 'config.json'}: model_type 'gemma2' read as a Llama-family model, but transformers builds " \
         in proc.stderr and "memstrata cannot plan this model's memory" in proc.stderr, proc.stderr[-2000:]
+    # The first tensor Llama's layout lacks: a Gemma-2 layer's third norm, 32 wide.
+    assert "first difference: model.layers.0.pre_feedforward_layernorm.weight: 32 elements built" in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_missing_shard_is_named_with_the_index(cli, tmp_path: Path, smollm2_dir: Path) -> None:

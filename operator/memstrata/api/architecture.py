@@ -112,8 +112,9 @@ class ModelArchitecture(ApiModel):
         return self.spec.tensor_sizes(self)
 
     def largest_tensor(self) -> int:
-        """Elements of the largest single parameter (the embedding or LM head here)."""
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+        """Elements of the largest single parameter tensor, by its family's layout (the embedding or LM head, an
+        MLP matrix, or a fused one: Phi-3's gate_up_proj is 2·intermediate·hidden)."""
+        return max(self.tensor_sizes())
 
 
 def _presets() -> dict[str, ModelArchitecture]:

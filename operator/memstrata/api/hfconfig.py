@@ -31,8 +31,8 @@ _NAMES = {
 }
 
 
-# How transformers' configs count a mixture of experts' experts (Mixtral, Qwen2/3-MoE and OLMoE, DeepSeek).
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+# How transformers' configs count a mixture of experts' experts (Mixtral, Qwen2/3-MoE and OLMoE, DeepSeek, ERNIE).
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 class ModelConfigError(ValueError):
@@ -78,7 +78,7 @@ def architecture_from_config(config: dict[str, Any], source: str = "config.json"
     intermediate = _int(config, source, "intermediate", required=ratio is None) or (ratio or 0) * hidden
     kv_heads = _int(config, source, "kv_heads", required=False) or heads
     positions = _int(config, source, "max_positions", required=False) or 2048
-    head_dim = _int(config, source, "head_dim", required=False)
+    head_dim = _int(config, source, "head_dim", required=False) or fam.default_head_dim
     if head_dim is not None and head_dim * heads == hidden:
         head_dim = None  # the width every family assumes: a shape says it only where it differs
     if head_dim is not None and not fam.free_head_dim:
@@ -104,7 +104,9 @@ def config_mismatches(declared: ModelArchitecture, found: ModelArchitecture) -> 
         fields.append("max_positions")
     out = []
     for name in fields:
-        a, b = getattr(declared, name), getattr(found, name)
+        # A headDim of hidden / heads, declared or not, is the same width.
+        attr = "head_width" if name == "head_dim" else name
+        a, b = getattr(declared, attr), getattr(found, attr)
         if a != b:
             alias = ModelArchitecture.model_fields[name].alias or name
             out.append(f"architecture.{alias}: the job declares {a!r}, the model directory has {b!r}")

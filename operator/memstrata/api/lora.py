@@ -35,8 +35,9 @@ class Lora(ApiModel):
         None, min_length=1, max_length=64,
         description="The transformer layers' linear modules that get adapters, by name (every layer's module of "
                     "that name): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Llama-family "
-                    "models: Llama, Qwen2, Mistral, SmolLM2) or c_attn, c_proj, c_fc (GPT-2); default: q_proj and "
-                    "v_proj, or c_attn.",
+                    "models: Llama, Qwen2, Qwen3, Mistral, Gemma, SmolLM2), o_proj, qkv_proj, gate_up_proj, "
+                    "down_proj (Phi-3) or c_attn, c_proj, c_fc (GPT-2); default: q_proj and v_proj, qkv_proj (Phi-3) "
+                    "or c_attn.",
         json_schema_extra={"x-kubernetes-list-type": "set"})
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapters' input while training.")
     merge_on_save: bool = Field(

@@ -117,5 +117,5 @@ def learned(status: Mapping[str, Any]) -> ModelArchitecture | None:
 
 def describe(arch: ModelArchitecture) -> str:
     return (f"{arch.family}: {arch.layers} layers, hidden {arch.hidden}, intermediate {arch.intermediate}, "
-            f"{arch.heads} heads ({arch.kv_heads} key/value), vocab {arch.vocab}"
+            f"{arch.heads} heads of {arch.head_width} ({arch.kv_heads} key/value), vocab {arch.vocab}"
             + (", tied embeddings" if arch.tied else ""))

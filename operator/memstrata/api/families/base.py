@@ -63,6 +63,8 @@ class ModelFamily:
     lora_fan_in_fan_out: ClassVar[bool] = False
     # Its heads may be wider or narrower than hidden / heads (config.json's head_dim); else they are exactly that.
     free_head_dim: ClassVar[bool] = False
+    # The head width transformers' config class assumes where config.json has no head_dim (None: hidden / heads).
+    default_head_dim: ClassVar[int | None] = None
     # Preset name -> ModelArchitecture fields (family aside): shapes the CRD offers as spec.model.preset.
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
 

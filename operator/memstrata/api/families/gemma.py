@@ -17,6 +17,7 @@ class Gemma(Llama):
     model_types = frozenset({"gemma"})
     qkv_bias_model_types = frozenset()
     tied_by_default = True
+    default_head_dim = 256  # GemmaConfig's
     lora_defaults = ("q_proj", "v_proj")
     presets = {
         # Gemma-2B's shape (multi-query attention, head_dim 256 = 2048 / 8, 256k vocabulary): for planning.

@@ -128,14 +128,18 @@ def layout_mismatch(arch: ModelArchitecture, config: "PretrainedConfig", source:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        built = [p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()]
+        # ds_numel: were a ZeRO-3 context still live in this process, its partitions would report numel() 0.
+        built = [(name, getattr(p, "ds_numel", p.numel()))
+                 for name, p in AutoModelForCausalLM.from_config(config).named_parameters()]
     planned = arch.tensor_sizes()
-    if built == planned:
+    if [n for _, n in built] == planned:
         return None
-    at = next((i for i, (a, b) in enumerate(zip(planned, built)) if a != b), min(len(planned), len(built)))
+    at = next((i for i, ((_, b), a) in enumerate(zip(built, planned)) if a != b), min(len(planned), len(built)))
+    where = (f"{built[at][0]}: {built[at][1]:,} elements built, {planned[at]:,} planned" if at < len(built) and
+             at < len(planned) else f"tensor {at}: {'built, not planned' if at < len(built) else 'planned, not built'}")
     return (f"{source}: model_type {getattr(config, 'model_type', '?')!r} read as a {arch.spec.title} model, but "
-            f"transformers builds {len(built)} tensors of {sum(built):,} elements where that shape has "
-            f"{len(planned)} of {sum(planned):,} (first difference at tensor {at}); memstrata cannot plan this "
+            f"transformers builds {len(built)} tensors of {sum(n for _, n in built):,} elements where that shape "
+            f"has {len(planned)} of {sum(planned):,} (first difference: {where}); memstrata cannot plan this "
             f"model's memory (its families: {', '.join(_family_names())})")
 
 
