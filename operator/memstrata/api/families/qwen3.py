@@ -16,18 +16,18 @@ class Qwen3(Llama):
     model_types = frozenset({"qwen3"})
     qkv_bias_model_types = frozenset()
     default_head_dim = 128  # Qwen3Config's
-
-    def qkv_bias(self, model_type: str, config: dict[str, Any]) -> bool:
-        if config.get("attention_bias"):
-            # Qwen3's attention_bias also puts a bias on o_proj, which no family here counts.
-            raise ValueError("attention_bias true: a Qwen3 with biased projections is not a shape memstrata plans")
-        return False
     presets = {
         # Shapes only, for planning: Qwen3-0.6B (tied, heads wider than hidden / heads) and Qwen3-8B.
         "qwen3-0.6b": dict(layers=28, hidden=1024, intermediate=3072, heads=16, kv_heads=8, vocab=151936,
                            tied=True, head_dim=128),
         "qwen3-8b": dict(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, vocab=151936),
     }
+
+    def qkv_bias(self, model_type: str, config: dict[str, Any]) -> bool:
+        if config.get("attention_bias"):
+            # Qwen3's attention_bias also puts a bias on o_proj, which no family here counts.
+            raise ValueError("attention_bias true: a Qwen3 with biased projections is not a shape memstrata plans")
+        return False
 
     def attention_params(self, arch: Shape) -> int:
         return super().attention_params(arch) + 2 * arch.head_width  # q_norm and k_norm
