@@ -41,11 +41,11 @@ from e2e.cluster.controlplane import cache_root
 
 from . import imagebuild
 from .imagebuild import REPO, cached_layer, deps_entries, log, measure_deps
+from .ociarchive import Blob, ImageConfig, manifest_digest, stream_archive
 
 # How long ctr waits to connect (its own default, 10 s, is what a containerd busy importing 5 GiB on a loaded
 # machine once missed, failing the whole real-node stage).
 CONNECT_TIMEOUT = "60s"
-from .ociarchive import Blob, ImageConfig, manifest_digest, stream_archive
 
 REGISTRY = "memstrata.local"
 OUR_TAG = re.compile(rf"{re.escape(REGISTRY)}/(pause|operator|node-agent|runtime):[0-9a-f]{{12}}")
@@ -226,9 +226,13 @@ def _gcc_version() -> str:
         raise RuntimeError("gcc not found: the pause image is built with `gcc -static` (apt-get install gcc libc6-dev)")
 
 
+def ctr_command(address: str, namespace: str, *args: str) -> list[str]:
+    """`ctr` against the containerd at `address`, in `namespace`, waiting CONNECT_TIMEOUT to connect."""
+    return ["ctr", "--address", address, "--connect-timeout", CONNECT_TIMEOUT, "--namespace", namespace, *args]
+
+
 def _ctr(address: str, namespace: str, *args: str) -> str:
-    out = subprocess.run(["ctr", "--address", address, "--connect-timeout", CONNECT_TIMEOUT, "--namespace", namespace,
-                          *args], capture_output=True, text=True)
+    out = subprocess.run(ctr_command(address, namespace, *args), capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"ctr {' '.join(args)} in namespace {namespace} at {address} failed: {out.stderr.strip()}")
     return out.stdout
@@ -291,8 +295,7 @@ def prune_images(ctr_address: str, images: ImageSet, namespace: str = "k8s.io") 
 
 
 def _import(address: str, namespace: str, image: Image, present: frozenset[str]) -> None:
-    cmd = ["ctr", "--address", address, "--connect-timeout", CONNECT_TIMEOUT, "--namespace", namespace, "images",
-           "import", "-"]
+    cmd = ctr_command(address, namespace, "images", "import", "-")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdin is not None and proc.stdout is not None
     error = None

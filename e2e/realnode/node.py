@@ -31,7 +31,7 @@ from e2e.cluster.controlplane import (
     ControlPlane, ControlPlaneError, cache_root, cluster_versions, die_with_parent, free_port, terminate,
 )
 from e2e.cluster.pki import client_kubeconfig, sign_client
-from e2e.realnode.images import CONNECT_TIMEOUT
+from e2e.realnode.images import ctr_command
 from e2e.realnode.hoststate import (
     KUBELET_ROOT, HostSettings, LoopFiles, claim_kubelet_root, foreign_node_reason, kill_pod_processes, kill_shims,
     remove_kubelet_iptables, remove_tree,
@@ -190,9 +190,8 @@ class RealNode:
     def ctr(self, *args: str, check: bool = True, input: bytes | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[bytes]:
         """`ctr` against this node's containerd, namespace k8s.io (the kubelet's)."""
-        proc = subprocess.run(["ctr", "--address", str(self.socket), "--connect-timeout", CONNECT_TIMEOUT,
-                               "--namespace", "k8s.io", *args],
-                              input=input, capture_output=True, timeout=timeout)
+        proc = subprocess.run(ctr_command(str(self.socket), "k8s.io", *args), input=input, capture_output=True,
+                              timeout=timeout)
         if check and proc.returncode != 0:
             raise ControlPlaneError(f"ctr {' '.join(args)} failed: {proc.stderr.decode(errors='replace').strip()}")
         return proc

@@ -31,14 +31,20 @@ class Llama(ModelFamily):
     }
 
     def tensor_sizes(self, arch: Shape) -> list[int]:
-        """q/k/v/o apart (Q/K/V biases in Qwen2), then gate/up/down, then two RMSNorms; the final norm."""
-        h, i, q, kv, v = arch.hidden, arch.intermediate, arch.q_dim, arch.kv_dim, arch.vocab
-        head = [] if arch.tied else [v * h]
-        bias = arch.qkv_bias
-        attention = [q * h, *([q] if bias else []), kv * h, *([kv] if bias else []), kv * h,
-                     *([kv] if bias else []), h * q]
-        layer = attention + [i * h, i * h, h * i, h, h]
-        return [v * h] + layer * arch.layers + [h] + head
+        """The embedding, every layer's tensors (`layer_tensors`), the final norm; the head unless tied."""
+        v, h = arch.vocab, arch.hidden
+        return [v * h] + self.layer_tensors(arch) * arch.layers + [h] + ([] if arch.tied else [v * h])
+
+    def layer_tensors(self, arch: Shape) -> list[int]:
+        """One layer's, in `model.parameters()` order: the attention's, then gate/up/down, then two RMSNorms."""
+        h, i = arch.hidden, arch.intermediate
+        return self.attention_tensors(arch) + [i * h, i * h, h * i, h, h]
+
+    def attention_tensors(self, arch: Shape) -> list[int]:
+        """q/k/v/o apart (Q/K/V biases in Qwen2)."""
+        h, q, kv, bias = arch.hidden, arch.q_dim, arch.kv_dim, arch.qkv_bias
+        return [q * h, *([q] if bias else []), kv * h, *([kv] if bias else []), kv * h, *([kv] if bias else []),
+                h * q]
 
     def layer_linears(self, arch: Shape) -> list[Linear]:
         h, i, q, kv = arch.hidden, arch.intermediate, arch.q_dim, arch.kv_dim

@@ -25,12 +25,10 @@ class Phi3(Llama):
     def qkv_bias(self, model_type: str, config: dict[str, Any]) -> bool:
         return False  # Phi-3's projections have no biases, whatever `attention_bias` says
 
-    def tensor_sizes(self, arch: Shape) -> list[int]:
-        """o_proj, qkv_proj, gate_up_proj, down_proj, two RMSNorms a layer (`model.parameters()` order); the
-        final norm; the head unless tied."""
-        h, i, q, kv, v = arch.hidden, arch.intermediate, arch.q_dim, arch.kv_dim, arch.vocab
-        layer = [h * q, (q + 2 * kv) * h, 2 * i * h, h * i, h, h]
-        return [v * h] + layer * arch.layers + [h] + ([] if arch.tied else [v * h])
+    def layer_tensors(self, arch: Shape) -> list[int]:
+        """o_proj, qkv_proj, gate_up_proj, down_proj, two RMSNorms (`model.parameters()` order)."""
+        h, i, q, kv = arch.hidden, arch.intermediate, arch.q_dim, arch.kv_dim
+        return [h * q, (q + 2 * kv) * h, 2 * i * h, h * i, h, h]
 
     def layer_linears(self, arch: Shape) -> list[Linear]:
         h, i, q, kv = arch.hidden, arch.intermediate, arch.q_dim, arch.kv_dim

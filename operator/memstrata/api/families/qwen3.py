@@ -32,15 +32,9 @@ class Qwen3(Llama):
     def attention_params(self, arch: Shape) -> int:
         return super().attention_params(arch) + 2 * arch.head_width  # q_norm and k_norm
 
-    def tensor_sizes(self, arch: Shape) -> list[int]:
-        """Llama's, with q_norm and k_norm (one head wide each) after o_proj in every layer."""
-        sizes = super().tensor_sizes(arch)
-        per_layer = (len(sizes) - 2 - (0 if arch.tied else 1)) // arch.layers
-        d, out = arch.head_width, sizes[:1]
-        for n in range(arch.layers):
-            layer = sizes[1 + n * per_layer:1 + (n + 1) * per_layer]
-            out += layer[:4] + [d, d] + layer[4:]
-        return out + sizes[1 + arch.layers * per_layer:]
+    def attention_tensors(self, arch: Shape) -> list[int]:
+        """Llama's q/k/v/o, then q_norm and k_norm, one head wide each."""
+        return super().attention_tensors(arch) + [arch.head_width, arch.head_width]
 
     def layer_activation_bytes(self, arch: Shape, w: int) -> int:
         """Llama's (`Llama.layer_activation_bytes`) and the head norms', which keep what any RMSNorm keeps per

@@ -170,7 +170,8 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
     # The activation pool goes where the plan put most of the checkpoints (one placement per pool).
     on_cxl = _bytes(plan, ("checkpoints",), "cxl") >= _bytes(plan, ("checkpoints",), "dram")
     weights_on_cxl = _bytes(plan, ("weights",), "cxl") >= _bytes(plan, ("weights",), "dram")
-    base = SwapSettings(job=job, ranks_per_node=ranks, cxl_nodes=cxl, activations_on_cxl=on_cxl, weights_on_cxl=weights_on_cxl,
+    base = SwapSettings(job=job, ranks_per_node=ranks, cxl_nodes=cxl, activations_on_cxl=on_cxl,
+                        weights_on_cxl=weights_on_cxl,
                         cache_subgroups=MIN_CACHE_SUBGROUPS,
                         resident_state_bytes=resident_state_bytes(plan),
                         prefetch_subgroups=plan.optimizer_read_ahead,
