@@ -122,6 +122,10 @@ def run_contender(contender: str, *, arch_name: str, arch: Any, seq: int, batch:
             except ValueError as exc:  # the planner or stratamap refused: that is the result at this cap
                 rec["error"] = f"no plan: {exc}"
                 return rec
+            if not rec["plan"]["feasible"]:  # as the operator would: an infeasible plan is never scheduled
+                rec.update(refused=True, error="planner: the cap cannot hold the job: "
+                                               + "; ".join(rec["plan"]["shortfalls"]))
+                return rec
         else:
             profile, pdev, odev = STOCK_PROFILES[contender]
             extra = ["--engine", "stock", "--profile", profile, "--param-device", pdev, "--optim-device", odev]
@@ -160,9 +164,13 @@ def _measure(data: dict[str, Any], warmup: int, devices: list[str]) -> dict[str,
     disk = data.get("diskstats") or {}
     steps = disk.get("steps", [])
     io = {d: step_io(steps, d, warmup) for d in devices}
+    kinds = data.get("nvme_by_kind")  # memstrata: cumulative {kind: [written, read]} after each step
+    marks = [data.get("nvme_by_kind_init") or {}, *kinds] if kinds else []
+    param = [b.get("param", [0, 0])[1] - a.get("param", [0, 0])[1] for a, b in zip(marks, marks[1:])][warmup:]
     return {"step": spread(data["step_seconds"][later]), "step_seconds_all": data["step_seconds"],
             "phases": {k: statistics.median(v[later]) for k, v in data["phases"].items()},
             "init_seconds": data["init_seconds"], "time_to_first_step": data.get("time_to_first_step"),
             "losses": data["losses"], "params": data["params"], "rss_peak_by_phase": data.get("rss_peak_by_phase"),
             "io": {d: v for d, v in io.items() if v is not None}, "init_io": disk.get("init"),
+            "param_read_bytes": int(statistics.median(param)) if param else None,
             "swap": data.get("swap"), "config": data.get("config"), "hbm_peak_bytes": data.get("hbm_peak_bytes")}

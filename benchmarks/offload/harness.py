@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     vocab = min(arch.vocab, 256)
     layer = getattr(engine, "memstrata", None)
+    if layer is not None:  # what init moved, so step 1's bytes are its own
+        out["nvme_by_kind_init"] = {k: list(v) for k, v in layer.counters.by_kind.items()}
     clock = PhaseClock(synchronizer(device))
     for step in range(1, args.steps + 1):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         out["step_seconds"].append(s3 - s0)
         if layer is not None:  # cumulative, so a test can see hits per step
             out.setdefault("cache_hits", []).append(layer.cache_hits)
+            # cumulative NVMe bytes per swapper kind ('param', 'optimizer'): {kind: [written, read]}
+            out.setdefault("nvme_by_kind", []).append({k: list(v) for k, v in layer.counters.by_kind.items()})
         if step == 1:
             out["time_to_first_step"] = time.perf_counter() - t0
     out["rss_peak_by_phase"] = dict(mem.peaks)
