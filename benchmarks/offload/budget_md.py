@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from budget import param_reads
+
 G = 1 << 30
 M = 1 << 20
 
@@ -18,19 +20,42 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 def _run_row(model: str, cap: dict[str, Any], r: dict[str, Any], backing: str) -> str:
     head = f"| {model} | {cap['k']:g}{' (all fits)' if cap['all_fits'] else ''} | {_g(cap['bytes'])} | {r['contender']}"
     if not r.get("ok"):
-        why = "OOM" if r.get("oom_killed") else ("skipped" if r.get("skipped") else "FAILED")
+        why = "OOM" if r.get("oom_killed") else ("skipped" if r.get("skipped") else
+                                                 "refused" if r.get("refused") else "FAILED")
         err = ((r.get("error") or "").splitlines()[-1:] or [""])[0].removeprefix(f"{why}: ")
-        return f"{head} | {why}: {err[:110]} |" + " |" * 11
+        return f"{head} | {why}: {err[:110]} |" + " |" * 14
     s, ph = r["step"], r["phases"]
     io = (r.get("io") or {}).get(backing) or {}
     b = r.get("bound") or {}
     cg = (r.get("cgroup") or {}).get("peak_bytes")
+    param, what = param_reads(r, backing)
     return (f"{head} | yes | {s['median']:.2f} | {s['min']:.2f}-{s['max']:.2f} ({s['p25']:.2f}-{s['p75']:.2f}) | "
             f"{ph['forward']:.2f} / {ph['backward']:.2f} / {ph['update']:.2f} | "
             f"{_f(io.get('read_bytes') and io['read_bytes'] / M, '.0f')} / "
-            f"{_f(io.get('write_bytes') and io['write_bytes'] / M, '.0f')} | {_f(b.get('io_seconds'), '.2f')} | "
-            f"{_f(b.get('seconds'), '.2f')} | {_f(b.get('ratio'), '.2f')} | {_g(r['peak_rss_bytes'])} | {_g(cg)} | "
-            f"{r['init_seconds']:.1f} |")
+            f"{_f(io.get('write_bytes') and io['write_bytes'] / M, '.0f')} | "
+            f"{_f(param and param / M, '.0f')}{f' ({what})' if param is not None else ''} | "
+            f"{_f(b.get('io_seconds'), '.2f')} | {_f(b.get('compute_seconds'), '.2f')} | "
+            f"{_f(b.get('overlapped_seconds'), '.2f')} | {_f(b.get('ratio'), '.2f')} | "
+            f"{_f(b.get('serial_seconds'), '.2f')} | {_f(b.get('serial_ratio'), '.2f')} | "
+            f"{_g(r['peak_rss_bytes'])} | {_g(cg)} | {r['init_seconds']:.1f} |")
+
+
+def _floor_rows(model: str, m: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, f in (m.get("floors") or {}).items():
+        fl = f.get("floor") or {}
+        probes = ", ".join(f"{k:g}: {o}" for k, o in fl.get("tried", []))
+        k = fl.get("k")
+        cap = int(m["base_bytes"] + k * m["params"]) if k is not None else None
+        odd = "" if fl.get("monotone", True) else " (NOT monotone: a higher k failed)"
+        rows.append(f"| {model} | {name} | {_f(k, 'g')} | {_g(cap)} | {fl.get('status', '')} | {probes} | "
+                    f"{fl.get('reason', '')}{odd} |")
+    fr = m.get("floor_ratio")
+    if fr and m.get("floors"):
+        rows.append(f"| {model} | floor_ratio | {_f(fr['ratio'])}{' (upper bound)' if fr['upper_bound'] else ''} | | "
+                    f"memstrata {_f(fr['memstrata_k'], 'g')} / {fr['stock'] or ''} {_f(fr['stock_k'], 'g')} | | "
+                    f"{fr.get('why') or ''} |")
+    return rows
 
 
 def _plan_row(model: str, cap: dict[str, Any]) -> str | None:
@@ -62,10 +87,15 @@ def markdown(results: dict[str, Any]) -> str:
              f"through a file (loop device over it: read {fio.get('loop_read_bytes_per_s', 0) / M:.0f}, write "
              f"{fio.get('loop_write_bytes_per_s', 0) / M:.0f}).", f"Bound: {results['bound_formula']}.",
              f"Step times: {results['statistic']}.", "",
-             "| model | k B/param | cap GiB | contender | ok | step s (median) | min-max (p25-p75) | "
-             f"fwd / bwd / update s | {backing} MiB/step read / write | I/O bound s | bound s | step / bound | "
-             "peak RSS GiB | cgroup peak GiB "
-             "| init s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Floors: {results.get('floor_rule', 'not bisected (explicit caps)')}.", "",
+             "| model | contender | floor k B/param | cap GiB | status | probes (k: outcome) | reason |",
+             "|---|---|---|---|---|---|---|"]
+    for name, m in results["models"].items():
+        lines += _floor_rows(name, m)
+    lines += ["", "| model | k B/param | cap GiB | contender | ok | step s (median) | min-max (p25-p75) | "
+              f"fwd / bwd / update s | {backing} MiB/step read / write | parameter MiB read/step | I/O s | "
+              "compute s | overlapped bound s (max) | step / overlapped | serial bound s (sum) | step / serial | "
+              "peak RSS GiB | cgroup peak GiB | init s |", "|---" * 19 + "|"]
     for name, m in results["models"].items():
         for c in m["caps"]:
             lines += [_run_row(name, c, r, backing) for r in c["runs"]]
@@ -82,15 +112,16 @@ def markdown(results: dict[str, Any]) -> str:
               "loop MiB/step read / write | shortfalls | engine status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         lines += [row for c in m["caps"] if (row := _plan_row(name, c))]
-    lines += ["", "Targets (item 5; ratios from this one run):", "", "| model | target | measured | pass |",
-              "|---|---|---|---|"]
+    lines += ["", "Targets (issue 31; ratios from this one run):", "",
+              "| model | target | measured | limit | pass | note |", "|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         floor = m.get("compute_floor")
         for t in m.get("targets", []):
             ok = {True: "pass", False: "FAIL", None: "n/a"}[t["pass"]]
-            lines.append(f"| {name} | {t['target']} | {t['measured'] if t['measured'] is not None else ''} | {ok} |")
+            lines.append(f"| {name} | {t['target']} | {_f(t['measured'])} | {t['limit']} | {ok} | "
+                         f"{t.get('note') or ''} |")
         floor_text = f"{floor['seconds']:.2f} s ({floor['from']})" if floor else "none (no all-DRAM run finished)"
-        lines.append(f"| {name} | compute floor | {floor_text} | |")
+        lines.append(f"| {name} | compute floor | {floor_text} | | | |")
     lines += ["", f"Load average at start {results['loadavg_start']}, end {results.get('loadavg_end')} (shared "
               f"machine); total {results.get('total_seconds', 0) / 60:.1f} min. Peak host memory in the targets is "
               "what the run's cgroup was charged at its peak (each page once; the process tree's RSS, also shown, "

@@ -137,64 +137,184 @@ def test_best_stock_is_the_fastest_finished_stock_run() -> None:
 
 
 def _model(ours: list[float | None], tuned: list[float | None], cpu_fits: float | None, ours_fits: float | None,
-           rss: int = G) -> dict[str, Any]:
+           rss: int = G, floors: dict[str, list[tuple[float, Any]]] | None = None) -> dict[str, Any]:
     caps = []
     for k, o, t in zip((2.2, 8, 16), ours, tuned):
         caps.append({"k": k, "bytes": 0, "all_fits": False,
                      "runs": [_run("memstrata", o, rss, io=(1 << 30, 1 << 29)), _run("stock-tuned", t, 4 * G)]})
     caps.append({"k": 20, "bytes": 0, "all_fits": True,
                  "runs": [_run("memstrata", ours_fits, rss), _run("stock-cpu", cpu_fits, 2 * G)]})
-    return {"caps": caps}
+    m: dict[str, Any] = {"caps": caps, "params": 100, "base_bytes": 1000}
+    if floors is not None:
+        m["floors"] = {n: {"probes": [_probe(k, how) for k, how in p]} for n, p in floors.items()}
+    return m
+
+
+def _probe(k: float, how: Any) -> dict[str, Any]:
+    """A bisection run at k: True (finished), 'oom', 'enomem', 'refused' or 'crash'."""
+    if how is True:
+        return {"k": k, **_run("x", 1.0)}
+    return {"k": k, "contender": "x", "ok": False, "oom_killed": how == "oom",
+            "refused": how == "refused" or None,
+            "error": {"oom": "killed by the OOM killer under the cap", "enomem": "MemoryError: Cannot allocate memory",
+                      "refused": "planner: the cap cannot hold the job: DRAM short",
+                      "crash": "RuntimeError: boom\ntimed out after 900 s"}[how]}
 
 
 FIO = {"read_bytes_per_s": float(1 << 30), "write_bytes_per_s": float(1 << 29)}
 
 
-def test_bound_is_io_over_fio_bandwidth_plus_the_compute_floor() -> None:
+def test_bound_is_max_of_io_and_compute_overlapped_and_their_sum_serial() -> None:
     m = budget.summarize_model(_model([3.0, 3.0, 3.0], [10.0] * 3, 1.5, 1.0), FIO, "vda")
     assert m["compute_floor"] == {"seconds": 1.0, "from": "memstrata"}
-    b = m["caps"][0]["runs"][0]["bound"]
-    assert b["io_seconds"] == 2.0 and b["seconds"] == 3.0 and b["ratio"] == 1.0
+    b = m["caps"][0]["runs"][0]["bound"]  # 1 GiB read at 1 GiB/s + 0.5 GiB written at 0.5 GiB/s = 2 s of I/O
+    assert b["io_seconds"] == 2.0 and b["overlapped_seconds"] == 2.0 and b["serial_seconds"] == 3.0
+    assert b["ratio"] == 1.5 and b["serial_ratio"] == 1.0 and b["io_bound"] is True
+    compute_bound = budget.step_bound(4.0, 1.0, 2.5)
+    assert compute_bound["overlapped_seconds"] == 2.5 and compute_bound["serial_seconds"] == 3.5
+    assert compute_bound["io_bound"] is False and compute_bound["ratio"] == 1.6
+    assert budget.step_bound(3.0, 2.0, None)["overlapped_seconds"] == 2.0  # no compute floor: the I/O alone
     assert m["caps"][0]["best_stock"] == "stock-tuned"
     assert m["caps"][0]["vs_best_stock"] == {"step_ratio": 0.3, "memory_ratio": 0.25}
+
+
+def _bisect(floor: float | None, crash_at: float | None = None, top: float = 20.0) -> list[tuple[float, str]]:
+    """Drive next_k against a contender that passes at k >= floor (never, if None), crashing at crash_at."""
+    tried: list[tuple[float, str]] = []
+    while (k := budget.next_k(tried, top)) is not None:
+        assert k not in [t for t, _ in tried] and len(tried) < 20
+        ok = floor is not None and k >= floor
+        tried.append((k, "error" if crash_at is not None and k <= crash_at else "ok" if ok else "oom"))
+    return tried
+
+
+@pytest.mark.parametrize("floor", [0.9, 3.3, 7.0, 13.5, 19.0])
+def test_bisection_converges_on_the_floor_within_its_resolution(floor: float) -> None:
+    tried = _bisect(floor)
+    assert tried[0] == (20.0, "ok")  # the all-fits k runs first
+    got = budget.floor_of([{"k": k, "ok": o == "ok", "oom_killed": o == "oom"} for k, o in tried])
+    assert got["status"] == "found" and got["k"] >= floor
+    assert got["k"] - got["failing_k"] <= max(budget.FLOOR_RESOLUTION, budget.FLOOR_RELATIVE * got["k"])
+    assert got["failing_k"] < floor and len(tried) <= 8
+
+
+def test_a_contender_that_never_passes_is_above_all_fits_after_one_run() -> None:
+    assert _bisect(None) == [(20.0, "oom")]
+    got = budget.floor_of([_probe(20.0, "oom")])
+    assert got["status"] == "above all-fits" and got["k"] is None and "OOM killer" in got["reason"]
+
+
+def test_a_contender_that_passes_at_every_k_stops_near_zero() -> None:
+    tried = _bisect(0.0)
+    assert all(o == "ok" for _, o in tried)
+    got = budget.floor_of([_probe(k, True) for k, _ in tried])
+    assert got["status"] == "found" and 0 < got["k"] <= budget.FLOOR_RESOLUTION
+    assert got["failing_k"] is None and got["reason"] == "passes at every k tried"
+
+
+def test_a_crash_stops_the_bisection_and_is_reported_not_read_as_short_of_memory() -> None:
+    tried = _bisect(3.0, crash_at=10.0)
+    assert tried == [(20.0, "ok"), (10.0, "error")]
+    got = budget.floor_of([_probe(20.0, True), _probe(10.0, "crash")])
+    assert got["status"] == "error" and got["k"] is None and got["upper_k"] == 20.0
+    assert got["reason"] == "stopped at k=10: timed out after 900 s"
+
+
+def test_outcomes_short_of_memory_keep_bisecting_and_the_planners_refusal_counts_as_failing() -> None:
+    assert [budget.outcome(_probe(1, h)) for h in ("oom", "enomem", "refused", "crash", True)] == [
+        "oom", "enomem", "refused", "error", "ok"]
+    assert budget.outcome({"ok": False, "error": "no plan: budget too small"}) == "refused"
+    tried = [(20.0, "ok"), (10.0, "refused"), (15.0, "enomem")]
+    assert budget.next_k(tried) == 17.5
+    assert budget.next_k(tried + [(17.5, "ok")]) == 16.25  # [15, 17.5] is wider than 10% of 17.5
+    assert budget.next_k(tried + [(17.5, "ok"), (16.25, "oom")]) is None  # [16.25, 17.5]: 1.25 <= 1.75
+
+
+def test_floor_ratio_is_memstrata_k_over_the_best_stock_k() -> None:
+    floors = {"memstrata": [(20, True), (10, True), (5, True), (2.5, "refused"), (3.75, True), (3.12, True),
+                            (2.81, "oom")],
+              "stock-tuned": [(20, True), (10, True), (5, "oom"), (7.5, True), (6.25, "oom"), (6.88, True)],
+              "stock-cpu": [(20, True), (10, "oom"), (15, "oom"), (17.5, True), (16.25, True)]}
+    m = budget.summarize_model(_model([3.0] * 3, [10.0] * 3, 1.0, 1.0, floors=floors), FIO, "vda")
+    assert m["floors"]["memstrata"]["floor"]["k"] == 3.12
+    fr = m["floor_ratio"]
+    assert fr["stock"] == "stock-tuned" and fr["stock_k"] == 6.88 and fr["ratio"] == round(3.12 / 6.88, 3)
+    assert m["targets"][0]["pass"] is False  # 0.453 > 0.45
+    floors["memstrata"] = [(20, True), (10, True), (5, True), (2.5, True), (1.25, "oom"), (1.88, "oom"), (2.19, True)]
+    m = budget.summarize_model(_model([3.0] * 3, [10.0] * 3, 1.0, 1.0, floors=floors), FIO, "vda")
+    assert m["floor_ratio"]["ratio"] == round(2.19 / 6.88, 3) and m["targets"][0]["pass"] is True
+
+
+def test_floor_ratio_is_unknown_when_a_stock_bisection_crashed_and_an_upper_bound_when_none_fits() -> None:
+    floors = {"memstrata": [(20, True), (10, True), (5, "oom"), (7.5, "oom"), (8.75, True), (8.12, "oom")],
+              "stock-tuned": [(20, True), (10, "crash")]}
+    m = budget.summarize_model(_model([3.0] * 3, [10.0] * 3, 1.0, 1.0, floors=floors), FIO, "vda")
+    assert m["floor_ratio"]["ratio"] is None and "stock-tuned: error" in m["floor_ratio"]["why"]
+    assert m["targets"][0]["pass"] is None
+    floors["stock-tuned"] = [(20, "oom")]
+    m = budget.summarize_model(_model([3.0] * 3, [10.0] * 3, 1.0, 1.0, floors=floors), FIO, "vda")
+    assert m["floor_ratio"]["upper_bound"] and m["floor_ratio"]["ratio"] == round(8.75 / 20, 3)
+
+
+def test_measured_caps_run_from_memstrata_floor_through_stock_floors_to_all_fits() -> None:
+    f = {"memstrata": {"k": 3.1}, "stock-tuned": {"k": 6.9}, "stock-default": {"k": 7.2}, "stock-cpu": {"k": None}}
+    assert budget.measure_ks(f) == [3.1, 6.9, 20.0]  # 7.2 is within 0.5 of 6.9
+    assert budget.measure_ks({"memstrata": {"k": 4.0}, "stock-cpu": {"k": None}}) == [4.0, 12.0, 20.0]
+    assert budget.measure_ks({"memstrata": {"k": None}}) == [20.0]
+    f = {"memstrata": {"k": 3.1, "upper_k": 3.1}, "stock-tuned": {"k": 6.9, "upper_k": 6.9},
+         "stock-cpu": {"k": None, "upper_k": 20.0}}
+    assert budget.fits_at(f, 3.1) == ["memstrata"] and budget.fits_at(f, 20.0) == list(f)
+
+
+def test_param_reads_are_the_engine_counter_for_memstrata_and_all_reads_for_stock() -> None:
+    assert budget.param_reads(_run("memstrata", 1.0, io=(900, 10), param_read_bytes=500), "vda") == (
+        500, "param (engine counter)")
+    assert budget.param_reads(_run("stock-tuned", 1.0, io=(900, 10)), "vda") == (900, "all reads (params + optimizer)")
 
 
 def _verdicts(m: dict[str, Any]) -> list[bool | None]:
     return [t["pass"] for t in budget.summarize_model(m, FIO, "vda")["targets"]]
 
 
+GOOD_FLOORS = {"memstrata": [(20, True), (10, True), (5, True), (2.5, "oom"), (3.75, True), (3.12, True),
+                             (2.81, "oom")],
+               "stock-tuned": [(20, True), (10, "oom"), (15, True), (12.5, True), (11.25, True), (10.62, "oom")]}
+
+
 def test_targets_pass_when_every_ratio_is_met() -> None:
-    assert _verdicts(_model([3.0, 3.0, 3.0], [10.0] * 3, 1.0, 1.0)) == [True] * 6
+    # memstrata 3 s against a 2 s overlapped bound is 1.5x: give it 2.2 s to be within 1.15x
+    assert _verdicts(_model([2.2] * 3, [10.0] * 3, 1.0, 1.0, floors=GOOD_FLOORS)) == [True] * 5
 
 
-def test_targets_fail_on_oom_slow_steps_and_memory() -> None:
-    oom = _model([None, 3.0, 3.0], [10.0] * 3, 1.0, 1.0)
-    oom["caps"][0]["runs"][0]["oom_killed"] = True
-    assert _verdicts(oom)[0] is False
-    slow = _verdicts(_model([3.0, 3.0, 9.0], [10.0] * 3, 1.0, 1.0))
-    assert slow[1] is False and slow[2] is False  # 9 s vs bound 3 s; 9 s vs stock 10 s > 0.6x
-    fat = _verdicts(_model([3.0, 3.0, 3.0], [10.0] * 3, 1.0, 1.0, rss=2 * G))
-    assert fat[3] is False and fat[5] is False  # 2 GiB vs tuned's 4 GiB (> 0.40x); vs cpu's 2 GiB (> 0.75x)
-    cpu_faster = _verdicts(_model([3.0, 3.0, 3.0], [10.0] * 3, 0.8, 1.0))
-    assert cpu_faster[4] is False  # stock CPU 0.8 s vs memstrata 1.0 s: 0.8x speed
+def test_targets_fail_on_a_high_floor_slow_steps_and_memory() -> None:
+    high = {**GOOD_FLOORS, "memstrata": [(20, True), (10, True), (5, "oom"), (7.5, True), (6.25, True), (5.62, True),
+                                         (5.31, "oom")]}
+    assert _verdicts(_model([2.2] * 3, [10.0] * 3, 1.0, 1.0, floors=high))[0] is False  # 5.62 / 11.25 = 0.5
+    slow = _verdicts(_model([2.2, 2.2, 6.5], [10.0] * 3, 1.0, 1.0, floors=GOOD_FLOORS))
+    assert slow[1] is False and slow[2] is False  # 6.5 s vs stock 10 s > 0.6x; vs the 2 s bound > 1.15x
+    fat = _verdicts(_model([2.2] * 3, [10.0] * 3, 1.0, 1.0, rss=2 * G, floors=GOOD_FLOORS))
+    assert fat[4] is False and fat[3] is True  # 2 GiB vs stock CPU's 2 GiB > 0.75x
+    cpu_faster = _verdicts(_model([2.2] * 3, [10.0] * 3, 0.9, 1.0, floors=GOOD_FLOORS))
+    assert cpu_faster[3] is False  # stock CPU 0.9 s vs memstrata 1.0 s: 0.9x speed
 
 
 def test_targets_are_not_measurable_without_the_runs_they_compare() -> None:
     m = _model([3.0, 3.0, 3.0], [None] * 3, None, None)
     v = _verdicts(m)
-    assert v[1] is None  # no all-DRAM run finished: no compute floor, so no bound to hold memstrata to
-    assert m["caps"][0]["runs"][0]["bound"]["includes_floor"] is False
-    assert v[3] is None and v[4] is None and v[5] is None
+    assert v == [None] * 5  # no floors, no stock run, no all-DRAM run (so no compute floor either)
+    assert m["caps"][0]["runs"][0]["bound"]["io_bound"] is None
 
 
-def test_markdown_shows_failures_and_targets() -> None:
-    m = budget.summarize_model(_model([None, 3.0, 3.0], [10.0] * 3, 1.0, 1.0), FIO, "vda")
+def test_markdown_shows_floors_failures_bounds_and_targets() -> None:
+    m = budget.summarize_model(_model([None, 2.2, 2.2], [10.0] * 3, 1.0, 1.0, floors=GOOD_FLOORS), FIO, "vda")
     m["caps"][0]["runs"][0].update(oom_killed=True, error="killed by the OOM killer under the cap")
-    m["targets"] = budget.targets(m)
     results = {"machine": {"cores": 2, "scratch": "/x", "scratch_fs": "ext4"}, "fio": FIO, "backing_device": "vda",
                "dram_cap": {"enforced": True, "mechanism": "cgroup v1"}, "seq": 128, "batch": 1, "precision": "bf16",
                "warmup": 2, "measured": 8, "base_formula": budget.BASE_FORMULA, "idle_interpreter_rss_bytes": G,
                "bound_formula": "b", "statistic": "s", "loadavg_start": [0, 0, 0], "models": {"gpt-x": m}}
     md = markdown(results)
     assert "| gpt-x | 2.2 |" in md and "OOM: killed by the OOM killer" in md
-    assert "memstrata never OOMs" in md and "| FAIL |" in md
+    assert "| gpt-x | memstrata | 3.12 |" in md and "2.5: oom" in md
+    assert "| gpt-x | floor_ratio | 0.277 |" in md  # 3.12 / 11.25
+    assert "| 2.00 | 1.10 | 3.00 | 0.73 |" in md  # 8: overlapped max(1, 2) = 2 s; serial 1 + 2 = 3 s
+    assert "floor: memstrata's k" in md and "| pass |" in md
