@@ -81,6 +81,39 @@ def test_striping_spreads_one_tensor_over_every_device(devices, ndev: int) -> No
                 assert f.read(stripe) == data[k * stripe : (k + 1) * stripe], (k, dev)
 
 
+@pytest.mark.parametrize("ndev", [1, 3])
+def test_parts_of_a_striped_extent_read_and_write_only_their_bytes(devices, ndev: int) -> None:
+    """A slice of a tensor (memstrata.runtime.swap.sliced) moves through a part of its extent: parts that start
+    and end mid stripe unit, across several units, and the short tail, read back exactly what a whole write put
+    there, and a part's write changes no byte outside it."""
+    from memstrata.runtime.strata.nvmeio import part_of
+
+    stripe = 64 * 1024
+    size = 10 * stripe + 777
+    rng = random.Random(ndev)
+    data = bytearray(rng.randbytes(size))
+    with NvmeEngine.open(devices(ndev, 16 * MiB), job="t/parts", stripe_bytes=stripe, queue_depth=8) as eng:
+        ext = eng.allocate(size)
+        eng.wait(eng.write(ext, data))
+        for off, n in [(0, 4096), (4096, stripe), (3 * 4096, 2 * stripe + 8192), (9 * stripe, size - 9 * stripe)]:
+            out = bytearray(n)
+            eng.wait(eng.read(part_of(ext, off, n), out))
+            assert out == data[off:off + n], (off, n)
+            fresh = rng.randbytes(n)
+            eng.wait(eng.write(part_of(ext, off, n), fresh))
+            data[off:off + n] = fresh
+        whole = bytearray(size)
+        eng.wait(eng.read(ext, whole))
+        assert whole == data
+        for off, n, why in [(100, 4096, "block size"), (size - 10, 4096, "outside"), (0, 0, "outside")]:
+            with pytest.raises(ValueError, match=why):
+                part_of(ext, off, n)
+        with pytest.raises(ValueError, match="not live"):
+            eng.free(part_of(ext, 0, 4096))  # only the allocated extent is freed
+        eng.free(ext)
+        assert eng.stats()[0].space.free_bytes == eng.stats()[0].space.capacity_bytes
+
+
 def test_registered_arena_uses_fixed_buffers_and_header_tracks_state(devices) -> None:
     paths = devices(1, 16 * MiB)
     with NvmeEngine.open(paths, job="t/fixed", max_io_bytes=MiB) as eng:

@@ -1,6 +1,6 @@
 """One memstrata gpt-tiny run that records what the pipelined optimizer update did, step by step.
 
-    python pipeline_worker.py DEVICE SWAP_DIR OUT SWAP_JSON STEPS [sub-group=N] [skip-at=N] [fail-at=N]
+    python pipeline_worker.py DEVICE SWAP_DIR OUT SWAP_JSON STEPS [sub-group=N] [skip-at=N] [fail-at=N] [param=cpu]
 Writes OUT (JSON): losses, a digest of the final 16-bit weights, every I/O batch of the optimizer
 swapper's handles as (role, start, end) with role read/write/sync, the Adam span of every sub-group,
 prefetch hits and the optimizer pool's bytes in use vs the DRAM cache's after every step.
@@ -8,6 +8,8 @@ prefetch hits and the optimizer pool's bytes in use vs the DRAM cache's after ev
 (the path an fp16 overflow takes, which this CPU's DeepSpeed cannot run).
 `fail-at=N`: Adam of the second sub-group of step N raises; the step's current sub-group is released
 as a caller that catches the error would, and the pool is measured again.
+`param=cpu`: the 16-bit weights stay in DRAM (offload_param cpu) instead of going to NVMe.
+`init-chunk=N`: the fp32 master is first written N elements at a time (memstrata.runtime.swap.optimizer.INIT_CHUNK).
 """
 from __future__ import annotations
 
@@ -48,12 +50,18 @@ def main() -> None:
     arch = PRESETS["gpt-tiny"]
     model = random_model(arch, 32, 1234)
     Path(swap_dir).mkdir(parents=True, exist_ok=True)
-    cfg = ds_config(arch, swap_dir=swap_dir, batch=2, precision="bf16", profile="tuned")
+    cfg = ds_config(arch, swap_dir=swap_dir, batch=2, precision="bf16", profile="tuned",
+                    param_device=opts.get("param", "nvme"))
     if "sub-group" in opts:  # smaller sub-groups: more of them to pipeline
         cfg["zero_optimization"]["sub_group_size"] = int(opts["sub-group"])
     swap: dict[str, Any] = {"nvme": [device], **json.loads(swap_json)}
+    if "init-chunk" in opts:
+        from memstrata.runtime.swap import optimizer as swap_optimizer
+
+        swap_optimizer.INIT_CHUNK = int(opts["init-chunk"])
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg, swap=swap)
     layer, opt = engine.memstrata, engine.optimizer
+    init_peak = layer.pool.peak_in_use
     swapper = opt.optimizer_swapper
     io: list[tuple[str, float, float]] = []
     ra = swapper.readahead
@@ -77,7 +85,7 @@ def main() -> None:
 
     opt._optimizer_step = timed
     gen = torch.Generator().manual_seed(7)
-    losses, hits, in_use, cache, skipped = [], [], [], [], []
+    losses, hits, in_use, cache, skipped, locked = [], [], [], [], [], []
     failure: dict[str, Any] = {}
     for step in range(1, int(steps) + 1):
         current_step[0] = step
@@ -96,6 +104,7 @@ def main() -> None:
         hits.append(layer.prefetch_hits)
         in_use.append(layer.pool.in_use)
         cache.append(layer.cache_bytes)
+        locked.append(layer.pool.locked_bytes)
         skipped.append(bool(getattr(opt, "overflow", False)))
     digest = hashlib.sha256()
     if not failure:
@@ -107,7 +116,13 @@ def main() -> None:
         "losses": losses, "weights": digest.hexdigest(), "io": io, "adam": adam, "prefetch_hits": hits,
         "pool_in_use": in_use, "cache_bytes": cache, "skipped": skipped, "failure": failure,
         "swappable": swappable, "groups": len(opt.fp16_groups), "orders": layer.subgroup_order.history,
-        "cache_hits": layer.cache_hits,
+        "cache_hits": layer.cache_hits, "pool_locked": locked, "pool_peak": layer.pool.peak_in_use,
+        "init_peak": init_peak,
+        "sliced": sorted(layer.sliced.ids) if layer.sliced is not None else [],
+        "slices": layer.sliced.slices_updated if layer.sliced is not None else 0,
+        "numels": [int(n) for n in opt.fp16_partitioned_groups_flat_numel],
+        "param_bytes": layer.counters.by_kind.get("param", [0, 0]),
+        "status": layer.status().dram.wire(),
     }))
     layer.close()
 

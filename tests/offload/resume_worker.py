@@ -64,16 +64,17 @@ def arm(recipe: Any, phase: str, step: int, marker: Path) -> None:
 
         swapper = engine.optimizer.optimizer_swapper
         if isinstance(swapper.aio_handle, ExtentSwapHandle):
-            # memstrata's update writes through several handles (the pipelined write-back has its own): count
-            # the optimizer writes of every one of them.
-            real_write = ExtentSwapHandle.async_pwrite
+            # memstrata's update writes through several handles (the pipelined write-back has its own), whole
+            # tensors or, for a sub-group updated a slice at a time, parts of them: count every optimizer write.
+            for name in ("async_pwrite", "write_part"):
+                real_write = getattr(ExtentSwapHandle, name)
 
-            def optimizer_write(handle: Any, *a: Any, **k: Any) -> Any:
-                if handle.kind != "optimizer":
-                    return real_write(handle, *a, **k)
-                return counting(lambda *a2, **k2: real_write(handle, *a2, **k2))(*a, **k)
+                def optimizer_write(handle: Any, *a: Any, real_write: Any = real_write, **k: Any) -> Any:
+                    if handle.kind != "optimizer":
+                        return real_write(handle, *a, **k)
+                    return counting(lambda *a2, **k2: real_write(handle, *a2, **k2))(*a, **k)
 
-            ExtentSwapHandle.async_pwrite = optimizer_write  # type: ignore[method-assign]
+                setattr(ExtentSwapHandle, name, optimizer_write)
         else:
             real = swapper.aio_handle
 

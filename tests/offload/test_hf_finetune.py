@@ -118,10 +118,10 @@ def check_round_trip(tmp: Path, model: Path, *, engine: str, precision: str, lr:
 
 
 def test_smollm2_fine_tunes_on_memstrata_and_reloads(tmp_path: Path, smollm2_dir: Path) -> None:
-    # fp32, so the loss can be held to transformers' within 1e-3; the budget leaves the weights and the
-    # Adam moments to the NVMe stratum.
+    # fp32, so the loss can be held to transformers' within 1e-3; the budget leaves nearly all the weights and
+    # all the optimizer state (the embedding's a slice at a time) to the NVMe stratum.
     result = check_round_trip(tmp_path, smollm2_dir, engine="memstrata", precision="fp32", lr=1e-4,
-                              dram_budget="1200Mi")
+                              dram_budget="800Mi")
     # The weights were built into, loaded into and trained from memstrata's NVMe stratum: at least the whole
     # fp32 model went through it.
     assert result["param_bytes_written"] >= 134_515_008 * 4, "the weights never went through memstrata's swap layer"

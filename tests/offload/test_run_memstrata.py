@@ -68,10 +68,11 @@ def test_tiny_example_on_the_memstrata_engine(deepspeed_ready: None, tmp_path: P
     assert ms is not None, "the report lacks memstrata's own counters"
     moved = ms["nvme"]["byKind"]
     assert moved["optimizer"]["written"] > 0 and moved["optimizer"]["read"] > 0, moved
-    # The example's budget spills part of the weights and part of the optimizer state: both move.
-    assert moved["param"]["written"] > 0 and moved["param"]["read"] > 0, moved
-    assert ms["nvme"]["bytesWritten"] >= moved["optimizer"]["written"] + moved["param"]["written"]
-    assert ms["dram"]["residentWeightBytes"] > 0 and ms["dram"]["residentStateBytes"] > 0, ms["dram"]
+    # The example's budget keeps the weights in DRAM (read twice a step, they come first) and half of the
+    # optimizer state: only the other half moves.
+    assert "param" not in moved, moved
+    assert ms["nvme"]["bytesWritten"] >= moved["optimizer"]["written"]
+    assert ms["dram"]["residentStateBytes"] > 0, ms["dram"]
     assert ms["dram"]["lockedBytes"] > 0
     # The report's nvme stratum is memstrata's engine, not block I/O guessed from outside.
     assert r["strata"]["nvme"]["bytes_written"] == ms["nvme"]["bytesWritten"]

@@ -57,29 +57,46 @@ def test_memstrata_pins_less_than_tuned_stock() -> None:
     Stock, as dsconfig tunes it: 8 parameter buffers of the largest tensor, 8*38,633,472*2 = 618,135,552,
     plus 4 optimizer buffers of (sub-group 38,633,472 + one tensor of overshoot)*4 B = 1,236,271,104.
     memstrata: 2 layers (2*7,087,872*2 = 28,351,488 -> 28,352,512 page-rounded) + the largest tensor
-    (77,266,944), plus 3 buffers (read ahead, updated, written back) of the largest streamed sub-group: with
-    nothing resident that is the embedding's own, 38,633,472*12 = 463,601,664; once the budget keeps it
-    resident, the largest of the layer-sized ones: a layer (7,087,872) that the 1,572,864-element position
-    table pushed over a layer boundary ends with the next layer's 1,572,096 leading elements, 8,659,968*12 =
-    103,919,616 (memstrata.plan.accounting.group_tensors; tests/runtime/test_subgroup_layout.py checks the
-    tensor list against the real model)."""
+    (77,266,944), plus the update's buffers (memstrata.plan.accounting.update_buffer_bytes): the embedding
+    streams in slices of the unit rounded down to 2048 elements (7,086,080), the rest whole, the largest of which
+    is a layer (7,087,872) that the 1,572,864-element position table pushed over a layer boundary and that ends
+    with the next layer's 1,572,096 leading elements, 8,659,968 (memstrata.plan.accounting.group_tensors;
+    tests/runtime/test_subgroup_layout.py checks the tensor list against the real model). Reading one ahead:
+    max(40 x 8,659,968, 44 x 7,086,080, 32 x 7,086,080 + 12 x 8,659,968) = 346,398,720; reading none:
+    max(28 x 8,659,968, 32 x 7,086,080) = 242,479,104. Keeping the embedding resident changes nothing: it never
+    set the buffers."""
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=1024, micro_batch=1, gpus=1)
     stock = pinned_buffers(JobShape(**shape, engine="deepspeed"), optimizer_on_nvme=True, params_on_nvme=True)
     ours = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True)
     assert stock == 618_135_552 + 1_236_271_104
-    assert ours == 28_352_512 + 77_266_944 + 3 * 463_601_664
+    assert ours == 28_352_512 + 77_266_944 + 346_398_720
+    serial = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True,
+                            read_ahead=0)
+    assert serial == 28_352_512 + 77_266_944 + 242_479_104
     layered = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True,
                              streamed_bytes=streamed_subgroup_bytes(JobShape(**shape, engine="memstrata"),
                                                                     463_601_664))
-    assert layered == 28_352_512 + 77_266_944 + 3 * 103_919_616
+    assert layered == ours
     assert pinned_buffers(JobShape(**shape), optimizer_on_nvme=False, params_on_nvme=False) == 0
     eight = pinned_buffers(JobShape(**{**shape, "gpus": 8}, engine="memstrata"), optimizer_on_nvme=True,
                            params_on_nvme=True)
-    # One set per rank; over 8 ranks each holds an eighth of every tensor, the embedding's (4,829,184 elements)
-    # less than the unit, so no rank has a sub-group as large as one rank's embedding-sized one alone.
+    # One set per rank; over 8 ranks each holds an eighth of every tensor, so every sub-group is smaller.
     per_rank = pinned_buffers(JobShape(**{**shape, "gpus": 8}, engine="memstrata"), optimizer_on_nvme=True,
                               params_on_nvme=True) // 8
     assert eight == 8 * per_rank and per_rank < ours
+
+
+def test_the_vocabulary_does_not_set_the_update_buffers() -> None:
+    """The update's locked buffers follow the layer, not the largest tensor: a 4x vocabulary leaves them as they
+    were (the embedding streams a slice at a time), while stock's grow with it."""
+    base = PRESETS["llama3.2-1b"]
+    big = base.model_copy(update={"vocab": 4 * base.vocab})
+    shape = dict(sequence_length=2048, micro_batch=8, gpus=1)
+    ours = [streamed_subgroup_bytes(JobShape(model=m, **shape, engine="memstrata"), 0) for m in (base, big)]
+    assert ours[0] == ours[1] > 0
+    stock = [pinned_buffers(JobShape(model=m, **shape, engine="deepspeed"), optimizer_on_nvme=True,
+                            params_on_nvme=False) for m in (base, big)]
+    assert stock[1] > 3 * stock[0]
 
 
 def test_architecture_rejects_heads_that_do_not_divide() -> None:

@@ -108,16 +108,14 @@ def test_stock_deepspeed_gets_all_or_nothing_offload_and_no_cxl(cxl_node: NodeIn
 
 def test_dram_budget_spills_to_nvme() -> None:
     """gpt-125m on the CPU under a 1.25 GiB budget (1,342,177,280 B). memstrata: the weights fit in DRAM, so only
-    the optimizer state streams, and its share of DRAM keeps the embedding's own 38,633,472-element sub-group
-    (463,601,664 B of state) resident, so the streamed sub-groups are one layer each: pinned 3 x 85,057,536 =
-    255,172,608 -> 1,087,004,672 left; gradients 250,524,672, checkpoints 9,437,184 (12*512*768*2), weights
-    250,524,672 -> 576,518,144 left for the 1,503,148,032 B of master + moments, split as a sub-group holds
-    them (4 of 12 bytes master): master 192,172,714 and moments 384,345,430 in DRAM, the rest on NVMe.
-    At 1 GiB the weights and that sub-group's state no longer both fit: streaming the embedding's sub-group
-    would need locked buffers of its own size, so its state is held in DRAM before the weights and the weights
-    spill instead (with their staging buffers, 2 layers + the largest tensor = 105,619,456, and without the
-    read-ahead buffer, which alone would break the fit: 2 x 103,919,616 for the largest streamed sub-group).
-    Stock's pinned pools alone exceed 1 GiB."""
+    the optimizer state streams, the embedding's 38,633,472-element sub-group a slice at a time: the update's
+    buffers are 346,398,720 (memstrata.plan.accounting.update_buffer_bytes; no tensor's size in it) ->
+    995,778,560 left; gradients 250,524,672, checkpoints 9,437,184 (12*512*768*2), weights 250,524,672 ->
+    485,292,032 left for the 1,503,148,032 B of master + moments, split as a sub-group holds them (4 of 12 bytes
+    master): master 161,764,010 and moments 323,528,022 in DRAM, the rest on NVMe.
+    At 1 GiB the weights still stay in DRAM (a byte of weights saves more I/O than a byte of state) and 216,856,576
+    B of state with them; at 0.75 GiB the weights spill too, and their staging buffers join the pinned ones (2
+    layers + the largest tensor = 105,619,456). Stock's pinned pools alone exceed 1 GiB."""
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0)
     node = _small_node(64 * GiB, gpus=0, nvme=[100 * GiB])
     roomy = plan_for_node(JobShape(**shape), node, MemoryPolicy())
@@ -126,19 +124,23 @@ def test_dram_budget_spills_to_nvme() -> None:
     tight = plan_for_node(JobShape(**shape, engine="memstrata"), node, MemoryPolicy(engine="memstrata",
                                                                                       dram_budget=budget))
     assert tight.feasible, tight.verdict()
-    assert tight.category("pinned").bytes == 3 * 85_057_536 and tight.optimizer_read_ahead == 1
+    assert tight.category("pinned").bytes == 346_398_720 and tight.optimizer_read_ahead == 1
     assert tight.category("weights").on("dram") == 250_524_672 and tight.offload_device("weights") == "cpu"
-    assert tight.category("master").on("dram") == 192_172_714
-    assert tight.category("optimizer").on("dram") == 384_345_430
-    assert tight.category("optimizer").on("nvme") == 1_002_098_688 - 384_345_430
+    assert tight.category("master").on("dram") == 161_764_010
+    assert tight.category("optimizer").on("dram") == 323_528_022
+    assert tight.category("optimizer").on("nvme") == 1_002_098_688 - 323_528_022
     assert tight.bytes_on("dram") - tight.category("working").bytes - tight.category("build").bytes == budget
     small = plan_for_node(JobShape(**shape, engine="memstrata"), node, MemoryPolicy(engine="memstrata",
                                                                                       dram_budget=GiB))
     assert small.feasible, small.verdict()
-    assert small.category("master").on("dram") + small.category("optimizer").on("dram") == 38_633_472 * 12
-    assert 0 < small.category("weights").on("nvme") < small.category("weights").bytes
-    assert small.optimizer_read_ahead == 0
-    assert small.category("pinned").bytes == 105_619_456 + 2 * 103_919_616
+    assert small.category("master").on("dram") + small.category("optimizer").on("dram") == 216_856_576
+    assert small.category("weights").on("nvme") == 0
+    smaller = plan_for_node(JobShape(**shape, engine="memstrata"), node, MemoryPolicy(engine="memstrata",
+                                                                                        dram_budget=3 * GiB // 4))
+    assert smaller.feasible, smaller.verdict()
+    assert 0 < smaller.category("weights").on("nvme") < smaller.category("weights").bytes
+    assert smaller.category("master").on("dram") + smaller.category("optimizer").on("dram") == 0
+    assert smaller.category("pinned").bytes == 105_619_456 + 346_398_720
     stock = plan_for_node(JobShape(**shape), node, MemoryPolicy(dram_budget=GiB))
     assert not stock.feasible
     assert "page-locked buffers of 1.7 GiB exceed the 1.0 GiB" in stock.verdict()

@@ -204,6 +204,19 @@ def memstrata_subgroup_elements(arch: ModelArchitecture) -> int:
     return max(unit, MIN_SWAP_BYTES // 4)
 
 
+# A slice of a sliced sub-group starts on a 4 KiB block of its 16-bit partition (and so of its fp32 state), and is a
+# whole multiple of every SIMD width of DeepSpeedCPUAdam, so slicing moves no element between its vector loop and
+# its scalar tail.
+SLICE_ALIGN_ELEMENTS = 2048
+
+
+def slice_elements(unit: int) -> int:
+    """Elements of one slice of a sub-group updated a slice at a time (memstrata.runtime.swap.sliced): the sub-group
+    unit rounded down to whole SLICE_ALIGN_ELEMENTS, so a slice's buffers are never larger than a streamed
+    sub-group's."""
+    return max(SLICE_ALIGN_ELEMENTS, unit // SLICE_ALIGN_ELEMENTS * SLICE_ALIGN_ELEMENTS)
+
+
 def group_tensors(sizes: Sequence[int], unit: int) -> list[list[int]]:
     """memstrata's rule for cutting one rank's parameter partitions (`sizes`, in order) into optimizer sub-groups:
     a partition of at least `unit` elements closes the open sub-group and forms one of its own; smaller ones
@@ -235,12 +248,6 @@ def subgroup_sizes(job: JobShape) -> list[int]:
     tensor's per-rank partition."""
     parts = _rank_partitions(job)
     return [sum(parts[i] for i in g) for g in group_tensors(parts, memstrata_subgroup_elements(job.model))]
-
-
-def big_subgroup_sizes(job: JobShape) -> list[int]:
-    """The sub-groups a single tensor of at least the unit forms alone (the embedding, the LM head), per rank."""
-    unit = memstrata_subgroup_elements(job.model)
-    return [n for n in _rank_partitions(job) if n >= unit]
 
 
 def _rank_partitions(job: JobShape) -> list[int]:
@@ -276,12 +283,36 @@ def choose_resident(sizes: Sequence[int], budget_bytes: int | None,
     return kept
 
 
-def streamed_subgroup_bytes(job: JobShape, resident_state_bytes: int) -> int:
-    """Locked bytes of the largest optimizer sub-group one rank streams once `choose_resident` has spent
-    `resident_state_bytes`, page-rounded; 0 when every sub-group is resident."""
-    sizes = subgroup_sizes(job)
-    kept = choose_resident(sizes, resident_state_bytes)
-    return _pages(max((n for i, n in enumerate(sizes) if i not in kept), default=0) * STATE_BYTES_PER_ELEMENT)
+def streamed_subgroup_bytes(job: JobShape, resident_state_bytes: int, read_ahead: int = 1) -> int:
+    """Locked bytes one rank's optimizer update holds at once (`update_buffer_bytes`) for the sub-groups that stream
+    once `choose_resident` has spent `resident_state_bytes`: the largest streamed whole, and whether any streams a
+    slice at a time (one tensor of more than `slice_elements`, memstrata.runtime.swap.sliced); 0 when every
+    sub-group is resident."""
+    parts = _rank_partitions(job)
+    unit = memstrata_subgroup_elements(job.model)
+    groups = group_tensors(parts, unit)
+    sizes = [sum(parts[i] for i in g) for g in groups]
+    kept, piece = choose_resident(sizes, resident_state_bytes), slice_elements(unit)
+    streamed = [(n, len(g) == 1 and n > piece) for i, (n, g) in enumerate(zip(sizes, groups)) if i not in kept]
+    whole = max((n for n, sliced in streamed if not sliced), default=0)
+    return update_buffer_bytes(whole, piece if any(sliced for _, sliced in streamed) else 0, read_ahead)
+
+
+def update_buffer_bytes(whole: int, piece: int, read_ahead: int) -> int:
+    """Locked bytes of the optimizer update at its peak, per rank, page-rounded, for sub-groups of at most `whole`
+    elements streamed whole and, where `piece` > 0, slices of `piece` elements of the larger ones:
+    - whole: 2 + read_ahead sub-groups' state (12 B/element: the one updated, the one written back, those read
+      ahead) and the updated one's fp32 gradient (4 B);
+    - sliced: 2 + read_ahead slices' state, and the gradients of the updated and the written-back slice (the
+      latter's bytes carry the 16-bit cast to NVMe): 12(2 + r) + 8 B per slice element;
+    - the last slice updated and written while the next sub-group is read ahead: 2 x 16 B x piece + r x 12 B x whole.
+    gpt-125m, nothing resident, r = 1: whole 8,659,968 (a layer and the next one's first tensor), piece 7,086,080:
+    max(40 x 8,659,968, 44 x 7,086,080, 32 x 7,086,080 + 12 x 8,659,968) = 346,398,720 B."""
+    r = read_ahead
+    peak = max((2 + r) * STATE_BYTES_PER_ELEMENT * whole + 4 * whole,
+               (2 + r) * STATE_BYTES_PER_ELEMENT * piece + 8 * piece,
+               2 * (STATE_BYTES_PER_ELEMENT + 4) * piece + r * STATE_BYTES_PER_ELEMENT * whole if piece else 0)
+    return _pages(peak)
 
 
 def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool, read_ahead: int = 1,
@@ -290,9 +321,9 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool,
 
     memstrata sizes its buffers from the model's shapes (exact size, 4 KiB aligned):
     per rank, parameters need two layers plus the largest tensor in flight, and
-    streamed optimizer state 2 + `read_ahead` buffers of the largest streamed sub-group at
-    12 B per element (fp32 master + 2 moments): being updated, being written back, and those read
-    ahead (`streamed_bytes`, from streamed_subgroup_bytes; by default as if none were resident).
+    streamed optimizer state what its update holds at once (`streamed_bytes`, from streamed_subgroup_bytes; by
+    default as if none were resident): sub-groups of at most a layer or so whole, `read_ahead` of them read ahead,
+    and a larger tensor's a slice at a time (`update_buffer_bytes`), so no tensor's size sets it.
 
     Stock DeepSpeed, run with the settings memstrata.runtime.train.dsconfig gives it, locks
     what memstrata.plan.stock.pinned_pool_bytes counts: buffer_count buffers of the
@@ -304,8 +335,7 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool,
         if params_on_nvme:
             per_rank += _pages(2 * m.layer_params() * w) + _pages(m.largest_tensor() * w)
         if optimizer_on_nvme:
-            largest = streamed_bytes if streamed_bytes is not None else streamed_subgroup_bytes(job, 0)
-            per_rank += (2 + read_ahead) * largest
+            per_rank += streamed_bytes if streamed_bytes is not None else streamed_subgroup_bytes(job, 0, read_ahead)
     else:
         per_rank = pinned_pool_bytes(m, w, params_on_nvme=params_on_nvme, optimizer_on_nvme=optimizer_on_nvme)
     return per_rank * job.ranks

@@ -15,9 +15,9 @@ from memstrata.api.inventory import NodeInventory
 from memstrata.api.strata import names, preferred_strata, registry, stratum, titles
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
 from memstrata.api.units import format_bytes
-from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, big_subgroup_sizes,
-                                      build_transient, category_bytes, choose_resident, pinned_buffers,
-                                      streamed_subgroup_bytes, subgroup_sizes, trained_parameters, working_set)
+from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, build_transient,
+                                      category_bytes, pinned_buffers, streamed_subgroup_bytes, subgroup_sizes,
+                                      trained_parameters, working_set)
 from memstrata.plan.capacity import NVME_NOTE, Ledger, capacities
 
 # The order in which the model state's categories are placed; each goes to the strata that may hold it
@@ -58,7 +58,8 @@ def _settle(job: JobShape, node: NodeInventory, policy: MemoryPolicy, read_ahead
         state_dram = plan.category("optimizer").on("dram") + plan.category("master").on("dram")
         now = (plan.category("weights").on("nvme") > 0,
                plan.category("optimizer").on("nvme") + plan.category("master").on("nvme") > 0)
-        biggest = streamed_subgroup_bytes(job, state_dram // job.ranks) if now[1] and job.engine == "memstrata" else 0
+        biggest = (streamed_subgroup_bytes(job, state_dram // job.ranks, read_ahead)
+                   if now[1] and job.engine == "memstrata" else 0)
         if now == spills and biggest <= streamed:
             return plan
         spills, streamed = (spills[0] or now[0], spills[1] or now[1]), max(streamed, biggest)
@@ -140,14 +141,8 @@ def _place_pinned(job: JobShape, policy: MemoryPolicy, ledger: Ledger, pinned: i
 
 def _place_state(job: JobShape, ledger: Ledger) -> None:
     """The model state, category by category, each into the first stratum that may hold it and has room."""
-    free, sizes = ledger.free, category_bytes(job)
-    held = 0  # memstrata: DRAM held back for the big sub-groups' state until the weights are placed
+    sizes = category_bytes(job)
     for name in (MEMSTRATA_ORDER if job.engine == "memstrata" else ORDER):
-        if job.engine == "memstrata" and name == "weights":
-            held = _hold_for_big_subgroups(job, max(free["dram"], 0), sizes)
-            free["dram"] -= held
-        elif held and name == "master":
-            free["dram"], held = free["dram"] + held, 0
         _place_category(job, name, sizes, ledger)
     if job.engine == "memstrata":
         _split_state_as_subgroups(ledger.categories, job.ranks)
@@ -234,18 +229,6 @@ def _smaller_working_set(job: JobShape) -> str:
     if not job.loss_chunk_tokens:
         fixes.append("set training.lossChunkTokens (e.g. 4096)")
     return ", or ".join(fixes)
-
-
-def _hold_for_big_subgroups(job: JobShape, dram: int, sizes: dict[str, int]) -> int:
-    """DRAM to keep for the optimizer state of the sub-groups a big tensor forms alone (the embedding, the LM
-    head), before the weights take theirs: a big sub-group that streams needs locked buffers of its own size,
-    which costs more DRAM than its state; so the ones `dram` can hold (largest first, as the runtime keeps them)
-    come before the weights, and the weights spill first. 0 when nothing of the state would spill anyway."""
-    if dram >= sizes["master"] + sizes["optimizer"] + sizes["weights"]:
-        return 0
-    big = big_subgroup_sizes(job)
-    kept = choose_resident(big, dram // job.ranks)
-    return sum(big[i] for i in kept) * STATE_BYTES_PER_ELEMENT * job.ranks
 
 
 def _split_state_as_subgroups(categories: dict[str, CategoryPlan], ranks: int) -> None:

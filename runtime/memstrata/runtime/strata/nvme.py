@@ -199,7 +199,7 @@ class NvmeEngine:
 
     def _start(self, kind: str, extent: Extent, mv: memoryview) -> Handle:
         self._check_open()
-        if extent not in self._live:
+        if extent.root not in self._live:
             raise ValueError("extent is not live in this engine")
         if mv.nbytes != extent.nbytes:
             raise ValueError(f"{kind} buffer has {mv.nbytes} bytes, extent holds {extent.nbytes}")

@@ -35,6 +35,27 @@ class Extent:
     stripe_bytes: int
     slots: tuple[int, ...]  # engine device indices
     bases: tuple[int, ...]  # absolute byte offset of this extent's run on each slot
+    # A part (`part_of`): the allocated extent it lies in and where in it it starts; None and 0 otherwise.
+    whole: Extent | None = None
+    offset: int = 0
+
+    @property
+    def root(self) -> Extent:
+        """The allocated extent: this one, or the one it is a part of."""
+        return self.whole or self
+
+
+def part_of(extent: Extent, offset: int, nbytes: int) -> Extent:
+    """Bytes [offset, offset + nbytes) of `extent` as an extent of their own: a slice of a tensor read or written
+    without the rest (memstrata.runtime.swap.sliced). `offset` must be a multiple of the block size; the part's
+    ops are the whole extent's stripe units cut to its range. Pure."""
+    root, start = extent.root, extent.offset + offset
+    if nbytes <= 0 or offset < 0 or offset + nbytes > extent.nbytes:
+        raise ValueError(f"part [{offset}, {offset + nbytes}) is outside the extent's {extent.nbytes} bytes")
+    if start % extent.align:
+        raise ValueError(f"part offset {offset} is not a multiple of the block size {extent.align}")
+    return Extent(nbytes, round_up(nbytes, extent.align), extent.align, extent.stripe_bytes, extent.slots,
+                  extent.bases, whole=root, offset=start)
 
 
 @dataclass
@@ -84,8 +105,8 @@ class ExtentIo:
         self._busy: dict[Extent, int] = {}
 
     def busy(self, extent: Extent) -> bool:
-        """Whether `extent` has I/O in flight."""
-        return bool(self._busy.get(extent))
+        """Whether `extent` (or a part of it) has I/O in flight."""
+        return bool(self._busy.get(extent.root))
 
     def register(self, buffers: Sequence[Any]) -> bool:
         """Register long-lived host buffers as the queue's fixed buffers; False where the kernel refuses."""
@@ -159,12 +180,17 @@ class ExtentIo:
             else:
                 handle._copy_back = (bounce, mv, prefix)
         handle._keep.append(mv)
-        self._busy[extent] = self._busy.get(extent, 0) + 1
+        self._busy[extent.root] = self._busy.get(extent.root, 0) + 1
         try:
-            for chunk in stripe_chunks(extent.padded, extent.stripe_bytes, len(extent.slots)):
+            end = extent.offset + extent.padded
+            for chunk in stripe_chunks(extent.root.padded, extent.stripe_bytes, len(extent.slots)):
+                # In the part's own coordinates: a whole extent is a part at offset 0 of itself.
+                lo, hi = max(chunk.logical, extent.offset), min(chunk.logical + chunk.length, end)
+                if lo >= hi:
+                    continue
+                lo, hi = lo - extent.offset, hi - extent.offset
                 slot = extent.slots[chunk.slot]
-                dev_base = extent.bases[chunk.slot] + chunk.device_offset - chunk.logical
-                lo, hi = chunk.logical, chunk.logical + chunk.length
+                dev_base = extent.bases[chunk.slot] + chunk.device_offset - chunk.logical + extent.offset
                 if lo < prefix:
                     self._queue(handle, slot, mv, 0, lo, min(hi, prefix), dev_base)
                 if hi > prefix and bounce is not None:
@@ -229,9 +255,10 @@ class ExtentIo:
                 except BufferError:
                     pass  # a caller's own export of it is still alive; GC frees it later
         handle._keep.clear()
-        left = self._busy[handle.extent] - 1
+        root = handle.extent.root
+        left = self._busy[root] - 1
         if left:
-            self._busy[handle.extent] = left
+            self._busy[root] = left
         else:
-            del self._busy[handle.extent]
+            del self._busy[root]
         handle.done = True

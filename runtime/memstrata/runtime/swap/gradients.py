@@ -59,6 +59,18 @@ def _steps_per_update(cfg: dict[str, Any]) -> int | None:
     return 1 if "train_batch_size" not in cfg else None
 
 
+def config_dict(config: dict[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """A ds_config as a dict: itself, or a JSON file read; None where it is neither (DeepSpeed reports an unreadable
+    config in its own words)."""
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            loaded = json.loads(Path(config).read_text())
+        except (OSError, ValueError):
+            return None
+        return loaded if isinstance(loaded, dict) else None
+    return config if isinstance(config, dict) else None
+
+
 def accumulation_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any] | str | os.PathLike[str]:
     """The ds_config with `data_types.grad_accum_dtype` set to the training dtype where that changes no value.
 
@@ -66,14 +78,8 @@ def accumulation_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict
     gradient widened later equals one widened now) and the user set no
     accumulation dtype; DeepSpeed 0.19.8 defaults to the same, this pins it.
     Pure: returns a new dict, or the argument unchanged."""
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            cfg = json.loads(Path(config).read_text())
-        except (OSError, ValueError):
-            return config  # DeepSpeed reports an unreadable config in its own words
-    elif isinstance(config, dict):
-        cfg = config
-    else:
+    cfg = config_dict(config)
+    if cfg is None:
         return config
     if (cfg.get("data_types") or {}).get("grad_accum_dtype") is not None or _steps_per_update(cfg) != 1:
         return config
@@ -117,6 +123,16 @@ class DramGradients:
         for offset, numel, view in self._pieces(fp32_param):
             dest.narrow(0, offset, numel).copy_(view)
             self.bytes_widened += numel * dest.element_size()
+
+    def fill_fp32_range(self, fp32_param: torch.Tensor, dest: torch.Tensor, start: int, length: int) -> None:
+        """Widen elements [start, start + length) of sub-group `fp32_param`'s gradients into `dest` from its 0
+        (memstrata.runtime.swap.sliced: one slice)."""
+        end = start + length
+        for offset, numel, view in self._pieces(fp32_param):
+            lo, hi = max(offset, start), min(offset + numel, end)
+            if lo < hi:
+                dest.narrow(0, lo - start, hi - lo).copy_(view.narrow(0, lo - offset, hi - lo))
+                self.bytes_widened += (hi - lo) * dest.element_size()
 
     def store_fp32_gradients(self, fp32_param: torch.Tensor, src: torch.Tensor) -> None:
         """Write an fp32 gradient that was changed in place (DeepSpeed's `safe_set_full_grad`, Muon) back to

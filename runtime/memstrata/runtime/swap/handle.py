@@ -27,7 +27,7 @@ import torch
 
 from memstrata.runtime.strata.buffers import as_byte_view
 from memstrata.runtime.strata.nvme import NvmeEngine
-from memstrata.runtime.strata.nvmeio import Extent, Handle
+from memstrata.runtime.strata.nvmeio import Extent, Handle, part_of
 from memstrata.runtime.strata.pinned import LockedPool
 from memstrata.runtime.swap.tokens import IoTokens
 
@@ -115,6 +115,19 @@ class ExtentSwapHandle:
         if offset:
             raise SwapError(f"{path}: memstrata stores whole tensors; offset {offset} is not supported")
         nbytes = buffer.numel() * buffer.element_size()
+        return self._write(engine, buffer, path, self.reserve(path, nbytes), None)
+
+    def async_pread(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+        engine = self._stratum(path)
+        if offset:
+            raise SwapError(f"{path}: memstrata stores whole tensors; offset {offset} is not supported")
+        extent = self.extent_of(path)
+        return self._read(engine, buffer, path, extent, None)
+
+    # -- parts of a tensor (memstrata.runtime.swap.sliced) ----------------------------------------
+    def reserve(self, path: str, nbytes: int) -> Extent:
+        """The extent that holds the tensor named `path` of `nbytes` bytes, allocated if it has none yet."""
+        engine = self._stratum(path)
         extent = self._extents.get(path)
         if extent is not None and extent.nbytes != nbytes:
             # DeepSpeed rewrites a name only with the same aligned size; anything else is a new tensor.
@@ -129,31 +142,66 @@ class ExtentSwapHandle:
             self.counters.extent_bytes_live += extent.padded
             self.counters.extent_bytes_peak = max(self.counters.extent_bytes_peak,
                                                   self.counters.extent_bytes_live)
-        self._begin()
-        src = buffer.detach().contiguous()
-        if self.checksums is not None:
-            self.checksums[path] = _digest(src)
-        self._pending.append((engine.write(extent, src), path, src, True))
-        self.counters.add(self.kind, nbytes, write=True)
-        return 0
+        return extent
 
-    def async_pread(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+    def write_part(self, buffer: torch.Tensor, path: str, offset: int) -> int:
+        """Start writing `buffer` as bytes [offset, offset + its size) of the tensor `path`, `reserve`d before."""
         engine = self._stratum(path)
-        if offset:
-            raise SwapError(f"{path}: memstrata stores whole tensors; offset {offset} is not supported")
+        nbytes = buffer.numel() * buffer.element_size()
+        return self._write(engine, buffer, path, self._part(path, self.extent_of(path), offset, nbytes), offset)
+
+    def read_part(self, buffer: torch.Tensor, path: str, offset: int) -> int:
+        """Start reading bytes [offset, offset + `buffer`'s size) of the tensor `path` into `buffer` (the
+        tensor's tail when less is left)."""
+        engine = self._stratum(path)
+        extent = self.extent_of(path)
+        nbytes = min(buffer.numel() * buffer.element_size(), extent.nbytes - offset)
+        return self._read(engine, buffer, path, self._part(path, extent, offset, nbytes), offset)
+
+    def extent_of(self, path: str) -> Extent:
+        """The extent the tensor named `path` is stored in."""
         extent = self._extents.get(path)
         if extent is None:
             raise SwapError(f"{path}: read of a tensor that was never written to the NVMe stratum")
+        return extent
+
+    @staticmethod
+    def _part(path: str, extent: Extent, offset: int, nbytes: int) -> Extent:
+        try:
+            return part_of(extent, offset, nbytes)
+        except ValueError as exc:
+            raise SwapError(f"{path}: {exc}") from None
+
+    def _write(self, engine: NvmeEngine, buffer: torch.Tensor, path: str, target: Extent, offset: int | None) -> int:
+        src = buffer.detach().contiguous()
+        self._begin()
+        if self.checksums is not None:
+            self._checksum(path, offset, target.nbytes, _digest(src))
+        self._pending.append((engine.write(target, src), path, src, True))
+        self.counters.add(self.kind, target.nbytes, write=True)
+        return 0
+
+    def _read(self, engine: NvmeEngine, buffer: torch.Tensor, path: str, target: Extent, offset: int | None) -> int:
         nbytes = buffer.numel() * buffer.element_size()
-        if nbytes < extent.nbytes:
-            raise SwapError(f"{path}: read buffer of {nbytes} bytes is smaller than the stored {extent.nbytes}")
+        if nbytes < target.nbytes:
+            raise SwapError(f"{path}: read buffer of {nbytes} bytes is smaller than the stored {target.nbytes}")
         if not buffer.is_contiguous():
             raise SwapError(f"{path}: read buffer is not contiguous")
-        dst = buffer.view(-1).view(torch.uint8)[:extent.nbytes]
+        dst = buffer.view(-1).view(torch.uint8)[:target.nbytes]
         self._begin()
-        self._pending.append((engine.read(extent, dst), path, dst, False))
-        self.counters.add(self.kind, extent.nbytes, write=False)
+        self._pending.append((engine.read(target, dst), _key(path, offset, target.nbytes), dst, False))
+        self.counters.add(self.kind, target.nbytes, write=False)
         return 0
+
+    def _checksum(self, path: str, offset: int | None, nbytes: int, digest: str) -> None:
+        """Record what was written under its key; a whole write makes the parts' digests stale, a part's write
+        the whole's (and a same-offset part's)."""
+        assert self.checksums is not None
+        stale = ([k for k in self.checksums if k.startswith(f"{path}@")] if offset is None
+                 else [path, *(k for k in self.checksums if k.startswith(f"{path}@{offset}+"))])
+        for k in stale:
+            self.checksums.pop(k, None)
+        self.checksums[_key(path, offset, nbytes)] = digest
 
     def wait(self) -> int:
         """Complete every I/O this handle started; the count, as DeepSpeed asserts on it."""
@@ -213,6 +261,11 @@ class ExtentSwapHandle:
             if self._token_taken and self.tokens is not None:
                 self.tokens.release()
             self._token_held = self._token_taken = False
+
+
+def _key(path: str, offset: int | None, nbytes: int) -> str:
+    """A whole tensor's checksum key is its name; a part's, the name with its byte range."""
+    return path if offset is None else f"{path}@{offset}+{nbytes}"
 
 
 def _digest(t: Any) -> str:

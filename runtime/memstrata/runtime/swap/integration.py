@@ -29,11 +29,19 @@ Hook points:
    (memstrata.runtime.swap.gradients): gradients stay in DRAM, 16-bit where that
    changes no value (`data_types.grad_accum_dtype` set when the user did not),
    and are widened to fp32 by the optimizer swapper in the update.
-7. The same instance's `step`, once more: after it, locked regions nothing
-   uses are given back (`SwapSettings.trim_after_step`).
+7. The same instance's `step`, once more, where `SwapSettings.trim_after_step` asks
+   for it (off by default): after it, locked regions nothing uses are given back.
 8. The accelerator's `pin_memory`/`unpin_memory`, while the model and the engine
    are constructed (memstrata.runtime.swap.pinning): what ZeRO-3 pins comes from
    the layer's exact pools, never torch's power-of-two host allocator.
+9. The loop's per-sub-group methods once more, before the order hook
+   (memstrata.runtime.swap.sliced): a sub-group of one tensor larger than a slice
+   is updated a slice at a time.
+10. `initialize_optimizer_states` on the class while ZeRO-3 is built
+   (memstrata.runtime.swap.resident): its construction walk is skipped where
+   nothing reads what it makes; and `offload_optimizer.fast_init` is turned on
+   where the weights are on NVMe, so the fp32 master is written a chunk at a time
+   (memstrata.runtime.swap.optimizer).
 
 Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 """
@@ -223,17 +231,18 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
     ensure_verified()
     import deepspeed
 
-    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
-
     settings = layer.settings if layer is not None else _settings(swap)
     # By name, as deepspeed.initialize reads them, whether the caller passed them by position or keyword.
     call = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     key = "config" if call.arguments.get("config") is not None else "config_params"
     config = call.arguments.get(key)
-    if settings.dram_gradients and config is not None:
+    if config is not None:
         from memstrata.runtime.swap.gradients import accumulation_config
+        from memstrata.runtime.swap.optimizer import fast_init_config
 
-        call.arguments[key] = config = accumulation_config(config)
+        call.arguments[key] = config = fast_init_config(config)
+        if settings.dram_gradients:
+            call.arguments[key] = config = accumulation_config(config)
     if layer is None:
         model = call.arguments.get("model")
         numel = sum(p.numel() for p in model.parameters()) if model is not None else 0
@@ -247,25 +256,38 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
     engine: Engine = result[0]
     engine.memstrata = layer  # for a caller that holds only the engine
     opt = _zero3(engine)
-    swapper = opt.optimizer_swapper if opt is not None else None
-    if opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
+    if opt is not None:
+        _install_step_hooks(opt, layer)
+        if settings.one_pass_overflow and engine.fp16_enabled():
+            opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
+    return result
+
+
+def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
+    """The hooks on a built ZeRO-3 optimizer's instance, in the order each must wrap the ones before it."""
+    from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
+
+    settings, swapper = layer.settings, opt.optimizer_swapper
+    if isinstance(swapper, MemstrataOptimizerSwapper):
         from memstrata.runtime.swap.resident import keep_resident_decision
 
         keep_resident_decision(opt, layer)
-    # Gradients first: the order hook wraps whatever per-sub-group methods it finds and calls them with real ids.
-    if settings.dram_gradients and opt is not None and isinstance(swapper, MemstrataOptimizerSwapper):
-        from memstrata.runtime.swap.gradients import install_dram_gradients
+        # Gradients first: the order hook wraps whatever per-sub-group methods it finds and calls them with real
+        # ids; the sliced update next, so that the order hook calls it too.
+        if settings.dram_gradients:
+            from memstrata.runtime.swap.gradients import install_dram_gradients
 
-        layer.dram_gradients = swapper.use_dram_gradients(install_dram_gradients(opt, layer))
-    # The order hook also drives the pipelined update's read-ahead, so it is there whenever either is on.
-    if ((settings.cache_subgroups > 0 or settings.prefetch_subgroups > 0) and opt is not None
-            and isinstance(swapper, MemstrataOptimizerSwapper)):
-        from memstrata.runtime.swap.suborder import install_reversing_order
+            layer.dram_gradients = swapper.use_dram_gradients(install_dram_gradients(opt, layer))
+        if settings.slice_subgroups and layer.dram_gradients is not None:
+            from memstrata.plan.accounting import slice_elements
+            from memstrata.runtime.swap.sliced import install_sliced_update
 
-        layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
-    if settings.trim_after_step and opt is not None:
+            layer.sliced = install_sliced_update(opt, swapper, layer.dram_gradients, layer,
+                                                 settings.slice_elements or slice_elements(int(opt.sub_group_size)))
+        # The order hook also drives the pipelined update's read-ahead, so it is there whenever either is on.
+        if settings.cache_subgroups > 0 or settings.prefetch_subgroups > 0:
+            from memstrata.runtime.swap.suborder import install_reversing_order
+
+            layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
+    if settings.trim_after_step:
         _trim_after_step(opt, layer)
-    if settings.one_pass_overflow and opt is not None and engine.fp16_enabled():
-        opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
-    return result
-

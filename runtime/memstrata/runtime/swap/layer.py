@@ -78,6 +78,14 @@ class SwapSettings(BaseModel):
         1, ge=0, le=4,
         description="Optimizer sub-groups read ahead of the one being updated (the update pipelined: read of i+1, "
                     "Adam on i, write-back of i-1 overlap); 0 reads each one when it is needed.")
+    slice_subgroups: bool = Field(
+        True, description="Update a sub-group of one tensor larger than a slice (the embedding, an untied LM head) a "
+                          "slice at a time through buffers of the slice's size (memstrata.runtime.swap.sliced), "
+                          "instead of whole through buffers of its own size.")
+    slice_elements: int | None = Field(
+        None, ge=2048, multiple_of=2048,
+        description="Elements per slice; None: ZeRO-3's sub_group_size rounded down to whole 2048 "
+                    "(memstrata.plan.accounting.slice_elements), what the plan counts.")
     min_swap_bytes: int = Field(MIN_SWAP_BYTES, ge=4096, description="Smaller tensors stay in DRAM (DeepSpeed: 1 MiB).")
     param_staging_bytes: int = Field(256 << 20, ge=0,
                                      description="Locked bytes the parameter prefetcher may fill ahead of use.")
@@ -101,9 +109,10 @@ class SwapSettings(BaseModel):
                           "`cxl_nodes` (when there are any); false binds them to DRAM, where the plan put them.")
     one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
     trim_after_step: bool = Field(
-        True, description="Give back the locked regions the update no longer uses before the next forward, so the "
-                          "update's working set and the activations never count together in the peak (each update "
-                          "locks them again).")
+        False, description="Give back the locked regions the update no longer uses before the next forward, and lock "
+                           "them again in the next update. Off: the update's buffers, bounded by a slice and a "
+                           "streamed sub-group (memstrata.plan.accounting.update_buffer_bytes, which the plan "
+                           "reserves for the whole run), are locked once and reused every step.")
     dram_gradients: bool = Field(
         True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "
                           "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.swap.gradients).")
@@ -239,6 +248,7 @@ class SwapLayer:
         self.trimmed_bytes = 0
         self.subgroup_order: Any = None  # memstrata.runtime.swap.suborder.SubGroupOrder, once installed
         self.dram_gradients: Any = None  # memstrata.runtime.swap.gradients.DramGradients, once installed
+        self.sliced: Any = None  # memstrata.runtime.swap.sliced.SlicedUpdate, once installed
         self.io_log: list[tuple[str, float, float]] | None = None  # tests: (kind, start, end) per I/O batch
 
     @classmethod
@@ -344,6 +354,8 @@ class SwapLayer:
                 resident_subgroups=self.resident_subgroups,
                 resident_weight_bytes=self.resident_weight_bytes,
                 prefetch_hits=self.prefetch_hits,
+                sliced_subgroups=len(self.sliced.ids) if self.sliced is not None else 0,
+                slices_updated=self.sliced.slices_updated if self.sliced is not None else 0,
                 sub_group_orders=order.history[-8:] if order is not None else [],
                 gradients=self.dram_gradients.status() if self.dram_gradients is not None else None,
                 vm_locked_bytes=vm_locked_bytes(),

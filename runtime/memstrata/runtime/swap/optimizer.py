@@ -15,8 +15,9 @@ memory or bypass memstrata:
   next swap-in reads only the gradients. With memstrata.runtime.swap.suborder the
   order is reversed every step and the K walked last are kept (`keep_ids`),
   MLP-Offload's policy; without it, the first K cacheable ones stay for good.
-- fast_init: fp32 master weights are built sub-group by sub-group from the
-  16-bit partitions on NVMe, with buffers of that sub-group's size only;
+- construction: each NVMe sub-group's fp32 master is written a chunk at a time
+  (INIT_CHUNK elements) from its 16-bit source, in DRAM or on NVMe (fast_init,
+  which memstrata.runtime.initialize turns on), never staged whole;
 - gradients: with memstrata.runtime.swap.gradients installed, none are swapped; a
   sub-group's fp32 gradients are widened from DRAM into one exact buffer when
   its state is swapped in, and freed with it.
@@ -26,7 +27,10 @@ memory or bypass memstrata:
 """
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from deepspeed import comm as dist
@@ -35,16 +39,33 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
 
 from memstrata.runtime.swap import layer as swaplayer
-from memstrata.runtime.swap.gradients import DramGradients
+from memstrata.runtime.swap.gradients import DramGradients, config_dict
 from memstrata.runtime.strata.pinned import LockedPool
 from memstrata.runtime.swap.protocols import SwapInfo
 from memstrata.runtime.swap.readahead import ReadAhead
 
-__all__ = ["MemstrataOptimizerSwapper", "ExactBuffers"]
+__all__ = ["MemstrataOptimizerSwapper", "ExactBuffers", "fast_init_config"]
 
+# Elements per chunk when a sub-group's fp32 master is first written (4 MiB of fp32; whole blocks of both dtypes).
+INIT_CHUNK = 1 << 20
 # One piece of a sub-group's 16-bit parameters, as ZeRO-3 hands it to fast_init: the partition, its numel,
 # and its swap name (None: the partition is in memory, not swapped).
 _Fp16Part = tuple[torch.Tensor, int, str | None]
+
+
+def fast_init_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any] | str | os.PathLike[str]:
+    """The ds_config with `offload_optimizer.fast_init` on where the 16-bit weights and the optimizer state both go
+    to NVMe and the user did not set it: ZeRO-3 then hands the weights' NVMe partitions to this swapper
+    (`initialize_from_swapped_fp16_params`, a chunk at a time) instead of widening each sub-group into an fp32 copy
+    of its own first. The same values: both widen the same 16-bit partitions. Pure: a new dict, or the argument."""
+    cfg = config_dict(config)
+    zero = (cfg or {}).get("zero_optimization") or {}
+    optim, param = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
+    if cfg is None or optim.get("device") != "nvme" or param.get("device") != "nvme" or "fast_init" in optim:
+        return config
+    out = copy.deepcopy(cfg)
+    out["zero_optimization"]["offload_optimizer"]["fast_init"] = True
+    return out
 
 
 class ExactBuffers:
@@ -80,6 +101,14 @@ class ExactBuffers:
             self.pool.free(t)
 
 
+def _copier(flat: torch.Tensor) -> Callable[[torch.Tensor, int], None]:
+    """A chunk filler for `_write_master` from a tensor in memory: elements [at, at + len(dst)) of `flat`."""
+    def fill(dst: torch.Tensor, at: int) -> None:
+        dst.copy_(flat.narrow(0, at, dst.numel()))
+
+    return fill
+
+
 class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
     def __init__(self, swap_config: object, aio_config: object, base_folder: str, optimizer: torch.optim.Optimizer,
                  largest_numel: int, device: object, dtype: torch.dtype, timers: object) -> None:
@@ -113,6 +142,7 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         self.dram_gradients: DramGradients | None = None
         # Inert (stock's synchronous path) until memstrata.runtime.swap.suborder hands it a step's walk.
         self.readahead = ReadAhead(self, layer.settings.prefetch_subgroups)
+        self._init_scratch: list[torch.Tensor] = []  # a chunk reader's 16-bit buffer, freed with its tensor's
 
     def use_dram_gradients(self, grads: DramGradients) -> DramGradients:
         """From now on the update widens gradients from `grads` (memstrata.runtime.swap.gradients)."""
@@ -243,29 +273,81 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         if keep_buffers_for is None:
             self.swap_buffer_manager.free(bufs)
 
-    # -- fast init -----------------------------------------------------------------------------------
+    # -- construction -------------------------------------------------------------------------------
+    # Stock builds each NVMe sub-group's fp32 master by staging it through `allocate_all` of the largest
+    # sub-group (two buffers: 8 B x the embedding, 2.1 GB for Llama-3.2-1B's) and, for 16-bit weights on NVMe
+    # without fast_init, an fp32 copy of the whole sub-group besides. Here a tensor streams through one exact buffer
+    # of at most INIT_CHUNK elements, so construction needs no more than an update does.
+    def initialize_parameters(self, parameters: list[torch.Tensor], src_tensors: list[torch.Tensor]) -> None:
+        paths = self._get_swap_paths(parameters=parameters, num_elems=[src.numel() for src in src_tensors])
+        for src, path in zip(src_tensors, paths):
+            self._write_master(path, src.numel(), _copier(src.reshape(-1)))
+
     def initialize_from_swapped_fp16_params(self, fp16_partitions_info: list[list[_Fp16Part]],
                                             fp16_num_elems: list[int], fp16_pinned_buffers: list[torch.Tensor],
                                             fp32_parameters: list[torch.Tensor]) -> None:
         paths = self._get_swap_paths(parameters=fp32_parameters, num_elems=fp16_num_elems)
+        # The weights' dtype: the parameter swapper's buffers have it (a partition on NVMe holds a 1-element
+        # placeholder of another dtype).
+        dtype = fp16_pinned_buffers[0].dtype
         for parts, numel, path in zip(fp16_partitions_info, fp16_num_elems, paths):
-            reads, dsts = [], []
-            fp32 = self.swap_buffer_manager.allocate(self._io_aligned_numel(numel), 1, self.dtype)[0]
-            fp16 = self.layer.pool.tensor(self._io_aligned_numel(numel), parts[0][0].dtype)
-            offset = 0
-            for tensor, part_numel, part_path in parts:
-                dst = fp16.narrow(0, offset, part_numel)
-                if part_path is None:
-                    dst.copy_(tensor.data)
-                else:
-                    reads.append(part_path)
-                    dsts.append(dst)
-                offset += part_numel
-            if reads:
-                swap_in_tensors(self.aio_handle, dsts, reads)
-                self.aio_handle.wait()
-            fp32.narrow(0, 0, numel).copy_(fp16.narrow(0, 0, numel))
-            self.layer.pool.free(fp16)
-            self.aio_handle.async_pwrite(fp32, path)
+            if len(parts) == 1 and parts[0][2] is not None:  # one tensor on NVMe: read it a chunk at a time
+                self._write_master(path, numel, self._chunk_reader(str(parts[0][2]), dtype))
+            else:  # several tensors, together under 2 sub-group units: whole
+                self._fast_init_whole(parts, numel, path, dtype)
+
+    def _chunk_reader(self, part_path: str, dtype: torch.dtype) -> Callable[[torch.Tensor, int], None]:
+        size = torch.tensor([], dtype=dtype).element_size()
+        stored = int(self.aio_handle.extent_of(part_path).nbytes // size)
+        half = self.layer.pool.tensor(min(INIT_CHUNK, stored), dtype)
+        self._init_scratch.append(half)
+
+        def fill(dst: torch.Tensor, at: int) -> None:
+            n = min(half.numel(), stored - at)
+            self.aio_handle.read_part(half.narrow(0, 0, n), part_path, at * size)
             self.aio_handle.wait()
-            self.swap_buffer_manager.free([fp32])
+            dst.copy_(half.narrow(0, 0, dst.numel()))
+
+        return fill
+
+    def _write_master(self, path: str, numel: int, fill: Callable[[torch.Tensor, int], None]) -> None:
+        """Write the fp32 tensor `path` of `numel` elements, chunk by chunk, `fill(dst, at)` giving elements
+        [at, at + len(dst)); the alignment padding is zeros."""
+        aligned = self._io_aligned_numel(numel)
+        self.aio_handle.reserve(path, aligned * self.swap_element_size)
+        buf = self.swap_buffer_manager.allocate(min(INIT_CHUNK, aligned), 1, self.dtype)[0]
+        try:
+            for at in range(0, aligned, buf.numel()):
+                n_io, n = min(buf.numel(), aligned - at), max(0, min(buf.numel(), numel - at))
+                if n:
+                    fill(buf.narrow(0, 0, n), at)
+                buf.narrow(0, n, n_io - n).zero_()
+                self.aio_handle.write_part(buf.narrow(0, 0, n_io), path, at * self.swap_element_size)
+                self.aio_handle.wait()
+        finally:
+            self.swap_buffer_manager.free([buf])
+            for t in self._init_scratch:
+                self.layer.pool.free(t)
+            self._init_scratch.clear()
+
+    def _fast_init_whole(self, parts: list[_Fp16Part], numel: int, path: str, dtype: torch.dtype) -> None:
+        reads, dsts = [], []
+        fp32 = self.swap_buffer_manager.allocate(self._io_aligned_numel(numel), 1, self.dtype)[0]
+        fp16 = self.layer.pool.tensor(self._io_aligned_numel(numel), dtype)
+        offset = 0
+        for tensor, part_numel, part_path in parts:
+            dst = fp16.narrow(0, offset, part_numel)
+            if part_path is None:
+                dst.copy_(tensor.data)
+            else:
+                reads.append(part_path)
+                dsts.append(dst)
+            offset += part_numel
+        if reads:
+            swap_in_tensors(self.aio_handle, dsts, reads)
+            self.aio_handle.wait()
+        fp32.narrow(0, 0, numel).copy_(fp16.narrow(0, 0, numel))
+        self.layer.pool.free(fp16)
+        self.aio_handle.async_pwrite(fp32, path)
+        self.aio_handle.wait()
+        self.swap_buffer_manager.free([fp32])

@@ -30,6 +30,7 @@ class ZeroParam(Protocol):
 
     ds_id: int
     ds_tensor: PartitionedTensor
+    nvme_swapper: Any  # the parameter swapper, on a parameter whose partition goes to NVMe
 
 
 class SwapInfo(Protocol):
@@ -70,6 +71,15 @@ class ZeroOptimizer(Protocol):
     set_fp32_grad_for_param: Callable[..., None]
     set_local_grad_for_param: Callable[..., None]
     fp16_partitioned_groups_flat_numel: list[int]
+    # The sliced update (memstrata.runtime.swap.sliced): the 16-bit partitions it casts slices into, the loop's
+    # unscale and Adam it runs per slice, the CPU optimizer whose state it binds to each slice.
+    fp16_partitioned_groups_flat: list[torch.Tensor | None]
+    fp16_partitioned_groups: list[list[PartitionedTensor]]
+    sub_group_size: int
+    optimizer: Any
+    unscale_and_clip_grads: Callable[..., object]
+    _optimizer_step: Callable[..., object]
+    _unflatten_partitioned_parameters: Callable[[int], None]
 
     # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.
     @overload

@@ -93,6 +93,9 @@ class ReadAhead:
         self._writing: list[torch.Tensor] = []  # buffers of the write in flight, freed when it is waited
         self._walk: list[torch.Tensor] = []  # this step's swappable fp32 sub-groups, in update order
         self._position: dict[str, int] = {}
+        # Sub-groups updated a slice at a time (memstrata.runtime.swap.sliced), which read their own slices:
+        # never read ahead whole.
+        self.never_read: set[str] = set()
 
     def begin(self, walk: list[torch.Tensor]) -> None:
         """This step's swappable fp32 sub-groups in the order the loop updates them."""
@@ -129,7 +132,7 @@ class ReadAhead:
         sw = self.swapper
         for ahead in self._walk[at + 1: at + 1 + self.depth]:
             info: SwapInfo | None = sw._get_param_swap_info(ahead)
-            if info is None or info.param_id in self._reads or not self._idle:
+            if info is None or info.param_id in self._reads or info.param_id in self.never_read or not self._idle:
                 continue
             cached = sw._cached.get(info.param_id)
             if cached is not None and len(cached) == info.num_tensors():
@@ -180,6 +183,10 @@ class ReadAhead:
         sw.swap_buffer_manager.free(extra)  # the gradient buffer and staging: nothing in flight reads them
         info.release_unswapped_gradients()
         return True
+
+    def settle(self) -> None:
+        """Wait the write-back in flight, if any, and free its buffers (before a sliced update takes its own)."""
+        self._wait_write()
 
     def finish(self) -> None:
         """End of the walk: wait the write-back, drop every read ahead that no swap-in took (buffers freed),

@@ -71,19 +71,56 @@ def _grouper(self: Any, params_group: list[Any]) -> list[list[Any]]:
     return [[params_group[i] for i in g] for g in group_tensors(sizes, int(self.sub_group_size))]
 
 
+def _lean_state_init(original: Callable[[Any], None], layer: swaplayer.SwapLayer) -> Callable[[Any], None]:
+    """ZeRO-3's `initialize_optimizer_states`, without what memstrata's engine never uses.
+
+    Stock walks every sub-group once at construction: it zeroes an fp32 gradient buffer of the largest sub-group
+    (4 B x the embedding), swaps each NVMe sub-group's master in whole and out again, re-writes its 16-bit
+    partitions from it (the same values), and gives each resident sub-group a permanent fp32 gradient buffer
+    (4 B per resident parameter) that memstrata.runtime.swap.gradients frees right after. With Adam (whose state
+    appears at its first step), memstrata's optimizer swapper and DRAM gradients, nothing of that is read before
+    the first update, which widens each sub-group's gradients itself: the walk is skipped, and with it those
+    transients; only the sub-groups too small to swap, which keep stock's gradient path, get its buffer. Any other
+    optimizer (Adagrad builds its state here), Muon, or stock's gradient path everywhere: stock's walk."""
+    def initialize_optimizer_states(self: Any) -> None:
+        import torch
+        from deepspeed.accelerator import get_accelerator
+
+        lean = (layer.settings.dram_gradients and self.offload_optimizer and not self.use_muon
+                and getattr(getattr(self, "optimizer_swapper", None), "layer", None) is layer  # memstrata's
+                and not isinstance(self.optimizer, torch.optim.Adagrad))
+        if not lean:
+            original(self)
+            return
+        resident = resident_ids(self)
+        for i, flat in enumerate(self.fp32_partitioned_groups_flat):
+            if i in resident or self._swappable_optimizer_subgroup(i):
+                continue
+            # Too small to swap (under min_swap_bytes) and not the plan's: stock's gradient path, and its buffer.
+            grad = torch.zeros(int(self.fp16_partitioned_groups_flat_numel[i]), dtype=flat.dtype, device=self.device)
+            if self.offload_optimizer_pin_memory:
+                grad = get_accelerator().pin_memory(grad)
+            flat.grad = grad.to(self.subgroup_to_device[i])
+
+    return initialize_optimizer_states
+
+
 @contextlib.contextmanager
 def deciding(layer: swaplayer.SwapLayer) -> Iterator[None]:
-    """While ZeRO-3 is constructed: sub-groups are cut by memstrata's rule and their swappability follows the
-    layer's resident budget."""
+    """While ZeRO-3 is constructed: sub-groups are cut by memstrata's rule, their swappability follows the
+    layer's resident budget, and the optimizer's construction walk is skipped where nothing uses it."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3
 
-    original, cut = Z3._swappable_optimizer_subgroup, Z3._create_fp16_sub_groups
+    original, cut, walk = (Z3._swappable_optimizer_subgroup, Z3._create_fp16_sub_groups,
+                           Z3.initialize_optimizer_states)
     Z3._swappable_optimizer_subgroup = _decider(original, layer)
     Z3._create_fp16_sub_groups = _grouper
+    Z3.initialize_optimizer_states = _lean_state_init(walk, layer)
     try:
         yield
     finally:
         Z3._swappable_optimizer_subgroup, Z3._create_fp16_sub_groups = original, cut
+        Z3.initialize_optimizer_states = walk
 
 
 def keep_resident_decision(optimizer: ZeroOptimizer, layer: swaplayer.SwapLayer) -> None:

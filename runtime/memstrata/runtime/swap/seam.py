@@ -208,6 +208,28 @@ SEAM: tuple[Dependency, ...] = (
                params=("input",)),
     Dependency(Kind.CALLED, _Z3, "get_param_id", "keys of grad_position and of the swapper's state",
                params=("param",)),
+    Dependency(Kind.WRAPPED, _Z3, "initialize_optimizer_states", "replaced while ZeRO-3 is built: its walk over "
+               "the sub-groups is skipped where nothing reads what it makes (memstrata.runtime.swap.resident)",
+               params=()),
+    *[Dependency(Kind.ATTRIBUTE, _Z3, n, "whether the construction walk can be skipped", set_in="__init__")
+      for n in ("offload_optimizer", "use_muon", "offload_optimizer_pin_memory", "device")],
+    Dependency(Kind.ATTRIBUTE, _Z3, "subgroup_to_device", "where a small sub-group's gradient buffer goes",
+               set_in="_create_fp32_partitions"),
+    # -- a sub-group updated a slice at a time (sliced) --
+    *[Dependency(Kind.ATTRIBUTE, _Z3, n, "the sliced update casts each slice into the 16-bit partition it finds here",
+                 set_in="__init__") for n in ("fp16_partitioned_groups_flat", "fp16_partitioned_groups")],
+    Dependency(Kind.CALLED, _Z3, "_unflatten_partitioned_parameters", "after the slices, the 16-bit parameters are "
+               "re-pointed into the flat buffer as stock's reassign does", params=_SUBGROUP),
+    Dependency(Kind.ATTRIBUTE, "deepspeed.ops.adam.DeepSpeedCPUAdam", "fp32_optimizer_states", "slices assume fp32 "
+               "moments, as its first step creates them", set_in="__init__"),
+    Dependency(Kind.CALLED, _SWAP_INFO, "add_state_tensors", "the moments' records, made before the first update "
+               "writes them a slice at a time", params=("tensor_list",)),
+    Dependency(Kind.IMPORTED, f"{_ST}.partitioned_param_swapper.PartitionedParamStatus", "AVAILABLE",
+               "a 16-bit partition in DRAM takes each slice in place"),
+    Dependency(Kind.ATTRIBUTE, _INIT, "nvme_swapper", "the parameter swapper whose extent a slice's 16-bit cast is "
+               "written to", set_in="_convert_to_deepspeed_param", on="param"),
+    Dependency(Kind.CALLED, _PARAM_SWAPPER, "_io_aligned_numel", "the stored size of a 16-bit partition",
+               params=("numel",)),
     # -- checkpoints (train.checkpoints.checkpoint): sub-groups brought in and put back as a step does --
     Dependency(Kind.CALLED, _Z3, "_optimizer_states_and_gradient_swap_in", "a checkpoint reads a sub-group's state "
                "through it", params=_SUBGROUP),
@@ -246,6 +268,8 @@ SEAM: tuple[Dependency, ...] = (
     Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "writeback_optimizer_state_and_gradients",
                "DRAM gradients and the cache on write-back", params=("parameter", "write_opt_state",
                                                                      "write_gradients")),
+    Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "initialize_parameters", "the fp32 master written a chunk at a time "
+               "from 16-bit weights in DRAM", params=("parameters", "src_tensors")),
     Dependency(Kind.OVERRIDDEN, _OPT_SWAPPER, "initialize_from_swapped_fp16_params", "fast_init with exact buffers",
                params=("fp16_partitions_info", "fp16_num_elems", "fp16_pinned_buffers", "fp32_parameters")),
     Dependency(Kind.CALLED, _OPT_SWAPPER, "_swap_in_gradients", "a cached sub-group still reads its gradients",

@@ -62,6 +62,9 @@ class DramStatus(_Status):
     prefetch_hits: int = Field(0, description="Sub-group reads that were already in flight when the update "
                                               "reached them (the pipelined update).")
     optimizer_cache_hits: int
+    sliced_subgroups: int = Field(0, description="Sub-groups of one tensor larger than a slice, updated a slice at "
+                                                 "a time (memstrata.runtime.swap.sliced).")
+    slices_updated: int = Field(0, description="Slices those updates ran, in all.")
     sub_group_orders: list[list[int]] = Field(description="Update order of the last walks (at most 8).")
     gradients: GradientStatus | None = Field(description="None: gradients are not kept in DRAM by memstrata.")
     vm_locked_bytes: int = Field(description="The kernel's VmLck for this process.")

@@ -97,7 +97,9 @@ def install_reversing_order(optimizer: ZeroOptimizer, swapper: MemstrataOptimize
         state.next_order()
         swappable = optimizer._swappable_optimizer_subgroup
         flat = optimizer.fp32_partitioned_groups_flat
-        swapper.keep_ids = {optimizer.get_param_id(flat[g]) for g in state.keep(swappable)}
+        sliced = swapper.readahead.never_read  # updated a slice at a time: never whole in DRAM, never cached
+        swapper.keep_ids = {optimizer.get_param_id(flat[g]) for g in
+                            state.keep(lambda g: swappable(g) and optimizer.get_param_id(flat[g]) not in sliced)}
         swapper.readahead.begin([flat[g] for g in state.order if swappable(g)])
         stepping[0] = True
         failed = True
