@@ -51,3 +51,19 @@ def test_sliced_embedding_trains_bit_for_bit_as_whole(loopdev, tmp_path: Path, p
         serial = _run(dev, tmp_path, "serial", {**swap, "prefetch_subgroups": 0}, steps, *args)
         assert serial["losses"] == whole["losses"] and serial["weights"] == whole["weights"]
         assert serial["slices"] == sliced["slices"] and serial["pool_peak"] < sliced["pool_peak"]
+
+
+def test_a_resident_big_tensor_widens_a_slice_of_gradient_at_a_time(loopdev, tmp_path: Path) -> None:
+    """With every sub-group kept in DRAM the big tensors are updated in place a slice at a time: the same training
+    as whole, and the optimizer pool never holds more than a slice's gradient and a small sub-group's."""
+    dev = loopdev(256 << 20)
+    swap = {"prefetch_subgroups": 1, "cache_subgroups": 1, "resident_state_bytes": 1 << 40}
+    args = (f"sub-group={SLICE}", "param=cpu", f"init-chunk={SLICE}")
+    whole = _run(dev, tmp_path, "whole", {**swap, "slice_subgroups": False}, 3, *args)
+    sliced = _run(dev, tmp_path, "sliced", swap, 3, *args)
+    numels = sliced["numels"]
+    big = [i for i, n in enumerate(numels) if n > SLICE]
+    assert sliced["sliced"] == big and sliced["swappable"] == 0 == whole["swappable"]
+    assert sliced["losses"] == whole["losses"] and sliced["weights"] == whole["weights"]
+    assert whole["pool_peak"] >= 4 * max(numels)  # the largest tensor's fp32 gradient, widened whole
+    assert sliced["pool_peak"] <= 4 * 2 * SLICE, sliced["pool_peak"]

@@ -4,8 +4,9 @@ memstrata cuts ZeRO-3's optimizer sub-groups by memstrata.plan.accounting.group_
 the unit (the embedding, an untied LM head) forms a sub-group alone, however large. Streamed whole it needs
 buffers of its size (12 B x its elements of state and 4 B of gradient: 617 MB for GPT-2's embedding, 4 GiB for
 Llama-3.2-1B's), so the vocabulary, not the budget, would set the locked-buffer floor. Here such a sub-group
-(one tensor, on NVMe, more than `slice_elements`) is updated in slices of `slice_elements`
-(memstrata.plan.accounting.slice_elements), each:
+(one tensor, more than `slice_elements`) is updated in slices of `slice_elements`
+(memstrata.plan.accounting.slice_elements). One kept in DRAM for good (memstrata.runtime.swap.resident) is updated
+in place, slice by slice, so only a slice's fp32 gradient is widened at once; one on NVMe, each slice:
 
 - read: its fp32 master and Adam moments, from the parts of their extents (memstrata.runtime.strata.nvmeio.part_of;
   on the first step only the master: the moments start at zero, as DeepSpeedCPUAdam starts them);
@@ -38,6 +39,7 @@ import torch
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 
 from memstrata.runtime.swap.protocols import ZeroOptimizer
+from memstrata.runtime.swap.resident import resident_ids
 
 if TYPE_CHECKING:
     from memstrata.runtime.swap.gradients import DramGradients
@@ -72,7 +74,11 @@ class SlicedUpdate:
         # One slice read ahead while one is updated, as the streamed sub-groups are (prefetch_subgroups); with 0,
         # each is read when it is needed and only the write-back overlaps (memstrata.plan.accounting counts both).
         self.depth = min(1, layer.settings.prefetch_subgroups)
-        self.ids = {i for i in range(len(zero.fp16_groups)) if self._sliceable(i)}
+        resident = resident_ids(zero)
+        self.ids = {i for i in range(len(zero.fp16_groups)) if self._sliceable(i, resident)}
+        # Those kept in DRAM for good: their state is updated in place a slice at a time, so only a slice's
+        # gradient is widened at once (4 B x the embedding otherwise, held in the pool for the run).
+        self.resident = self.ids & resident
         self._readers = [layer.handle("optimizer"), layer.handle("optimizer")] if self.ids else []
         self._writer = layer.handle("optimizer") if self.ids else None
         self._half_writer = layer.handle("param") if self.ids else None
@@ -82,21 +88,23 @@ class SlicedUpdate:
         self._unscale = zero.unscale_and_clip_grads
         self._step = zero._optimizer_step
 
-    def _sliceable(self, i: int) -> bool:
+    def _sliceable(self, i: int, resident: set[int]) -> bool:
         z = self.zero
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return (bool(z._swappable_optimizer_subgroup(i)) and len(z.fp16_groups[i]) == 1
+        return ((i in resident or bool(z._swappable_optimizer_subgroup(i))) and len(z.fp16_groups[i]) == 1
                 and int(z.fp16_partitioned_groups_flat_numel[i]) > self.slice
                 and type(z.optimizer) is DeepSpeedCPUAdam and bool(z.optimizer.fp32_optimizer_states))
 
     def param_ids(self) -> set[str]:
         """The sliced sub-groups' fp32 ids (the swapper's keys): never read ahead whole, never cached."""
-        return {self.zero.get_param_id(self.zero.fp32_partitioned_groups_flat[i]) for i in self.ids}
+        return {self.zero.get_param_id(self.zero.fp32_partitioned_groups_flat[i]) for i in self.ids - self.resident}
 
     # -- one sub-group ----------------------------------------------------------------------------
     def update(self, i: int, total_norm: Any) -> None:
         """Unscale, Adam, 16-bit cast and write-back of sub-group i, slice by slice (see the module)."""
+        if i in self.resident:
+            return self._update_resident(i, total_norm)
         z, sw = self.zero, self.swapper
         fp32 = z.fp32_partitioned_groups_flat[i]
         info = sw._get_param_swap_info(fp32)
@@ -124,14 +132,39 @@ class SlicedUpdate:
                         reading = self._read(starts[k + 1], n, aligned, paths, first, (k + 1) % 2)
                 else:
                     sw.readahead.top_up(fp32)  # the next sub-groups' reads, under the last slice's update
+                cur.buffers.append(self.swapper.swap_buffer_manager.allocate(self.slice, 1, torch.float32)[0])
                 new_step = self._adam(i, cur, fp32, step, total_norm)
                 self._finish_write(writing)
-                self._write(i, cur, paths)
+                self._write_state(cur, paths)
+                self._cast16(i, cur)
                 writing = [cur]
             self._finish_write(writing)
         except BaseException:
             self._abandon([reading, *writing])
             raise
+        state["step"] = new_step
+
+    def _update_resident(self, i: int, total_norm: Any) -> None:
+        """Sub-group i's state is in DRAM: each slice's master and moments are views of it, updated in place; only
+        the gradient is widened a slice at a time. The moments are created whole first, as DeepSpeedCPUAdam's
+        first step creates them (zeros)."""
+        fp32 = self.zero.fp32_partitioned_groups_flat[i]
+        state = self.zero.optimizer.state[fp32]
+        if not state:
+            state.update(step=0, exp_avg=torch.zeros_like(fp32.data), exp_avg_sq=torch.zeros_like(fp32.data))
+        step, new_step, n = int(state["step"]), int(state["step"]), fp32.numel()
+        grad = self.swapper.swap_buffer_manager.allocate(self.slice, 1, torch.float32)[0]
+        try:
+            for start in range(0, n, self.slice):
+                length = min(self.slice, n - start)
+                views = [t.data.narrow(0, start, length) for t in (fp32, state["exp_avg"], state["exp_avg_sq"])]
+                s = _Slice(start, length, length, [*views, grad])
+                new_step = self._adam(i, s, fp32, step, total_norm)
+                self._cast16(i, s)
+                if self._half_writer is not None:
+                    self._half_writer.wait()  # the cast in `grad`'s bytes is written before the next slice widens
+        finally:
+            self.swapper.swap_buffer_manager.free([grad])
         state["step"] = new_step
 
     def _register_state(self, fp32: torch.Tensor, info: Any) -> None:
@@ -170,8 +203,7 @@ class SlicedUpdate:
     def _adam(self, i: int, s: _Slice, fp32: torch.Tensor, step: int, total_norm: Any) -> int:
         """ZeRO-3's unscale and optimizer step on sub-group i with slice `s` standing in for its fp32 tensor."""
         z = self.zero
-        grad = self.swapper.swap_buffer_manager.allocate(self.slice, 1, torch.float32)[0]
-        s.buffers.append(grad)
+        grad = s.buffers[3]
         self.grads.fill_fp32_range(fp32, grad, s.start, s.length)
         stand_in = torch.empty(0, dtype=torch.float32)
         stand_in.data = s.view(0)
@@ -187,11 +219,16 @@ class SlicedUpdate:
         self.slices_updated += 1
         return int(done.get("step", step))
 
-    def _write(self, i: int, s: _Slice, paths: list[str]) -> None:
-        """Submit slice `s`'s state writes and its 16-bit cast (in place in DRAM, or to NVMe)."""
-        assert self._writer is not None and self._half_writer is not None
+    def _write_state(self, s: _Slice, paths: list[str]) -> None:
+        """Submit slice `s`'s state writes."""
+        assert self._writer is not None
         for buf, path in zip(s.buffers[:3], paths):
             self._writer.write_part(buf.narrow(0, 0, s.io_length), path, s.start * 4)
+
+    def _cast16(self, i: int, s: _Slice) -> None:
+        """Slice `s`'s master into the 16-bit partition: in place where it is in DRAM, else submitted to its
+        extent from the gradient's spent bytes."""
+        assert self._half_writer is not None
         z = self.zero
         flat16 = z.fp16_partitioned_groups_flat[i]
         if flat16 is not None:
