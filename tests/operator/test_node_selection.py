@@ -80,11 +80,12 @@ def test_impossible_job_names_the_shortfall_per_stratum():
     p = place(SPEC, small, {})
     assert p.outcome == "impossible"
     # The planner spills what DRAM cannot hold to NVMe, so NVMe is where the bytes are missing (DRAM also
-    # holds the model-build transient, 2.36 GiB, before any state is placed).
+    # holds the model-build transient, 2.36 GiB, and the update's widened gradient, 0.59 GiB, before any state
+    # is placed).
     assert [s.stratum for s in p.shortfalls] == ["nvme"]
     nvme = p.shortfalls[0]
-    assert nvme.missing_bytes == pytest.approx((55.1 + 15.0 + 2.36) * 2**30, rel=0.01)
-    assert "closest is small" in p.message and "NVMe short by 72.4 GiB" in p.message
+    assert nvme.missing_bytes == pytest.approx((55.1 + 15.0 + 2.36 + 0.59) * 2**30, rel=0.01)
+    assert "closest is small" in p.message and "NVMe short by 73.0 GiB" in p.message
     assert "wants 2 free namespaces, node has 0" in p.message
 
 

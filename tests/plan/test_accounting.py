@@ -61,22 +61,23 @@ def test_memstrata_pins_less_than_tuned_stock() -> None:
     streams in slices of the unit rounded down to 2048 elements (7,086,080), the rest whole, the largest of which
     is a layer (7,087,872) that the 1,572,864-element position table pushed over a layer boundary and that ends
     with the next layer's 1,572,096 leading elements, 8,659,968 (memstrata.plan.accounting.group_tensors;
-    tests/runtime/test_subgroup_layout.py checks the tensor list against the real model). Reading one ahead:
-    max(40 x 8,659,968, 44 x 7,086,080, 32 x 7,086,080 + 12 x 8,659,968) = 346,398,720; reading none:
-    max(28 x 8,659,968, 32 x 7,086,080) = 242,479,104. Keeping the embedding resident changes nothing: it never
-    set the buffers."""
+    tests/runtime/test_subgroup_layout.py checks the tensor list against the real model). The walk keeps one
+    sub-group cached, held while the embedding's slices are updated. Reading one ahead:
+    max(40 x 8,659,968, 44 x 7,086,080 + 12 x 8,659,968, 32 x 7,086,080 + 12 x 8,659,968) = 415,707,136; reading
+    none: max(28 x 8,659,968, 32 x 7,086,080 + 12 x 8,659,968) = 330,674,176. With the embedding kept resident
+    (its gradient widened a slice at a time) only the whole ones stream: 40 x 8,659,968 = 346,398,720."""
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=1024, micro_batch=1, gpus=1)
     stock = pinned_buffers(JobShape(**shape, engine="deepspeed"), optimizer_on_nvme=True, params_on_nvme=True)
     ours = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True)
     assert stock == 618_135_552 + 1_236_271_104
-    assert ours == 28_352_512 + 77_266_944 + 346_398_720
+    assert ours == 28_352_512 + 77_266_944 + 415_707_136
     serial = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True,
                             read_ahead=0)
-    assert serial == 28_352_512 + 77_266_944 + 242_479_104
+    assert serial == 28_352_512 + 77_266_944 + 330_674_176
     layered = pinned_buffers(JobShape(**shape, engine="memstrata"), optimizer_on_nvme=True, params_on_nvme=True,
                              streamed_bytes=streamed_subgroup_bytes(JobShape(**shape, engine="memstrata"),
                                                                     463_601_664))
-    assert layered == ours
+    assert layered == 28_352_512 + 77_266_944 + 346_398_720
     assert pinned_buffers(JobShape(**shape), optimizer_on_nvme=False, params_on_nvme=False) == 0
     eight = pinned_buffers(JobShape(**{**shape, "gpus": 8}, engine="memstrata"), optimizer_on_nvme=True,
                            params_on_nvme=True)

@@ -61,16 +61,19 @@ def _small_node(dram: int, *, gpus: int = 1, cxl: int = 0, nvme: list[int] = ())
 def test_impossible_job_names_each_shortfall_in_bytes() -> None:
     """8B, bf16, seq 4096, 100 GiB DRAM (107,374,182,400 B, no reserve), no CXL, no NVMe, memstrata's engine
     (weights claim DRAM before the optimizer state): model build 218,112,000*2 + 525,336,576*4 = 2,537,570,304
-    -> 104,836,612,096 left; gradients 16,060,522,496 -> 88,776,089,600 left; checkpoints 32*4096*4096*2 =
-    1,073,741,824 -> 87,702,347,776; weights 16,060,522,496 -> 71,641,825,280; master 32,121,044,992 ->
-    39,520,780,288 left; moments need 64,242,089,984: short 24,721,309,696."""
+    -> 104,836,612,096 left; the update's buffers, one resident sub-group's fp32 gradient at a time (the largest
+    of several tensors, 159,391,744 elements; the embedding's a 134,217,728-element slice at a time):
+    637,566,976 -> 104,199,045,120; gradients 16,060,522,496 -> 88,138,522,624 left; checkpoints 32*4096*4096*2 =
+    1,073,741,824 -> 87,064,780,800; weights 16,060,522,496 -> 71,004,258,304; master 32,121,044,992 ->
+    38,883,213,312 left; moments need 64,242,089,984: short 25,358,876,672."""
     job = JobShape(model=PRESETS["llama3-8b"], sequence_length=4096, micro_batch=1, gpus=1, engine="memstrata")
     plan = plan_for_node(job, _small_node(100 * GiB),
                          MemoryPolicy(engine="memstrata", nvme_namespaces=0, dram_reserve_fraction=0))
     assert not plan.feasible
     missing = {(s.category, s.stratum): s.missing_bytes for s in plan.shortfalls}
-    assert missing == {("optimizer", "nvme"): 24_721_309_696}
-    assert "DRAM or NVMe: short by 23.0 GiB for Adam moments" in plan.verdict()
+    assert missing == {("optimizer", "nvme"): 25_358_876_672}
+    assert plan.category("pinned").bytes == 4 * 159_391_744
+    assert "DRAM or NVMe: short by 23.6 GiB for Adam moments" in plan.verdict()
 
 
 def test_hbm_too_small_for_working_set_says_what_to_change() -> None:
@@ -113,9 +116,11 @@ def test_dram_budget_spills_to_nvme() -> None:
     995,778,560 left; gradients 250,524,672, checkpoints 9,437,184 (12*512*768*2), weights 250,524,672 ->
     485,292,032 left for the 1,503,148,032 B of master + moments, split as a sub-group holds them (4 of 12 bytes
     master): master 161,764,010 and moments 323,528,022 in DRAM, the rest on NVMe.
-    At 1 GiB the weights still stay in DRAM (a byte of weights saves more I/O than a byte of state) and 216,856,576
-    B of state with them; at 0.75 GiB the weights spill too, and their staging buffers join the pinned ones (2
-    layers + the largest tensor = 105,619,456). Stock's pinned pools alone exceed 1 GiB."""
+    At 1 GiB the weights still stay in DRAM (a byte of weights saves more I/O than a byte of state); the embedding's
+    state no longer fits resident, so it streams in slices (7,086,080 elements) beside the sub-group the walk keeps
+    cached (a layer, 7,088,128): 44 x 7,086,080 + 12 x 7,088,128 = 396,845,056 of buffers, and 166,410,240 B of
+    state in DRAM. At 0.75 GiB the weights spill too, and their staging buffers join the pinned ones (2 layers + the
+    largest tensor = 105,619,456). Stock's pinned pools alone exceed 1 GiB."""
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0)
     node = _small_node(64 * GiB, gpus=0, nvme=[100 * GiB])
     roomy = plan_for_node(JobShape(**shape), node, MemoryPolicy())
@@ -133,14 +138,14 @@ def test_dram_budget_spills_to_nvme() -> None:
     small = plan_for_node(JobShape(**shape, engine="memstrata"), node, MemoryPolicy(engine="memstrata",
                                                                                       dram_budget=GiB))
     assert small.feasible, small.verdict()
-    assert small.category("master").on("dram") + small.category("optimizer").on("dram") == 216_856_576
-    assert small.category("weights").on("nvme") == 0
+    assert small.category("master").on("dram") + small.category("optimizer").on("dram") == 166_410_240
+    assert small.category("weights").on("nvme") == 0 and small.category("pinned").bytes == 396_845_056
     smaller = plan_for_node(JobShape(**shape, engine="memstrata"), node, MemoryPolicy(engine="memstrata",
                                                                                         dram_budget=3 * GiB // 4))
     assert smaller.feasible, smaller.verdict()
     assert 0 < smaller.category("weights").on("nvme") < smaller.category("weights").bytes
     assert smaller.category("master").on("dram") + smaller.category("optimizer").on("dram") == 0
-    assert smaller.category("pinned").bytes == 105_619_456 + 346_398_720
+    assert smaller.category("pinned").bytes == 105_619_456 + 415_707_136
     stock = plan_for_node(JobShape(**shape), node, MemoryPolicy(dram_budget=GiB))
     assert not stock.feasible
     assert "page-locked buffers of 1.7 GiB exceed the 1.0 GiB" in stock.verdict()

@@ -58,9 +58,13 @@ def test_more_ranks_on_the_cpu_double_what_each_process_needs_not_the_partitione
     two = plan_job(_spec("gpt-125m", gpus=0, seq=512, ranks=2), _node(gpus=0))
     assert one.feasible and two.feasible, (one.verdict(), two.verdict())
     for name in PER_RANK:
-        if one.category(name).bytes:
+        if one.category(name).bytes and name != "pinned":
             assert two.category(name).bytes == 2 * one.category(name).bytes, name
             assert two.category(name).rank_bytes == one.category(name).rank_bytes, name
+    # The locked buffers are each process's own, for its own partition's sub-groups (the update widens one
+    # sub-group's gradient at a time): one set per rank, each no larger than the single rank's.
+    assert two.category("pinned").bytes == 2 * two.category("pinned").rank_bytes
+    assert 0 < two.category("pinned").rank_bytes <= one.category("pinned").rank_bytes
     for name in PARTITIONED:                                              # 1 node x 2 ranks: all of it here
         assert two.category(name).bytes == one.category(name).bytes, name
         assert two.category(name).rank_bytes == one.category(name).bytes // 2, name

@@ -63,7 +63,9 @@ def test_70b_lora_keeps_every_byte_of_optimizer_state_in_dram(repo) -> None:
     assert lora.category("master").on("dram") == 131_072_000
     assert lora.category("optimizer").on("dram") == 262_144_000
     assert lora.category("gradients").on("dram") == 65_536_000
-    assert lora.bytes_on("nvme") == 0 and lora.category("pinned").bytes == 0 and lora.update_io_seconds == 0
+    assert lora.bytes_on("nvme") == 0 and lora.update_io_seconds == 0
+    # Nothing is staged: the only locked buffer is the update's widened fp32 gradient of the adapters' sub-group.
+    assert lora.category("pinned").bytes == 4 * 32_768_000
     # The frozen base weights are placed like a full fine-tune's (on CXL here), with the adapters beside them.
     weights = lora.category("weights")
     assert weights.on("cxl") == weights.bytes == (70_553_706_496 + 32_768_000) * 2

@@ -40,6 +40,8 @@ PAGE = 4096
 MIN_SUBGROUPS = 16
 # What one element of optimizer state costs in DRAM: fp32 master weights and the two Adam moments.
 STATE_BYTES_PER_ELEMENT = 12
+# Streamed sub-groups kept in DRAM from one update to the next (MLP-Offload's cache): what a plan gives the runtime.
+CACHED_SUBGROUPS = 1
 # memstrata's swapper leaves smaller tensors in DRAM (DeepSpeed's own floor is 1 MiB); the swap layer's default.
 MIN_SWAP_BYTES = 64 << 10
 
@@ -284,34 +286,42 @@ def choose_resident(sizes: Sequence[int], budget_bytes: int | None,
 
 
 def streamed_subgroup_bytes(job: JobShape, resident_state_bytes: int, read_ahead: int = 1) -> int:
-    """Locked bytes one rank's optimizer update holds at once (`update_buffer_bytes`) for the sub-groups that stream
-    once `choose_resident` has spent `resident_state_bytes`: the largest streamed whole, and whether any streams a
-    slice at a time (one tensor of more than `slice_elements`, memstrata.runtime.swap.sliced); 0 when every
-    sub-group is resident."""
+    """Locked bytes one rank's optimizer update holds at once (`update_buffer_bytes`) once `choose_resident` has
+    spent `resident_state_bytes`: the largest sub-group streamed whole, whether any streams a slice at a time (one
+    tensor of more than `slice_elements`, memstrata.runtime.swap.sliced), and the largest gradient a resident one
+    widens (a slice's for one of those); 4 B x a slice with everything resident."""
     parts = _rank_partitions(job)
     unit = memstrata_subgroup_elements(job.model)
     groups = group_tensors(parts, unit)
     sizes = [sum(parts[i] for i in g) for g in groups]
     kept, piece = choose_resident(sizes, resident_state_bytes), slice_elements(unit)
-    streamed = [(n, len(g) == 1 and n > piece) for i, (n, g) in enumerate(zip(sizes, groups)) if i not in kept]
-    whole = max((n for n, sliced in streamed if not sliced), default=0)
-    return update_buffer_bytes(whole, piece if any(sliced for _, sliced in streamed) else 0, read_ahead)
+    sliced = [len(g) == 1 and n > piece for n, g in zip(sizes, groups)]
+    whole = max((n for i, n in enumerate(sizes) if i not in kept and not sliced[i]), default=0)
+    held = max((piece if sliced[i] else sizes[i] for i in kept), default=0)
+    streams_sliced = any(sliced[i] for i in range(len(sizes)) if i not in kept)
+    return update_buffer_bytes(whole, piece if streams_sliced else 0, read_ahead, resident=held)
 
 
-def update_buffer_bytes(whole: int, piece: int, read_ahead: int) -> int:
+def update_buffer_bytes(whole: int, piece: int, read_ahead: int, *, resident: int = 0,
+                        cached: int = CACHED_SUBGROUPS) -> int:
     """Locked bytes of the optimizer update at its peak, per rank, page-rounded, for sub-groups of at most `whole`
-    elements streamed whole and, where `piece` > 0, slices of `piece` elements of the larger ones:
+    elements streamed whole, slices of `piece` elements of larger ones (where `piece` > 0) and resident sub-groups
+    whose gradient is widened `resident` elements at a time; `cached` streamed sub-groups stay in DRAM from one
+    walk to the next (memstrata.runtime.swap.suborder) and are held while the others are updated:
     - whole: 2 + read_ahead sub-groups' state (12 B/element: the one updated, the one written back, those read
-      ahead) and the updated one's fp32 gradient (4 B);
-    - sliced: 2 + read_ahead slices' state, and the gradients of the updated and the written-back slice (the
-      latter's bytes carry the 16-bit cast to NVMe): 12(2 + r) + 8 B per slice element;
-    - the last slice updated and written while the next sub-group is read ahead: 2 x 16 B x piece + r x 12 B x whole.
+      ahead) and the updated one's fp32 gradient (4 B); a cached one is one of these;
+    - sliced: 2 + read_ahead slices' state and the gradients of the updated and the written-back slice (the
+      latter's bytes carry the 16-bit cast to NVMe), 12(2 + r) + 8 B per slice element, beside the cached ones;
+    - the last slice updated and written while the next sub-group is read ahead or kept: 32 B x piece + 12 B x
+      whole x max(r, cached);
+    - a resident sub-group's gradient (4 B x `resident`) beside the cached ones.
     gpt-125m, nothing resident, r = 1: whole 8,659,968 (a layer and the next one's first tensor), piece 7,086,080:
-    max(40 x 8,659,968, 44 x 7,086,080, 32 x 7,086,080 + 12 x 8,659,968) = 346,398,720 B."""
-    r = read_ahead
-    peak = max((2 + r) * STATE_BYTES_PER_ELEMENT * whole + 4 * whole,
-               (2 + r) * STATE_BYTES_PER_ELEMENT * piece + 8 * piece,
-               2 * (STATE_BYTES_PER_ELEMENT + 4) * piece + r * STATE_BYTES_PER_ELEMENT * whole if piece else 0)
+    max(40 x 8,659,968, 44 x 7,086,080 + 12 x 8,659,968, 32 x 7,086,080 + 12 x 8,659,968) = 415,707,136 B."""
+    r, keep, state = read_ahead, cached * STATE_BYTES_PER_ELEMENT * whole, STATE_BYTES_PER_ELEMENT
+    peak = max((2 + r) * state * whole + 4 * whole,
+               (2 + r) * state * piece + 8 * piece + keep if piece else 0,
+               2 * (state + 4) * piece + max(r, cached) * state * whole if piece else 0,
+               4 * resident + keep if resident else 0)
     return _pages(peak)
 
 
@@ -336,6 +346,8 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool,
             per_rank += _pages(2 * m.layer_params() * w) + _pages(m.largest_tensor() * w)
         if optimizer_on_nvme:
             per_rank += streamed_bytes if streamed_bytes is not None else streamed_subgroup_bytes(job, 0, read_ahead)
+        else:  # everything resident: only the gradients widened for the update (a slice at a time for a big one)
+            per_rank += streamed_subgroup_bytes(job, trained_parameters(job) * STATE_BYTES_PER_ELEMENT, read_ahead)
     else:
         per_rank = pinned_pool_bytes(m, w, params_on_nvme=params_on_nvme, optimizer_on_nvme=optimizer_on_nvme)
     return per_rank * job.ranks

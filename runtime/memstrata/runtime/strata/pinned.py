@@ -101,6 +101,7 @@ class LockedPool:
         self._regions: dict[int, tuple[Any, ExtentAllocator]] = {}  # id -> region; ids are never reused
         self._region_use: dict[int, int] = {}  # id -> bytes handed out
         self._next_region = 0
+        self._kept: set[int] = set()  # regions `reserve` made: never released before close
         self._owner: dict[int, tuple[int, int, int]] = {}  # address -> (region id, offset, bytes)
         self.locked_bytes = 0  # bytes of the regions held now (mlock'ed unless `lock` is off)
         self.peak_in_use = 0
@@ -196,8 +197,8 @@ class LockedPool:
         self._in_use -= size
 
     # -- regions -------------------------------------------------------------------------------------
-    def _grow(self, nbytes: int) -> tuple[int, Any, ExtentAllocator]:
-        size = max(self.chunk_bytes, -(-nbytes // ALIGN) * ALIGN)
+    def _grow(self, nbytes: int, exact: bool = False) -> tuple[int, Any, ExtentAllocator]:
+        size = -(-nbytes // ALIGN) * ALIGN if exact else max(self.chunk_bytes, -(-nbytes // ALIGN) * ALIGN)
         # An idle region made for one large buffer (larger than a chunk) is kept only for a later request
         # that fits in it; this one did not, so give such regions back before locking more. Otherwise
         # sub-groups of slightly different sizes each leave one behind, and the update locks every one of
@@ -267,6 +268,18 @@ class LockedPool:
         idx, off, size = self._owner[ptr]
         return list(self._regions[idx][0].node_of_pages(off, size))
 
+    def reserve(self, nbytes: int) -> int:
+        """Lock `nbytes` (page-rounded) now, in one region kept for the pool's life: neither `trim` nor growth
+        gives it back. For buffers taken and returned every step (the optimizer update's), sized once by the rule
+        that counts them, so they are carved from one mapping instead of chunks that leave a tail each. The bytes
+        locked."""
+        size = -(-max(0, nbytes) // ALIGN) * ALIGN
+        if not size:
+            return 0
+        idx, _, _ = self._grow(size, exact=True)
+        self._kept.add(idx)
+        return size
+
     def trim(self) -> int:
         """Give back every region with nothing handed out; the bytes released.
 
@@ -279,7 +292,8 @@ class LockedPool:
     def _release(self, which: Callable[[int, Any], bool]) -> int:
         """Drop the idle regions `which` selects; the bytes released."""
         released = 0
-        for idx in [i for i, used in self._region_use.items() if used == 0 and which(i, self._regions[i][0])]:
+        for idx in [i for i, used in self._region_use.items()
+                    if used == 0 and i not in self._kept and which(i, self._regions[i][0])]:
             region, _ = self._regions.pop(idx)
             del self._region_use[idx]
             if self.dma is not None:

@@ -29,8 +29,9 @@ Hook points:
    (memstrata.runtime.swap.gradients): gradients stay in DRAM, 16-bit where that
    changes no value (`data_types.grad_accum_dtype` set when the user did not),
    and are widened to fp32 by the optimizer swapper in the update.
-7. The same instance's `step`, once more, where `SwapSettings.trim_after_step` asks
-   for it (off by default): after it, locked regions nothing uses are given back.
+7. The same instance's `step`, once more (`SwapSettings.trim_after_step`): after it,
+   locked regions nothing uses are given back, except the one region the
+   update's buffers are carved from, locked once for the run.
 8. The accelerator's `pin_memory`/`unpin_memory`, while the model and the engine
    are constructed (memstrata.runtime.swap.pinning): what ZeRO-3 pins comes from
    the layer's exact pools, never torch's power-of-two host allocator.
@@ -289,5 +290,23 @@ def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
             from memstrata.runtime.swap.suborder import install_reversing_order
 
             layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
+        if layer.dram_gradients is not None:
+            layer.pool.reserve(_update_buffer_bytes(opt, layer))
     if settings.trim_after_step:
         _trim_after_step(opt, layer)
+
+
+def _update_buffer_bytes(opt: ZeroOptimizer, layer: SwapLayer) -> int:
+    """What the update's buffers take at once, by the planner's rule (memstrata.plan.accounting.update_buffer_bytes)
+    applied to this optimizer's real sub-groups: the optimizer pool locks that once, for the run."""
+    from memstrata.plan.accounting import update_buffer_bytes
+    from memstrata.runtime.swap.resident import resident_ids
+
+    sizes = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
+    sliced = layer.sliced
+    ids, piece = (sliced.ids, sliced.slice) if sliced is not None else (set[int](), 0)
+    resident = resident_ids(opt)
+    whole = max((n for i, n in enumerate(sizes) if opt._swappable_optimizer_subgroup(i) and i not in ids), default=0)
+    held = max((piece if i in ids else sizes[i] for i in resident), default=0)
+    return update_buffer_bytes(whole, piece if ids - resident else 0, layer.settings.prefetch_subgroups,
+                               resident=held, cached=layer.settings.cache_subgroups)

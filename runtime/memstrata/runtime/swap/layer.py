@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from memstrata.plan.accounting import MIN_SWAP_BYTES
+from memstrata.plan.accounting import CACHED_SUBGROUPS, MIN_SWAP_BYTES
 from memstrata.runtime.strata.nvme import NvmeEngine
 from memstrata.runtime.strata.numa import cpu_nodes
 from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes
@@ -56,7 +56,7 @@ class SwapSettings(BaseModel):
                     "same scope (one run's ranks on one node), so no rank ever waits for a token held by a rank it "
                     "is not in step with (another job's, or another node's of the same machine).")
     cache_subgroups: int = Field(
-        1, ge=0, description="Streamed optimizer sub-groups (per rank) whose state stays in DRAM from one step to the "
+        CACHED_SUBGROUPS, ge=0, description="Streamed optimizer sub-groups (per rank) whose state stays in DRAM from one step to the "
                              "next (the reversed walk starts with them). The plan's DRAM share is kept resident "
                              "instead (`resident_state_bytes`); 1 is what a plan gives.")
     resident_state_bytes: int | None = Field(
@@ -109,10 +109,9 @@ class SwapSettings(BaseModel):
                           "`cxl_nodes` (when there are any); false binds them to DRAM, where the plan put them.")
     one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
     trim_after_step: bool = Field(
-        False, description="Give back the locked regions the update no longer uses before the next forward, and lock "
-                           "them again in the next update. Off: the update's buffers, bounded by a slice and a "
-                           "streamed sub-group (memstrata.plan.accounting.update_buffer_bytes, which the plan "
-                           "reserves for the whole run), are locked once and reused every step.")
+        True, description="After each update, give back the optimizer pool's regions beyond the one locked for the "
+                          "update's buffers (sized once by memstrata.plan.accounting.update_buffer_bytes, kept for "
+                          "the run): what a first step or a checkpoint needed beyond it.")
     dram_gradients: bool = Field(
         True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "
                           "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.swap.gradients).")
