@@ -17,7 +17,8 @@ memory or bypass memstrata:
   MLP-Offload's policy; without it, the first K cacheable ones stay for good.
 - construction: each NVMe sub-group's fp32 master is written a chunk at a time
   (INIT_CHUNK elements) from its 16-bit source, in DRAM or on NVMe (fast_init,
-  which memstrata.runtime.initialize turns on), never staged whole;
+  which memstrata.runtime.initialize turns on unless the config sets it; a sub-group
+  of several tensors on NVMe is read whole, under 2 sub-group units);
 - gradients: with memstrata.runtime.swap.gradients installed, none are swapped; a
   sub-group's fp32 gradients are widened from DRAM into one exact buffer when
   its state is swapped in, and freed with it.
@@ -27,6 +28,7 @@ memory or bypass memstrata:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Callable
@@ -314,9 +316,10 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         """Write the fp32 tensor `path` of `numel` elements, chunk by chunk, `fill(dst, at)` giving elements
         [at, at + len(dst)); the alignment padding is zeros."""
         aligned = self._io_aligned_numel(numel)
-        self.aio_handle.reserve(path, aligned * self.swap_element_size)
-        buf = self.swap_buffer_manager.allocate(min(INIT_CHUNK, aligned), 1, self.dtype)[0]
+        buf: torch.Tensor | None = None
         try:
+            self.aio_handle.reserve(path, aligned * self.swap_element_size)
+            buf = self.swap_buffer_manager.allocate(min(INIT_CHUNK, aligned), 1, self.dtype)[0]
             for at in range(0, aligned, buf.numel()):
                 n_io, n = min(buf.numel(), aligned - at), max(0, min(buf.numel(), numel - at))
                 if n:
@@ -324,8 +327,13 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
                 buf.narrow(0, n, n_io - n).zero_()
                 self.aio_handle.write_part(buf.narrow(0, 0, n_io), path, at * self.swap_element_size)
                 self.aio_handle.wait()
+        except BaseException:
+            with contextlib.suppress(BaseException):  # nothing may still be written from `buf` once it is freed
+                self.aio_handle.wait()
+            raise
         finally:
-            self.swap_buffer_manager.free([buf])
+            if buf is not None:
+                self.swap_buffer_manager.free([buf])
             for t in self._init_scratch:
                 self.layer.pool.free(t)
             self._init_scratch.clear()

@@ -80,6 +80,7 @@ class ZeroOptimizer(Protocol):
     unscale_and_clip_grads: Callable[..., object]
     _optimizer_step: Callable[..., object]
     _unflatten_partitioned_parameters: Callable[[int], None]
+    torch_autocast_gradscaler: Any
 
     # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.
     @overload

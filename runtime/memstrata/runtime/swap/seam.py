@@ -213,6 +213,8 @@ SEAM: tuple[Dependency, ...] = (
                params=()),
     *[Dependency(Kind.ATTRIBUTE, _Z3, n, "whether the construction walk can be skipped", set_in="__init__")
       for n in ("offload_optimizer", "use_muon", "offload_optimizer_pin_memory", "device")],
+    *[Dependency(Kind.ATTRIBUTE, _Z3, n, "a sub-group is sliced only without them (they step per call)",
+                 set_in="__init__") for n in ("torch_autocast_gradscaler",)],
     Dependency(Kind.ATTRIBUTE, _Z3, "subgroup_to_device", "where a small sub-group's gradient buffer goes",
                set_in="_create_fp32_partitions"),
     # -- a sub-group updated a slice at a time (sliced) --

@@ -26,8 +26,10 @@ the sub-group updated whole (tests/offload/test_sliced_update.py).
 
 The hook wraps the loop's per-sub-group methods (memstrata.runtime.swap.seam.STEP_LOOP) on the optimizer instance,
 as memstrata.runtime.swap.gradients does, and is installed before memstrata.runtime.swap.suborder, whose wrappers
-call these with real sub-group ids. A checkpoint reads and writes a sliced sub-group whole, through ZeRO-3's own
-swap-in (train.checkpoints.engine_state): the state's extents are the whole tensors', so nothing else changes.
+call these with real sub-group ids; outside `step()` they are stock's. A checkpoint reads and writes a sliced
+sub-group whole, through ZeRO-3's own swap-in (train.checkpoints.engine_state): the state's extents are the whole
+tensors', so that works unchanged, but it stages the whole sub-group (16 B x its elements) while it does, a transient
+beyond the update's buffers that the plan does not count.
 """
 from __future__ import annotations
 
@@ -92,9 +94,12 @@ class SlicedUpdate:
         z = self.zero
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        # Only DeepSpeedCPUAdam's step is elementwise with a bias correction that a repeated step leaves alone;
+        # torch autocast's GradScaler steps (and moves its scale) per call, and ZenFlow has a step of its own.
         return ((i in resident or bool(z._swappable_optimizer_subgroup(i))) and len(z.fp16_groups[i]) == 1
                 and int(z.fp16_partitioned_groups_flat_numel[i]) > self.slice
-                and type(z.optimizer) is DeepSpeedCPUAdam and bool(z.optimizer.fp32_optimizer_states))
+                and type(z.optimizer) is DeepSpeedCPUAdam and bool(z.optimizer.fp32_optimizer_states)
+                and z.torch_autocast_gradscaler is None and not getattr(z, "zenflow", False))
 
     def param_ids(self) -> set[str]:
         """The sliced sub-groups' fp32 ids (the swapper's keys): never read ahead whole, never cached."""
@@ -111,15 +116,19 @@ class SlicedUpdate:
         if info is None:
             raise RuntimeError(f"sub-group {i} is sliced but its optimizer swapper has no record of it")
         sw.readahead.settle()  # the previous sub-group's write-back: its buffers back before these are taken
-        first = not info.has_state_tensors
-        if first:
+        if not info.has_state_tensors:
             self._register_state(fp32, info)
+        state = z.optimizer.state[fp32]
+        # The moments start at zero until a whole update has written them ("step" is set only then). A step that
+        # fails half-way leaves its first slices updated on NVMe: like any failed step, the run ends there and
+        # resumes from its last checkpoint.
+        first, step = "step" not in state, int(state.get("step", 0))
         paths = info.get_swap_paths()
         n, aligned = info.numel(), sw._io_aligned_numel(info.numel())
-        state = z.optimizer.state[fp32]
-        step = int(state.get("step", 0))
         starts = list(range(0, n, self.slice))
+        assert starts, "a sliced sub-group has more elements than a slice"
         reading: _Slice | None = None
+        cur: _Slice | None = None
         writing: list[_Slice] = []
         try:
             for k in range(len(starts)):
@@ -135,12 +144,12 @@ class SlicedUpdate:
                 cur.buffers.append(self.swapper.swap_buffer_manager.allocate(self.slice, 1, torch.float32)[0])
                 new_step = self._adam(i, cur, fp32, step, total_norm)
                 self._finish_write(writing)
-                self._write_state(cur, paths)
-                self._cast16(i, cur)
-                writing = [cur]
+                writing, cur = [cur], None
+                self._write_state(writing[0], paths)
+                self._cast16(i, writing[0])
             self._finish_write(writing)
         except BaseException:
-            self._abandon([reading, *writing])
+            self._abandon([reading, cur, *writing])
             raise
         state["step"] = new_step
 
@@ -251,13 +260,14 @@ class SlicedUpdate:
         if not writing:
             return
         assert self._writer is not None and self._half_writer is not None
-        try:
-            self._writer.wait()
-            self._half_writer.wait()
-        finally:
-            for s in writing:
-                self.swapper.swap_buffer_manager.free(s.buffers)
-            writing.clear()
+        # Both handles drained before any buffer is freed: a write still in flight must not read a freed one.
+        errors = [self._drain(h) for h in (self._writer, self._half_writer)]
+        for s in writing:
+            self.swapper.swap_buffer_manager.free(s.buffers)
+        writing.clear()
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def _abandon(self, slices: list[_Slice | None]) -> None:
         """After an error: every handle drained (no I/O left into a buffer), every buffer freed."""
@@ -269,33 +279,49 @@ class SlicedUpdate:
                 self.swapper.swap_buffer_manager.free(s.buffers)
 
     @staticmethod
-    def _drain(handle: ExtentSwapHandle) -> None:
+    def _drain(handle: ExtentSwapHandle) -> BaseException | None:
+        """Wait every op of `handle` (it drains all before it raises); the error, if any, returned."""
         try:
             handle.wait()
-        except BaseException:  # the error being handled is the one to report
-            pass
+        except BaseException as exc:
+            return exc
+        return None
 
 
 def install_sliced_update(zero: ZeroOptimizer, swapper: MemstrataOptimizerSwapper, grads: DramGradients,
                           layer: SwapLayer, slice_elements: int) -> SlicedUpdate:
     """Wrap the step loop's per-sub-group methods so that each sliced sub-group runs `SlicedUpdate.update` in place
-    of stock's swap-in, unscale, Adam, 16-bit copy and swap-out; every other sub-group, and every call outside a
-    step's loop (a checkpoint's), is stock's."""
+    of stock's swap-in, unscale, Adam, 16-bit copy and swap-out; every other sub-group, and every call outside
+    `step()` (a checkpoint's load or save, DeepSpeed's `reset_swap_buffers`), is stock's."""
     sliced = SlicedUpdate(zero, swapper, grads, layer, slice_elements)
     if not sliced.ids:
         return sliced
     swapper.readahead.never_read |= sliced.param_ids()
+    stepping = [False]
 
     def hook(name: str, body: Callable[..., Any]) -> None:
         original = getattr(zero, name)
 
         @functools.wraps(original)
         def call(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:
-            if sub_group_id in sliced.ids and (name == "_prepare_sub_group" or sliced.active == sub_group_id):
+            if stepping[0] and sub_group_id in sliced.ids and (name == "_prepare_sub_group"
+                                                               or sliced.active == sub_group_id):
                 return body(sub_group_id, *args, **kwargs)
             return original(sub_group_id, *args, **kwargs)
 
         setattr(zero, name, call)
+
+    original_step = zero.step
+
+    @functools.wraps(original_step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        stepping[0] = True
+        try:
+            return original_step(*args, **kwargs)
+        finally:
+            stepping[0], sliced.active = False, None
+
+    zero.step = step
 
     def prepare(i: int, *_: Any) -> None:
         sliced.active = i  # nothing is swapped in: the slices are read by the update itself
