@@ -37,7 +37,7 @@ def run(tmp: Path, engine: str) -> dict[str, Any]:
     doc["spec"]["training"]["activationCheckpointing"] = True
     doc["spec"]["memory"]["engine"] = engine
     if engine == "memstrata":  # the 16-bit weights on NVMe: what is recomputed is gathered into staging buffers
-        doc["spec"]["memory"]["dramBudget"] = "3500Ki"
+        doc["spec"]["memory"]["dramBudget"] = "3800Ki"
     job, nvme, out = tmp / f"{engine}.yaml", tmp / f"nvme-{engine}", tmp / f"{engine}.json"
     job.write_text(yaml.safe_dump(doc))
     nvme.mkdir()

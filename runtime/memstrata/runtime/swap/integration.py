@@ -49,6 +49,7 @@ Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import types
@@ -273,6 +274,7 @@ def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
         from memstrata.runtime.swap.resident import keep_resident_decision
 
         keep_resident_decision(opt, layer)
+        _mark_steps(opt, swapper)
         # Gradients first: the order hook wraps whatever per-sub-group methods it finds and calls them with real
         # ids; the sliced update next, so that the order hook calls it too.
         if settings.dram_gradients:
@@ -294,6 +296,22 @@ def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
             layer.pool.reserve(_update_buffer_bytes(opt, layer))
     if settings.trim_after_step:
         _trim_after_step(opt, layer)
+
+
+def _mark_steps(opt: ZeroOptimizer, swapper: Any) -> None:
+    """`swapper.stepping` is true exactly while `opt.step()` runs: a swap-in there is an update's, not a
+    checkpoint's."""
+    step = opt.step
+
+    @functools.wraps(step)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        swapper.stepping = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            swapper.stepping = False
+
+    opt.step = marked
 
 
 def _update_buffer_bytes(opt: ZeroOptimizer, layer: SwapLayer) -> int:

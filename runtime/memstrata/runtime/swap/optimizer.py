@@ -32,7 +32,7 @@ import contextlib
 import copy
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from deepspeed import comm as dist
@@ -145,6 +145,7 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         # Inert (stock's synchronous path) until memstrata.runtime.swap.suborder hands it a step's walk.
         self.readahead = ReadAhead(self, layer.settings.prefetch_subgroups)
         self._init_scratch: list[torch.Tensor] = []  # a chunk reader's 16-bit buffer, freed with its tensor's
+        self.stepping = False  # inside the optimizer's step() (memstrata.runtime.swap.integration sets it)
 
     def use_dram_gradients(self, grads: DramGradients) -> DramGradients:
         """From now on the update widens gradients from `grads` (memstrata.runtime.swap.gradients)."""
@@ -169,6 +170,8 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
             else:
                 self._flush_gradient_swapper(self.gradient_swapper)
                 self._bind_state(parameter, info, read)
+            if self.stepping and not info.has_state_tensors:
+                self._first_moments(parameter, info)
             self._widen_dram_gradients(parameter, info)
             return
         self.readahead.top_up(parameter)  # nothing to read here; the next ones still are
@@ -176,6 +179,31 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         self.layer.cache_hits += 1
         self._bind_state(parameter, info, cached)
         self._widen_dram_gradients(parameter, info)
+
+    def _first_moments(self, parameter: torch.Tensor, info: SwapInfo) -> None:
+        """The first update of a streamed sub-group: its Adam moments start as zeros in two more exact buffers,
+        registered as its state tensors beside the master, as DeepSpeedCPUAdam would create them (step 0, zeros).
+        Adam then updates them in place and the write-back sends them from the pool, as in every later step; stock
+        lets Adam allocate them (8 B x the sub-group) and stages their first write through two more buffers."""
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = self.optimizer
+        if (type(opt) is not DeepSpeedCPUAdam or not getattr(opt, "fp32_optimizer_states", False)
+                or opt.state.get(parameter)):
+            return
+        n, aligned = info.numel(), self._io_aligned_numel(info.numel())
+        fresh = self.swap_buffer_manager.allocate(aligned, 2, self.dtype)
+        moments = []
+        for name, buf in zip(("exp_avg", "exp_avg_sq"), fresh):
+            buf.zero_()
+            t = buf.narrow(0, 0, n)
+            t.ds_id = f"{name}-{parameter.ds_id}"  # type: ignore[attr-defined]  # stock's swap name of that state
+            moments.append(t)
+        opt.state[parameter].update(step=0, exp_avg=moments[0], exp_avg_sq=moments[1])
+        cast(Any, info).add_state_tensors(moments)
+        state_buffers = info.swap_buffers[:1] + fresh  # the master's buffer, then the moments'
+        info.set_swap_buffers(state_buffers, aligned)
+        info.swap_buffers = state_buffers + info.swap_buffers[1:]
 
     def _bind_state(self, parameter: torch.Tensor, info: SwapInfo, buffers: list[torch.Tensor]) -> None:
         """Make `buffers` (already holding the state) the sub-group's tensors; read its swapped gradients."""
