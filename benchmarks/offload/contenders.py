@@ -88,7 +88,7 @@ def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, 
     from memstrata.plan.accounting import memstrata_subgroup_elements
 
     args = ["--engine", "memstrata", "--profile", "tuned", "--param-device", param_dev, "--optim-device", optim_dev,
-            "--sub-group-size", str(memstrata_subgroup_elements(arch)),
+            "--sub-group-size", str(plan.sub_group_elements or memstrata_subgroup_elements(arch)),
             "--swap-json", json.dumps(settings.model_dump(mode="json"))]
     return record, args
 

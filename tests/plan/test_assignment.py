@@ -11,6 +11,7 @@ from memstrata.api.finetunejob import MemoryPolicy
 from memstrata.api.manifest import load_node
 from memstrata.api.inventory import CxlNode, Gpu, NodeInventory, NumaNode, NvmeNamespace
 from memstrata.api.units import GiB
+from memstrata.api.strataplan import Plan
 from memstrata.plan import JobShape, plan_for_node
 
 OPTIMIZER_OPERANDS = ("gradients", "master", "optimizer")
@@ -149,6 +150,31 @@ def test_dram_budget_spills_to_nvme() -> None:
     stock = plan_for_node(JobShape(**shape), node, MemoryPolicy(dram_budget=GiB))
     assert not stock.feasible
     assert "page-locked buffers of 1.7 GiB exceed the 1.0 GiB" in stock.verdict()
+
+
+def test_a_tight_budget_streams_smaller_sub_groups() -> None:
+    """gpt-125m on the CPU, seq 512: at 0.75 GiB the model's unit (a layer, 7,087,872 elements) fits; below, the
+    planner halves the unit (and the slices of the embedding with it) until the update's buffers fit: 3,543,936 at
+    0.6 GiB, 1,771,968 at 0.5 GiB, without read-ahead at 0.45 GiB, never below MIN_SUBGROUP_UNIT. The runtime's
+    ZeRO-3 sub_group_size is the plan's unit (memstrata.runtime.train.dsconfig)."""
+    from memstrata.plan.assignment import MIN_SUBGROUP_UNIT
+
+    shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0, engine="memstrata")
+    node = _small_node(64 * GiB, gpus=0, nvme=[100 * GiB])
+
+    def at(gib: float) -> Plan:
+        return plan_for_node(JobShape(**shape), node, MemoryPolicy(engine="memstrata", dram_budget=int(gib * GiB)))
+
+    plans = {gib: at(gib) for gib in (0.75, 0.6, 0.5, 0.45)}
+    assert all(p.feasible for p in plans.values()), {g: p.verdict() for g, p in plans.items()}
+    assert [p.sub_group_elements for p in plans.values()] == [7_087_872, 3_543_936, 1_771_968, 1_771_968]
+    assert [p.optimizer_read_ahead for p in plans.values()] == [1, 1, 1, 0]
+    pinned = [p.category("pinned").bytes for p in plans.values()]
+    assert pinned == sorted(pinned, reverse=True) and pinned[0] == 105_619_456 + 415_707_136
+    assert min(p.sub_group_elements or 0 for p in plans.values()) >= MIN_SUBGROUP_UNIT
+    # Where no unit fits, the verdict is the model's unit's, read one ahead: what a user changes is the budget.
+    none = at(0.3)
+    assert not none.feasible and none.sub_group_elements == 7_087_872
 
 
 def test_dram_budget_is_a_continuum_for_memstrata() -> None:

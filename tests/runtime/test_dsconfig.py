@@ -154,3 +154,17 @@ def test_memstratas_engine_has_deepspeed_pin_on_the_cpu_too() -> None:
     plan = _plan("gpt-125m", GiB).model_copy(update={"engine": "memstrata"})
     zero = build_ds_config(plan, PRESETS["gpt-125m"], TRAINING, SWAP, on_gpu=False).config["zero_optimization"]
     assert zero["offload_param"]["pin_memory"] is True and zero["offload_optimizer"]["pin_memory"] is True
+
+
+def test_memstratas_sub_group_size_is_the_plans_unit() -> None:
+    """ZeRO-3's sub_group_size on memstrata's engine is the unit the plan chose (smaller under a tight budget), so
+    the runtime's sub-groups, slices and buffers are the ones the plan counted."""
+    from memstrata.plan.accounting import memstrata_subgroup_elements
+
+    arch = PRESETS["gpt-125m"]
+    job = JobShape(model=arch, sequence_length=128, micro_batch=4, gpus=0, engine="memstrata")
+    for budget, unit in ((GiB, memstrata_subgroup_elements(arch)), (GiB // 2, 1_771_968)):
+        plan = plan_for_node(job, _node(64 * GiB), MemoryPolicy(engine="memstrata", dram_budget=budget))
+        assert plan.feasible and plan.sub_group_elements == unit, (budget, plan.verdict())
+        zero = build_ds_config(plan, arch, TRAINING, SWAP, on_gpu=False).config["zero_optimization"]
+        assert zero["sub_group_size"] == unit

@@ -72,6 +72,10 @@ class Plan(BaseModel):
     cxl_nodes: list[int] = []
     requests: dict[str, int] = Field(default_factory=dict, description="Extended resources the pod must request.")
     update_io_seconds: float = Field(0.0, description="Estimated NVMe time per optimizer step.")
+    sub_group_elements: int | None = Field(
+        None, description="memstrata's optimizer sub-group unit (elements): about a layer, or less where a tight "
+                          "DRAM budget needs smaller update buffers; the runtime's ZeRO-3 sub_group_size. None: "
+                          "the stock engine.")
     optimizer_read_ahead: int = Field(
         0, ge=0, description="Streamed optimizer sub-groups memstrata's update reads ahead of the one it updates "
                              "(1: read of i+1, Adam on i and write-back of i-1 overlap, one more sub-group of locked "

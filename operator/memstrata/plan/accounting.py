@@ -40,6 +40,10 @@ PAGE = 4096
 MIN_SUBGROUPS = 16
 # What one element of optimizer state costs in DRAM: fp32 master weights and the two Adam moments.
 STATE_BYTES_PER_ELEMENT = 12
+# A slice of a sliced sub-group starts on a 4 KiB block of its 16-bit partition (and so of its fp32 state), and is a
+# whole multiple of every SIMD width of DeepSpeedCPUAdam, so slicing moves no element between its vector loop and
+# its scalar tail.
+SLICE_ALIGN_ELEMENTS = 2048
 # Streamed sub-groups kept in DRAM from one update to the next (MLP-Offload's cache): what a plan gives the runtime.
 CACHED_SUBGROUPS = 1
 # memstrata's swapper leaves smaller tensors in DRAM (DeepSpeed's own floor is 1 MiB); the swap layer's default.
@@ -69,6 +73,9 @@ class JobShape(BaseModel):
     # spec.training.method lora: the adapter tensors' elements in parameter order (memstrata.api.lora.
     # adapter_tensor_sizes), the only ones that train; None: a full fine-tune, where every tensor trains.
     adapter_tensors: tuple[int, ...] | None = None
+    # memstrata's sub-group unit when the planner chose one below the model's (`subgroup_unit`): a tight DRAM
+    # budget streams smaller sub-groups and slices through smaller buffers. None: the model's own.
+    sub_group_elements: int | None = Field(None, ge=SLICE_ALIGN_ELEMENTS)
 
     @model_validator(mode="after")
     def _one_rank_per_gpu(self) -> "JobShape":
@@ -206,17 +213,17 @@ def memstrata_subgroup_elements(arch: ModelArchitecture) -> int:
     return max(unit, MIN_SWAP_BYTES // 4)
 
 
-# A slice of a sliced sub-group starts on a 4 KiB block of its 16-bit partition (and so of its fp32 state), and is a
-# whole multiple of every SIMD width of DeepSpeedCPUAdam, so slicing moves no element between its vector loop and
-# its scalar tail.
-SLICE_ALIGN_ELEMENTS = 2048
-
-
 def slice_elements(unit: int) -> int:
     """Elements of one slice of a sub-group updated a slice at a time (memstrata.runtime.swap.sliced): the sub-group
     unit rounded down to whole SLICE_ALIGN_ELEMENTS, so a slice's buffers are never larger than a streamed
     sub-group's."""
     return max(SLICE_ALIGN_ELEMENTS, unit // SLICE_ALIGN_ELEMENTS * SLICE_ALIGN_ELEMENTS)
+
+
+def subgroup_unit(job: JobShape) -> int:
+    """The sub-group unit memstrata's engine runs `job` with: the planner's choice, else the model's own
+    (`memstrata_subgroup_elements`)."""
+    return job.sub_group_elements or memstrata_subgroup_elements(job.model)
 
 
 def group_tensors(sizes: Sequence[int], unit: int) -> list[list[int]]:
@@ -249,7 +256,7 @@ def subgroup_sizes(job: JobShape) -> list[int]:
     """One rank's optimizer sub-groups in elements, as memstrata's engine forms them: `group_tensors` over each
     tensor's per-rank partition."""
     parts = _rank_partitions(job)
-    return [sum(parts[i] for i in g) for g in group_tensors(parts, memstrata_subgroup_elements(job.model))]
+    return [sum(parts[i] for i in g) for g in group_tensors(parts, subgroup_unit(job))]
 
 
 def _rank_partitions(job: JobShape) -> list[int]:
@@ -291,7 +298,7 @@ def streamed_subgroup_bytes(job: JobShape, resident_state_bytes: int, read_ahead
     tensor of more than `slice_elements`, memstrata.runtime.swap.sliced), and the largest gradient a resident one
     widens (a slice's for one of those); 4 B x a slice with everything resident."""
     parts = _rank_partitions(job)
-    unit = memstrata_subgroup_elements(job.model)
+    unit = subgroup_unit(job)
     groups = group_tensors(parts, unit)
     sizes = [sum(parts[i] for i in g) for g in groups]
     kept, piece = choose_resident(sizes, resident_state_bytes), slice_elements(unit)

@@ -17,7 +17,7 @@ from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
 from memstrata.api.units import format_bytes
 from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, build_transient,
                                       category_bytes, pinned_buffers, streamed_subgroup_bytes, subgroup_sizes,
-                                      trained_parameters, working_set)
+                                      subgroup_unit, trained_parameters, working_set)
 from memstrata.plan.capacity import NVME_NOTE, Ledger, capacities
 
 # The order in which the model state's categories are placed; each goes to the strata that may hold it
@@ -36,16 +36,39 @@ MASTER_SHARE = (4, STATE_BYTES_PER_ELEMENT)
 STOCK_GROUPS = {"master": ("master", "optimizer"), "optimizer": ("master", "optimizer"), "weights": ("weights",)}
 
 
+# The smallest sub-group unit the planner shrinks to (elements): 4 MiB of fp32, below which per-sub-group overheads
+# (an I/O batch, an Adam call per slice) outweigh the DRAM saved.
+MIN_SUBGROUP_UNIT = 1 << 20
+
+
 def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
     """Assign each category of `job` to the strata of `node`, or say precisely what is missing."""
     # memstrata's update reads one sub-group ahead, at the cost of one more sub-group of locked buffers; where
-    # that buffer is what stands between the job and a fit, it reads each one when it needs it instead.
+    # that buffer is what stands between the job and a fit, it reads each one when it needs it instead, and where
+    # even that does not fit, it streams smaller sub-groups (and slices), halving the unit down to
+    # MIN_SUBGROUP_UNIT: the budget, not the model's layer, sets the update's buffers.
     plan = _settle(job, node, policy, read_ahead=1)
-    if not plan.feasible and job.engine == "memstrata":
-        serial = _settle(job, node, policy, read_ahead=0)
-        if serial.feasible:
-            return serial
-    return plan
+    if plan.feasible or job.engine != "memstrata":
+        return _with_unit(plan, job)
+    for shaped in _smaller_units(job):
+        for read_ahead in (0,) if shaped is job else (1, 0):
+            candidate = _settle(shaped, node, policy, read_ahead=read_ahead)
+            if candidate.feasible:
+                return _with_unit(candidate, shaped)
+    return _with_unit(plan, job)
+
+
+def _smaller_units(job: JobShape) -> list[JobShape]:
+    """`job` itself, then with the sub-group unit halved while it stays at least MIN_SUBGROUP_UNIT."""
+    shapes, unit = [job], subgroup_unit(job)
+    while unit // 2 >= MIN_SUBGROUP_UNIT:
+        unit //= 2
+        shapes.append(job.model_copy(update={"sub_group_elements": unit}))
+    return shapes
+
+
+def _with_unit(plan: Plan, job: JobShape) -> Plan:
+    return plan.model_copy(update={"sub_group_elements": subgroup_unit(job)}) if job.engine == "memstrata" else plan
 
 
 def _settle(job: JobShape, node: NodeInventory, policy: MemoryPolicy, read_ahead: int) -> Plan:

@@ -204,10 +204,10 @@ def _sub_group(note: Note, plan: Plan, arch: ModelArchitecture) -> int:
     # The planner sizes the locked buffers from the same sub-group size (memstrata.plan.accounting).
     if plan.engine == "memstrata":
         return int(note(
-            "zero_optimization.sub_group_size", memstrata_subgroup_elements(arch), int(1e9),
-            "memstrata's engine: about one transformer layer per sub-group, a big tensor (the embedding) alone "
-            "(memstrata.plan.accounting.group_tensors), so the DRAM budget keeps the big ones resident and the "
-            "streamed ones need small buffers"))
+            "zero_optimization.sub_group_size", plan.sub_group_elements or memstrata_subgroup_elements(arch), int(1e9),
+            "memstrata's engine: about one transformer layer per sub-group (less where the plan's DRAM budget needs "
+            "smaller update buffers), a big tensor (the embedding) alone and updated a slice at a time "
+            "(memstrata.plan.accounting.group_tensors), so the streamed ones need small buffers"))
     return int(note(
         "zero_optimization.sub_group_size", sub_group_size(arch), int(1e9),
         "the optimizer swapper pins buffer_count x sub-group fp32 elements and streams one sub-group at a "
