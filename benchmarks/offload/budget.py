@@ -148,8 +148,12 @@ def floor_of(probes: list[dict[str, Any]], top: float = ALL_FITS_BYTES_PER_PARAM
     crash = next((p for (_, o), p in zip(tried, probes) if o == "error"), None)
     if crash is not None:
         status, why = "error", f"stopped at k={crash['k']:g}: {_last_line(crash.get('error'))}"
-    elif not any(k == top for k, _ in tried) or next_k(tried, top) is not None:
+    elif (not any(k == top for k, _ in tried) or next_k(tried, top) is not None) and (hi is None or failed is None):
         status, why = "open", "bisection not finished"
+    elif next_k(tried, top) is not None:  # the probes ran out with a passing k above a failing one
+        status = "bounded"
+        why = (f"between k={failed[0]:g} ({outcome(failed[1])}) and k={hi:g} (ran): the probes ran out before the "
+               "resolution")
     elif hi is None:
         status, why = "above all-fits", f"fails at the all-fits k={top:g}: {_last_line(failed[1].get('error'))}" \
             if failed else "no run"
@@ -158,7 +162,7 @@ def floor_of(probes: list[dict[str, Any]], top: float = ALL_FITS_BYTES_PER_PARAM
         why = f"k={failed[0]:g} failed: {outcome(failed[1])}: {_last_line(failed[1].get('error'))}" if failed \
             else "passes at every k tried"
     monotone = all(o == "ok" for k, o in tried if hi is not None and k > hi)
-    return {"k": hi if status == "found" else None, "upper_k": hi, "status": status, "reason": why,
+    return {"k": hi if status in ("found", "bounded") else None, "upper_k": hi, "status": status, "reason": why,
             "failing_k": failed[0] if failed else None, "monotone": monotone, "tried": [[k, o] for k, o in tried]}
 
 
@@ -177,7 +181,7 @@ def floor_ratio(model: dict[str, Any], top: float = ALL_FITS_BYTES_PER_PARAM) ->
                            "upper_bound": False}
     stock = {n: f for n, f in floors.items() if n in STOCK}
     unsettled = [f"{n}: {f['status']} ({f['reason']})" for n, f in stock.items()
-                 if f["status"] not in ("found", "above all-fits")]
+                 if f["status"] not in ("found", "bounded", "above all-fits")]
     if not ours or ours["k"] is None:
         out["why"] = f"memstrata: {ours['status']} ({ours['reason']})" if ours else "memstrata not bisected"
     elif not stock or unsettled:
@@ -185,10 +189,14 @@ def floor_ratio(model: dict[str, Any], top: float = ALL_FITS_BYTES_PER_PARAM) ->
     if "why" in out or ours is None:
         return out
     k = float(ours["k"])
-    found = {n: f["k"] for n, f in stock.items() if f["status"] == "found"}
+    # A stock floor only bounded lies above its failing k: that k makes the ratio an upper bound (memstrata's own
+    # k is its lowest passing one either way).
+    found = {n: f["k"] if f["status"] == "found" else f["failing_k"] for n, f in stock.items()
+             if f["status"] in ("found", "bounded")}
     if found:
         best = min(found, key=lambda n: found[n])
-        out.update(stock=best, stock_k=found[best], ratio=_ratio(k, found[best]))
+        out.update(stock=best, stock_k=found[best], ratio=_ratio(k, found[best]),
+                   upper_bound=stock[best]["status"] == "bounded")
     else:
         out.update(stock="none (all above all-fits)", stock_k=top, ratio=_ratio(k, top), upper_bound=True)
     return out

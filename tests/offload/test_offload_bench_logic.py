@@ -318,3 +318,26 @@ def test_markdown_shows_floors_failures_bounds_and_targets() -> None:
     assert "| gpt-x | floor_ratio | 0.277 |" in md  # 3.12 / 11.25
     assert "| 2.00 | 1.10 | 3.00 | 0.73 |" in md  # 8: overlapped max(1, 2) = 2 s; serial 1 + 2 = 3 s
     assert "floor: memstrata's k" in md and "| pass |" in md
+
+
+def test_probes_that_run_out_bound_the_floor_and_the_ratio_stays_conservative() -> None:
+    """Six probes: memstrata ran at 3.75 and was refused at 3.125, an interval wider than the resolution. Its
+    floor is 'bounded' at 3.75 (its true floor is no higher); a stock floor bounded the same way counts at its
+    failing k, so the ratio is an upper bound."""
+    probes = [_probe(k, h) for k, h in ((20, True), (10, True), (5, True), (2.5, "refused"), (3.75, True),
+                                        (3.125, "refused"))]
+    got = budget.floor_of(probes)
+    assert got["status"] == "bounded" and got["k"] == 3.75 and got["failing_k"] == 3.125
+    assert "probes ran out" in got["reason"]
+    floors = {"memstrata": [(k, o) for k, o in ((20, True), (10, True), (5, True), (2.5, "refused"), (3.75, True),
+                                                (3.125, "refused"))],
+              "stock-tuned": [(20, True), (10, "oom"), (15, True), (12.5, "oom"), (13.75, True), (13.1, "oom")],
+              "stock-cpu": [(20, True), (10, "oom"), (15, "oom"), (17.5, True), (16.25, "oom"), (16.9, True)]}
+    m = budget.summarize_model(_model([3.0] * 3, [10.0] * 3, 1.0, 1.0, floors=floors), FIO, "vda")
+    fr = m["floor_ratio"]
+    assert fr["stock"] == "stock-tuned" and fr["stock_k"] == 13.75 and fr["ratio"] == round(3.75 / 13.75, 3)
+    floors["stock-tuned"] = floors["stock-tuned"][:4]  # [12.5 oom, 15 ok]: bounded
+    m = budget.summarize_model(_model([3.0] * 3, [10.0] * 3, 1.0, 1.0, floors=floors), FIO, "vda")
+    fr = m["floor_ratio"]
+    assert m["floors"]["stock-tuned"]["floor"]["status"] == "bounded"
+    assert fr["stock_k"] == 12.5 and fr["upper_bound"] and fr["ratio"] == round(3.75 / 12.5, 3)
