@@ -101,7 +101,7 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
         "dram": {"lockedBytes": 96 << 20, "lockedPeakInUse": 64 << 20, "trimmedBytes": 0, "pinnedBytes": 3 << 20,
                  "optimizerCacheBytes": 12 << 20, "residentStateBytes": 36 << 20, "residentSubgroups": 3,
                  "residentWeightBytes": 4 << 20, "prefetchHits": 5, "optimizerCacheHits": 7,
-                 "subGroupOrders": [[0, 1], [1, 0]],
+                 "slicedSubgroups": 1, "slicesUpdated": 12, "subGroupOrders": [[0, 1], [1, 0]],
                  "gradients": None, "vmLockedBytes": 96 << 20},
         "activations": {"stratum": "cxl", "numaNodes": [2, 3], "livePeakBytes": 24 << 20,
                         "offloadedBytes": 120 << 20, "returnedBytes": 120 << 20, "prefetched": 19, "tensors": 20, "lockedBytes": 32 << 20},

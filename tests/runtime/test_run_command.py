@@ -141,7 +141,10 @@ def test_tiny_example_fine_tunes_through_nvme(tmp_path: Path) -> None:
     # Watch the swap directory from outside while the run goes on.
     seen_files: set[str] = set()
     while proc.poll() is None and time.monotonic() - started < 600:
-        seen_files.update(p.name for p in nvme.rglob("*") if p.is_file() and p.stat().st_size > 0)
+        try:
+            seen_files.update(p.name for p in nvme.rglob("*") if p.is_file() and p.stat().st_size > 0)
+        except FileNotFoundError:  # the run removed a file or its directory while this walked it
+            pass
         time.sleep(0.2)
     if proc.poll() is None:
         proc.kill()
