@@ -358,7 +358,7 @@ def test_the_scan_fails_on_a_new_undeclared_dependency(tmp_path: Path) -> None:
 
 
         class Swapper(AsyncPartitionedParameterSwapper):
-            def synchronize_writes(self):
+            def swap_into_buffer(self, param, dest_buffer):
                 self._memo = self.pending_writes  # memstrata's own: not a DeepSpeed name
                 self.pending_reads = 0
 
@@ -373,7 +373,7 @@ def test_the_scan_fails_on_a_new_undeclared_dependency(tmp_path: Path) -> None:
         "reference deepspeed.comm.barrier",
         "deepspeed.runtime.swap_tensor.partitioned_param_swapper.AsyncPartitionedParameterSwapper.pending_reads, "
         "which memstrata overrides or re-creates",
-        "deepspeed.runtime.swap_tensor.partitioned_param_swapper.AsyncPartitionedParameterSwapper.synchronize_writes, "
+        "deepspeed.runtime.swap_tensor.partitioned_param_swapper.AsyncPartitionedParameterSwapper.swap_into_buffer, "
         "which memstrata overrides or re-creates",
         "private name _get_norm_groups",
         "private name _partition_all_parameters",

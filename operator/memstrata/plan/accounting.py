@@ -332,6 +332,12 @@ def update_buffer_bytes(whole: int, piece: int, read_ahead: int, *, resident: in
     return _pages(peak)
 
 
+def param_staging_bytes(m: ModelArchitecture, w: int) -> int:
+    """Locked bytes per rank for weights streamed from NVMe: two layers in flight and the largest tensor gathered
+    once; the parameter swapper prefetches within it (SwapSettings.param_staging_bytes)."""
+    return _pages(2 * m.layer_params() * w) + _pages(m.largest_tensor() * w)
+
+
 def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool, read_ahead: int = 1,
                    streamed_bytes: int | None = None) -> int:
     """Page-locked host staging for all ranks on the node.
@@ -350,7 +356,7 @@ def pinned_buffers(job: JobShape, optimizer_on_nvme: bool, params_on_nvme: bool,
     per_rank = 0
     if job.engine == "memstrata":
         if params_on_nvme:
-            per_rank += _pages(2 * m.layer_params() * w) + _pages(m.largest_tensor() * w)
+            per_rank += param_staging_bytes(m, w)
         if optimizer_on_nvme:
             per_rank += streamed_bytes if streamed_bytes is not None else streamed_subgroup_bytes(job, 0, read_ahead)
         else:  # everything resident: only the gradients widened for the update (a slice at a time for a big one)

@@ -42,7 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from deepspeed import comm as dist
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartitionedParameterSwapper,
                                                                      PartitionedParamStatus)
-from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
+from deepspeed.runtime.swap_tensor.utils import swap_in_tensors, swap_out_tensors
 
 from memstrata.runtime.swap import layer as swaplayer
 from memstrata.runtime.swap.protocols import DsConfig, ZeroParam
@@ -187,6 +187,37 @@ class MemstrataParamSwapper(AsyncPartitionedParameterSwapper):
             if self.aio_write_handle.discard(self.id_to_path.pop(pid)):
                 freed += self.param_id_to_numel.pop(pid, 0) * self.swap_element_size
         return freed
+
+    # -- the 16-bit write-back after an update, through exact buffers ------------------------------------------
+    def reserve_partitioned_swap_space(self, partition_num_elems: list[int]) -> None:
+        """Stock locks a buffer for the largest sub-group's 16-bit partitions here, for the whole run (2 B x the
+        embedding); `swap_out_partitioned_params` takes exact buffers per call instead (a sub-group updated a
+        slice at a time writes its slices itself, memstrata.runtime.swap.sliced)."""
+
+    def swap_out_partitioned_params(self, dst_fp16_params: list[ZeroParam], src_fp32_params: list[torch.Tensor]
+                                    ) -> None:
+        """Cast each updated fp32 partition to the 16-bit dtype in an exact buffer and write it to its extent; the
+        buffers are freed once written."""
+        if len(dst_fp16_params) != len(src_fp32_params):
+            raise ValueError(f"{len(dst_fp16_params)} 16-bit parameters for {len(src_fp32_params)} fp32 partitions")
+        paths = self._get_swap_paths(dst_fp16_params, must_exist=True)
+        self.synchronize_writes()
+        buffers: list[torch.Tensor] = []
+        try:
+            for src in src_fp32_params:
+                buf = self.layer.param_pool.tensor(self._io_aligned_numel(src.numel()), self.dtype)
+                buffers.append(buf)
+                buf.narrow(0, src.numel(), buf.numel() - src.numel()).zero_()
+                buf.narrow(0, 0, src.numel()).copy_(src.reshape(-1))
+            swap_out_tensors(self.aio_write_handle, buffers, paths)
+        finally:
+            try:
+                self.aio_write_handle.wait()
+            finally:
+                for buf in buffers:
+                    self.layer.param_pool.free(buf)
+        for param in dst_fp16_params:
+            param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
 
     def reserve_available_buffers(self) -> list[torch.Tensor]:
         # Only used by the optimizer's fast_init, which memstrata's optimizer swapper does

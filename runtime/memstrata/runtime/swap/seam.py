@@ -334,6 +334,11 @@ SEAM: tuple[Dependency, ...] = (
                    ("reserve_available_buffers", ()), ("release_reserved_buffers", ()),
                    ("swap_in", ("params", "async_op", "swap_in_buffers")))],
     Dependency(Kind.CALLED, _PARAM_SWAPPER, "_get_swap_paths", "swap names of the parameters read", params=("params",)),
+    Dependency(Kind.OVERRIDDEN, _PARAM_SWAPPER, "reserve_partitioned_swap_space", "no buffer locked for the run: "
+               "the write-back after an update takes exact ones", params=("partition_num_elems",)),
+    Dependency(Kind.OVERRIDDEN, _PARAM_SWAPPER, "swap_out_partitioned_params", "the 16-bit write-back after an "
+               "update through exact buffers", params=("dst_fp16_params", "src_fp32_params")),
+    Dependency(Kind.CALLED, _PARAM_SWAPPER, "synchronize_writes", "pending writes before a write-back", params=()),
     Dependency(Kind.CALLED, _PARAM_SWAPPER, "_update_inflight_swap_in", "stock's in-flight bookkeeping (positional)",
                params=("params", "swap_in_buffers", "inflight_numel")),
     Dependency(Kind.CALLED, _PARAM_SWAPPER, "synchronize_reads", "a blocking swap_in", params=()),

@@ -45,7 +45,7 @@ from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.api.units import format_bytes
 from memstrata.node.header import DATA_OFFSET
-from memstrata.plan.accounting import STATE_BYTES_PER_ELEMENT
+from memstrata.plan.accounting import CACHED_SUBGROUPS, STATE_BYTES_PER_ELEMENT, param_staging_bytes
 from memstrata.plan.assignment import STOCK_GROUPS
 from memstrata.plan.stock import align_elements, largest_param, param_tensors, sub_group_size
 from memstrata.runtime.swap.layer import SwapSettings
@@ -55,7 +55,6 @@ __all__ = ["SwapStrata", "create_file_namespaces", "namespace_bytes", "nvme_stat
 
 OPTIMIZER_STATE = ("master", "optimizer")
 # The cache size the swap layer always had; the plan can only raise it.
-MIN_CACHE_SUBGROUPS = 1
 # Extents one sub-group can own: master, two moments, and fp32 gradients where they are swapped.
 EXTENTS_PER_SUBGROUP = 4
 # The largest logical block of a namespace (and the block of a file-backed one): each extent is padded to it.
@@ -153,6 +152,15 @@ def io_token_scope(env: Mapping[str, str]) -> str:
     return hashlib.sha256(f"{run}/{env.get('GROUP_RANK', '0')}".encode()).hexdigest()[:16]
 
 
+def _weight_bytes(plan: Plan) -> int:
+    """Bytes per element of the plan's 16-bit (or fp32) weights, from its weights category: a node holds
+    ranks_per_node / world_size of (parameters + LoRA adapters) x w."""
+    held = plan.parameters + (plan.trainable_parameters or 0)
+    weights = sum(c.bytes for c in plan.categories if c.category == "weights")
+    per = weights * plan.world_size / max(1, plan.ranks_per_node) / max(1, held)
+    return 4 if per > 3 else 2
+
+
 def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Path, env: Mapping[str, str]
                   ) -> SwapStrata:
     """The swap layer's settings for one rank of a node of the plan's `ranks_per_node` ranks, `run_dir` being that
@@ -172,10 +180,11 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
     weights_on_cxl = _bytes(plan, ("weights",), "cxl") >= _bytes(plan, ("weights",), "dram")
     base = SwapSettings(job=job, ranks_per_node=ranks, cxl_nodes=cxl, activations_on_cxl=on_cxl,
                         weights_on_cxl=weights_on_cxl,
-                        cache_subgroups=MIN_CACHE_SUBGROUPS,
+                        cache_subgroups=CACHED_SUBGROUPS,
                         resident_state_bytes=resident_state_bytes(plan),
                         prefetch_subgroups=plan.optimizer_read_ahead,
                         resident_weight_bytes=resident_weight_bytes(plan) if spills_weights else None,
+                        param_staging_bytes=param_staging_bytes(arch, _weight_bytes(plan)),
                         io_token_scope=io_token_scope(env))
     devices = _env_list(env, ENV_NVME_DEVICES)
     if devices:
