@@ -120,9 +120,7 @@ class DramGradients:
 
     def fill_fp32_gradients(self, fp32_param: torch.Tensor, dest: torch.Tensor) -> None:
         """Widen sub-group `fp32_param`'s gradients into `dest` (fp32, at least the sub-group's size)."""
-        for offset, numel, view in self._pieces(fp32_param):
-            dest.narrow(0, offset, numel).copy_(view)
-            self.bytes_widened += numel * dest.element_size()
+        self.fill_fp32_range(fp32_param, dest, 0, dest.numel())
 
     def fill_fp32_range(self, fp32_param: torch.Tensor, dest: torch.Tensor, start: int, length: int) -> None:
         """Widen elements [start, start + length) of sub-group `fp32_param`'s gradients into `dest` from its 0

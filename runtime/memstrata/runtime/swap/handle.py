@@ -131,9 +131,7 @@ class ExtentSwapHandle:
         extent = self._extents.get(path)
         if extent is not None and extent.nbytes != nbytes:
             # DeepSpeed rewrites a name only with the same aligned size; anything else is a new tensor.
-            engine.free(extent)
-            self.counters.extents_live -= 1
-            self.counters.extent_bytes_live -= extent.padded
+            self.discard(path)
             extent = None
         if extent is None:
             extent = engine.allocate(nbytes)
@@ -234,13 +232,6 @@ class ExtentSwapHandle:
         return self.pool.owns(t)
 
     # -- memstrata additions ---------------------------------------------------------------------
-    def forget(self, path: str) -> None:
-        extent = self._extents.pop(path, None)
-        if extent is not None and self.engine is not None:
-            self.engine.free(extent)
-            self.counters.extents_live -= 1
-            self.counters.extent_bytes_live -= extent.padded
-
     def _begin(self) -> None:
         if not self._token_held:
             # Only the update's I/O takes the node's token (MLP-Offload's contention is there). A parameter's
