@@ -41,6 +41,7 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
 
 from memstrata.runtime.swap import layer as swaplayer
+from memstrata.runtime.swap.adamstate import ADAM_STATE, name_state, zero_started_adam
 from memstrata.runtime.swap.gradients import DramGradients, config_dict
 from memstrata.runtime.strata.pinned import LockedPool
 from memstrata.runtime.swap.protocols import SwapInfo
@@ -185,21 +186,13 @@ class MemstrataOptimizerSwapper(PartitionedOptimizerSwapper):
         registered as its state tensors beside the master, as DeepSpeedCPUAdam would create them (step 0, zeros).
         Adam then updates them in place and the write-back sends them from the pool, as in every later step; stock
         lets Adam allocate them (8 B x the sub-group) and stages their first write through two more buffers."""
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
         opt = self.optimizer
-        if (type(opt) is not DeepSpeedCPUAdam or not getattr(opt, "fp32_optimizer_states", False)
-                or opt.state.get(parameter)):
+        if not zero_started_adam(opt) or opt.state.get(parameter):
             return
         n, aligned = info.numel(), self._io_aligned_numel(info.numel())
         fresh = self.swap_buffer_manager.allocate(aligned, 2, self.dtype)
-        moments = []
-        for name, buf in zip(("exp_avg", "exp_avg_sq"), fresh):
-            buf.zero_()
-            t = buf.narrow(0, 0, n)
-            t.ds_id = f"{name}-{parameter.ds_id}"  # type: ignore[attr-defined]  # stock's swap name of that state
-            moments.append(t)
-        opt.state[parameter].update(step=0, exp_avg=moments[0], exp_avg_sq=moments[1])
+        moments = [name_state(buf.zero_().narrow(0, 0, n), parameter, name) for name, buf in zip(ADAM_STATE, fresh)]
+        opt.state[parameter].update(step=0, **dict(zip(ADAM_STATE, moments)))
         cast(Any, info).add_state_tensors(moments)
         state_buffers = info.swap_buffers[:1] + fresh  # the master's buffer, then the moments'
         info.set_swap_buffers(state_buffers, aligned)

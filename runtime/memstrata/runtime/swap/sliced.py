@@ -17,7 +17,7 @@ in place, slice by slice, so only a slice's fp32 gradient is widened at once; on
 The next slice is read while one is updated (with `prefetch_subgroups` > 0), and its write-back completes behind
 the next one's update: at most three slices' buffers (one read ahead, one updated, one written) exist at once, so
 the update's locked buffers are bounded by the slice, whatever the tensor
-(`memstrata.plan.accounting.update_buffer_bytes` counts them).
+(`memstrata.plan.buffers.update_buffer_bytes` counts them).
 
 Exact: the unscale, Adam and the cast are elementwise; DeepSpeedCPUAdam's bias correction depends only on the step
 (calls with the same step leave its beta^t as it is); slices are whole multiples of 2048 elements, so no element
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 
+from memstrata.runtime.swap.adamstate import ADAM_STATE, name_state, zero_started_adam
 from memstrata.runtime.swap.protocols import ZeroOptimizer
 from memstrata.runtime.swap.resident import resident_ids
 
@@ -50,9 +51,6 @@ if TYPE_CHECKING:
     from memstrata.runtime.swap.optimizer import MemstrataOptimizerSwapper
 
 __all__ = ["SlicedUpdate", "install_sliced_update"]
-
-_STATE = ("exp_avg", "exp_avg_sq")  # DeepSpeedCPUAdam's state tensors, in the order it creates them
-
 
 class _Slice:
     """One slice's buffers: fp32 master and moments (12 B/element), then its gradient (4 B), which after Adam
@@ -92,13 +90,10 @@ class SlicedUpdate:
 
     def _sliceable(self, i: int, resident: set[int]) -> bool:
         z = self.zero
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
         # Only DeepSpeedCPUAdam's step is elementwise with a bias correction that a repeated step leaves alone;
         # torch autocast's GradScaler steps (and moves its scale) per call, and ZenFlow has a step of its own.
         return ((i in resident or bool(z._swappable_optimizer_subgroup(i))) and len(z.fp16_groups[i]) == 1
-                and int(z.fp16_partitioned_groups_flat_numel[i]) > self.slice
-                and type(z.optimizer) is DeepSpeedCPUAdam and bool(z.optimizer.fp32_optimizer_states)
+                and int(z.fp16_partitioned_groups_flat_numel[i]) > self.slice and zero_started_adam(z.optimizer)
                 and z.torch_autocast_gradscaler is None and not getattr(z, "zenflow", False))
 
     def param_ids(self) -> set[str]:
@@ -160,13 +155,13 @@ class SlicedUpdate:
         fp32 = self.zero.fp32_partitioned_groups_flat[i]
         state = self.zero.optimizer.state[fp32]
         if not state:
-            state.update(step=0, exp_avg=torch.zeros_like(fp32.data), exp_avg_sq=torch.zeros_like(fp32.data))
+            state.update(step=0, **{name: torch.zeros_like(fp32.data) for name in ADAM_STATE})
         step, new_step, n = int(state["step"]), int(state["step"]), fp32.numel()
         grad = self.swapper.swap_buffer_manager.allocate(self.slice, 1, torch.float32)[0]
         try:
             for start in range(0, n, self.slice):
                 length = min(self.slice, n - start)
-                views = [t.data.narrow(0, start, length) for t in (fp32, state["exp_avg"], state["exp_avg_sq"])]
+                views = [t.data.narrow(0, start, length) for t in (fp32, *(state[name] for name in ADAM_STATE))]
                 s = _Slice(start, length, length, [*views, grad])
                 new_step = self._adam(i, s, fp32, step, total_norm)
                 self._cast16(i, s)
@@ -180,18 +175,13 @@ class SlicedUpdate:
         """Before the first update: the moments' records and extents, as stock makes them from DeepSpeedCPUAdam's
         first step (`_get_state_tensors`), but sized on NVMe only."""
         state = self.zero.optimizer.state[fp32]
-        tensors = [state.setdefault(name, self._placeholder(fp32, name)) for name in _STATE]
+        tensors = [state.setdefault(name, name_state(torch.empty(0, dtype=torch.float32), fp32, name))
+                   for name in ADAM_STATE]
         info.add_state_tensors(tensors)
         nbytes = self.swapper._io_aligned_numel(info.numel()) * 4
         assert self._writer is not None
         for path in info.get_swap_paths()[1:]:
             self._writer.reserve(path, nbytes)
-
-    @staticmethod
-    def _placeholder(fp32: torch.Tensor, name: str) -> torch.Tensor:
-        t = torch.empty(0, dtype=torch.float32)
-        t.ds_id = f"{name}-{fp32.ds_id}"  # type: ignore[attr-defined]  # stock's swap name of that state
-        return t
 
     def _read(self, start: int, n: int, aligned: int, paths: list[str], first: bool, which: int) -> _Slice:
         buffers = self.swapper.swap_buffer_manager.allocate(self.slice, 3, torch.float32)
@@ -218,7 +208,7 @@ class SlicedUpdate:
         stand_in.data = s.view(0)
         stand_in.grad = grad.narrow(0, 0, s.length)
         z.fp32_partitioned_groups_flat[i] = stand_in
-        z.optimizer.state[stand_in] = {"step": step, "exp_avg": s.view(1), "exp_avg_sq": s.view(2)}
+        z.optimizer.state[stand_in] = {"step": step, **{name: s.view(k) for k, name in enumerate(ADAM_STATE, 1)}}
         try:
             self._unscale(i, total_norm)
             self._step(i)
@@ -297,31 +287,20 @@ def install_sliced_update(zero: ZeroOptimizer, swapper: MemstrataOptimizerSwappe
     if not sliced.ids:
         return sliced
     swapper.readahead.never_read |= sliced.param_ids()
-    stepping = [False]
 
     def hook(name: str, body: Callable[..., Any]) -> None:
         original = getattr(zero, name)
 
         @functools.wraps(original)
         def call(sub_group_id: int, *args: Any, **kwargs: Any) -> Any:
-            if stepping[0] and sub_group_id in sliced.ids and (name == "_prepare_sub_group"
-                                                               or sliced.active == sub_group_id):
+            # `swapper.stepping` (memstrata.runtime.swap.integration): only a step's loop is sliced. The loop calls
+            # `_prepare_sub_group` first for every sub-group, so an `active` left by a failed step is replaced.
+            if swapper.stepping and sub_group_id in sliced.ids and (name == "_prepare_sub_group"
+                                                                    or sliced.active == sub_group_id):
                 return body(sub_group_id, *args, **kwargs)
             return original(sub_group_id, *args, **kwargs)
 
         setattr(zero, name, call)
-
-    original_step = zero.step
-
-    @functools.wraps(original_step)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        stepping[0] = True
-        try:
-            return original_step(*args, **kwargs)
-        finally:
-            stepping[0], sliced.active = False, None
-
-    zero.step = step
 
     def prepare(i: int, *_: Any) -> None:
         sliced.active = i  # nothing is swapped in: the slices are read by the update itself
