@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from memstrata.api.architecture import PRESETS, ModelArchitecture
-from memstrata.plan.accounting import JobShape, category_bytes, pinned_buffers, streamed_subgroup_bytes
+from memstrata.plan.accounting import JobShape, category_bytes
+from memstrata.plan.buffers import pinned_buffers, streamed_subgroup_bytes
 
 
 @pytest.mark.parametrize("preset,params", [
@@ -57,7 +58,7 @@ def test_memstrata_pins_less_than_tuned_stock() -> None:
     Stock, as dsconfig tunes it: 8 parameter buffers of the largest tensor, 8*38,633,472*2 = 618,135,552,
     plus 4 optimizer buffers of (sub-group 38,633,472 + one tensor of overshoot)*4 B = 1,236,271,104.
     memstrata: 2 layers (2*7,087,872*2 = 28,351,488 -> 28,352,512 page-rounded) + the largest tensor
-    (77,266,944), plus the update's buffers (memstrata.plan.accounting.update_buffer_bytes): the embedding
+    (77,266,944), plus the update's buffers (memstrata.plan.buffers.update_buffer_bytes): the embedding
     streams in slices of the unit rounded down to 2048 elements (7,086,080), the rest whole, the largest of which
     is a layer (7,087,872) that the 1,572,864-element position table pushed over a layer boundary and that ends
     with the next layer's 1,572,096 leading elements, 8,659,968 (memstrata.plan.accounting.group_tensors;

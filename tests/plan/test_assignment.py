@@ -113,7 +113,7 @@ def test_stock_deepspeed_gets_all_or_nothing_offload_and_no_cxl(cxl_node: NodeIn
 def test_dram_budget_spills_to_nvme() -> None:
     """gpt-125m on the CPU under a 1.25 GiB budget (1,342,177,280 B). memstrata: the weights fit in DRAM, so only
     the optimizer state streams, the embedding's 38,633,472-element sub-group a slice at a time: the update's
-    buffers are 346,398,720 (memstrata.plan.accounting.update_buffer_bytes; no tensor's size in it) ->
+    buffers are 346,398,720 (memstrata.plan.buffers.update_buffer_bytes; no tensor's size in it) ->
     995,778,560 left; gradients 250,524,672, checkpoints 9,437,184 (12*512*768*2), weights 250,524,672 ->
     485,292,032 left for the 1,503,148,032 B of master + moments, split as a sub-group holds them (4 of 12 bytes
     master): master 161,764,010 and moments 323,528,022 in DRAM, the rest on NVMe.

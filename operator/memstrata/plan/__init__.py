@@ -5,7 +5,8 @@
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.inventory import NodeInventory
 from memstrata.api.lora import adapter_tensor_sizes
-from memstrata.plan.accounting import JobShape, build_transient, category_bytes, pinned_buffers, working_set
+from memstrata.plan.accounting import JobShape, build_transient, category_bytes, working_set
+from memstrata.plan.buffers import pinned_buffers
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, Shortfall, StratumUse
 from memstrata.plan.assignment import plan_for_node
 

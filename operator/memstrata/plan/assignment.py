@@ -16,8 +16,8 @@ from memstrata.api.strata import names, preferred_strata, registry, stratum, tit
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
 from memstrata.api.units import format_bytes
 from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, build_transient,
-                                      category_bytes, pinned_buffers, streamed_subgroup_bytes, subgroup_sizes,
-                                      subgroup_unit, trained_parameters, working_set)
+                                      category_bytes, subgroup_sizes, subgroup_unit, trained_parameters, working_set)
+from memstrata.plan.buffers import pinned_buffers, streamed_subgroup_bytes
 from memstrata.plan.capacity import NVME_NOTE, Ledger, capacities
 
 # The order in which the model state's categories are placed; each goes to the strata that may hold it

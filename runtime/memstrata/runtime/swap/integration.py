@@ -315,16 +315,15 @@ def _mark_steps(opt: ZeroOptimizer, swapper: Any) -> None:
 
 
 def _update_buffer_bytes(opt: ZeroOptimizer, layer: SwapLayer) -> int:
-    """What the update's buffers take at once, by the planner's rule (memstrata.plan.accounting.update_buffer_bytes)
+    """What the update's buffers take at once, by the planner's rule (memstrata.plan.buffers.update_buffer_bytes)
     applied to this optimizer's real sub-groups: the optimizer pool locks that once, for the run."""
-    from memstrata.plan.accounting import update_buffer_bytes
+    from memstrata.plan.buffers import subgroups_update_bytes
     from memstrata.runtime.swap.resident import resident_ids
 
     sizes = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
     sliced = layer.sliced
     ids, piece = (sliced.ids, sliced.slice) if sliced is not None else (set[int](), 0)
-    resident = resident_ids(opt)
-    whole = max((n for i, n in enumerate(sizes) if opt._swappable_optimizer_subgroup(i) and i not in ids), default=0)
-    held = max((piece if i in ids else sizes[i] for i in resident), default=0)
-    return update_buffer_bytes(whole, piece if ids - resident else 0, layer.settings.prefetch_subgroups,
-                               resident=held, cached=layer.settings.cache_subgroups)
+    streamed = {i for i in range(len(sizes)) if opt._swappable_optimizer_subgroup(i)}
+    return subgroups_update_bytes(sizes, sliced=ids, streamed=streamed, resident=resident_ids(opt), piece=piece,
+                                  read_ahead=layer.settings.prefetch_subgroups,
+                                  cached=layer.settings.cache_subgroups)

@@ -110,7 +110,7 @@ class SwapSettings(BaseModel):
     one_pass_overflow: bool = Field(True, description="Replace ZeRO-3's fp16 inf/nan check with the one-pass one.")
     trim_after_step: bool = Field(
         True, description="After each update, give back the optimizer pool's regions beyond the one locked for the "
-                          "update's buffers (sized once by memstrata.plan.accounting.update_buffer_bytes, kept for "
+                          "update's buffers (sized once by memstrata.plan.buffers.update_buffer_bytes, kept for "
                           "the run): what a first step or a checkpoint needed beyond it.")
     dram_gradients: bool = Field(
         True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "

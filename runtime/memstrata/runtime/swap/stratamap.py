@@ -45,7 +45,8 @@ from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.api.units import format_bytes
 from memstrata.node.header import DATA_OFFSET
-from memstrata.plan.accounting import CACHED_SUBGROUPS, STATE_BYTES_PER_ELEMENT, param_staging_bytes
+from memstrata.plan.accounting import CACHED_SUBGROUPS, STATE_BYTES_PER_ELEMENT
+from memstrata.plan.buffers import param_staging_bytes
 from memstrata.plan.assignment import STOCK_GROUPS
 from memstrata.plan.stock import align_elements, largest_param, param_tensors, sub_group_size
 from memstrata.runtime.swap.layer import SwapSettings
