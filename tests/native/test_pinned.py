@@ -255,6 +255,27 @@ def test_a_pool_waits_for_pending_copies_before_it_grows_and_unregisters_what_it
     assert dma.registered == {} and dma.unregistrations == 2 and all(state[0] for state in dma.open)
 
 
+def test_a_reserved_region_is_registered_once_and_outlives_trim() -> None:
+    """The update's buffers are carved from one region locked once (`reserve`): on a GPU it is registered once,
+    exactly its size; its freed buffers wait for their copies like any other; trim gives back only what grew beyond
+    it, and close unregisters it last."""
+    dma = _Copies()
+    pool = LockedPool(MiB, lock=False, dma=dma)
+    assert pool.reserve(3 * MiB + 1) == 3 * MiB + 4096 and pool.locked_bytes == 3 * MiB + 4096
+    assert dma.registrations == 1 and list(dma.registered.values()) == [3 * MiB + 4096]
+    a, b = pool.take(MiB), pool.take(2 * MiB)  # both inside the reserved region: nothing more registered
+    extra = pool.take(MiB)  # beyond it: a chunk of its own
+    assert dma.registrations == 2 and pool.locked_bytes == 4 * MiB + 4096
+    for t in (a, b, extra):
+        pool.free(t)
+    assert pool.in_use == 4 * MiB  # freed with copies pending: not reusable yet
+    dma.copies_ran()
+    assert pool.trim() == MiB and dma.unregistrations == 1  # the chunk goes; the reserved region stays
+    assert pool.locked_bytes == 3 * MiB + 4096 and pool.owns(pool.take(3 * MiB)) and dma.registrations == 2
+    pool.close()
+    assert dma.registered == {} and dma.unregistrations == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU: registration and DMA")
 def test_on_a_gpu_a_freed_buffer_is_not_refilled_while_its_copy_to_the_device_waits() -> None:
