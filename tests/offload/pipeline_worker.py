@@ -8,8 +8,13 @@ prefetch hits and the optimizer pool's bytes in use vs the DRAM cache's after ev
 (the path an fp16 overflow takes, which this CPU's DeepSpeed cannot run).
 `fail-at=N`: Adam of the second sub-group of step N raises; the step's current sub-group is released
 as a caller that catches the error would, and the pool is measured again.
-`param=cpu`: the 16-bit weights stay in DRAM (offload_param cpu) instead of going to NVMe.
+`param=cpu`: the 16-bit weights stay in DRAM (offload_param cpu) instead of going to NVMe; `param=none`: on the
+accelerator. DS_ACCELERATOR (default cpu) names the accelerator.
 `init-chunk=N`: the fp32 master is first written N elements at a time (memstrata.runtime.swap.optimizer.INIT_CHUNK).
+`warmup=N`: DeepSpeed's WarmupLR over N steps, so the learning rate changes every step.
+`fail-late=1`: the failing Adam first waits (up to 60 s) for the next forward to begin.
+`hold-last=1`: the first update's last Adam waits (up to 60 s) for the next forward to begin; whether it began
+is recorded (`held`).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,9 @@ def main() -> None:
     Path(swap_dir).mkdir(parents=True, exist_ok=True)
     cfg = ds_config(arch, swap_dir=swap_dir, batch=2, precision="bf16", profile="tuned",
                     param_device=opts.get("param", "nvme"))
+    if "warmup" in opts:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                           "warmup_num_steps": int(opts["warmup"])}}
     if "sub-group" in opts:  # smaller sub-groups: more of them to pipeline
         cfg["zero_optimization"]["sub_group_size"] = int(opts["sub-group"])
     swap: dict[str, Any] = {"nvme": [device], **json.loads(swap_json)}
@@ -72,11 +81,17 @@ def main() -> None:
             h.on_io = lambda _k, t0, t1, role=role: io.append((role, t0, t1))
     adam: list[tuple[float, float]] = []
     inner = opt._optimizer_step
-    current_step = [0]
+    current_step, walks, held = [0], [0], []
+    forward_began = {step: threading.Event() for step in range(1, int(steps) + 2)}
 
     def timed(position: int, *args: Any, **kwargs: Any) -> Any:
-        if current_step[0] == fail_at and position == 1:
+        walks[0] += position == 0
+        if walks[0] == fail_at and position == 1:
+            if opts.get("fail-late"):  # after the next forward began: an update beside it fails there
+                held.append(forward_began[walks[0] + 1].wait(60))
             raise InjectedFailure("injected")
+        if opts.get("hold-last") and walks[0] == 1 and position == len(opt.fp16_groups) - 1:
+            held.append(forward_began[2].wait(60))
         t0 = time.monotonic()
         try:
             return inner(position, *args, **kwargs)
@@ -85,22 +100,27 @@ def main() -> None:
 
     opt._optimizer_step = timed
     gen = torch.Generator().manual_seed(7)
+    lrs: list[float] = []
     losses, hits, in_use, cache, skipped, locked = [], [], [], [], [], []
     failure: dict[str, Any] = {}
     for step in range(1, int(steps) + 1):
         current_step[0] = step
-        ids = torch.randint(0, 200, (2, 32), generator=gen)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss * float("inf") if step == overflow_at else loss)
+        ids = torch.randint(0, 200, (2, 32), generator=gen).to(engine.device)
+        forward_began[step].set()
+        at = "forward"  # an update beside the forward (memstrata.runtime.swap.overlap) raises in the next one
         try:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss * float("inf") if step == overflow_at else loss)
+            at = "step"
             engine.step()
-        except InjectedFailure:
+        except InjectedFailure as exc:
             walked = layer.subgroup_order.history[-1]
             swapper.release_swap_buffers(opt.fp32_partitioned_groups_flat[walked[-1]])
             failure = {"step": step, "walked": walked, "in_use": layer.pool.in_use, "cache": layer.cache_bytes,
-                       "reads_in_flight": len(ra._reads)}
+                       "reads_in_flight": len(ra._reads), "at": at, "notes": getattr(exc, "__notes__", [])}
             break
         losses.append(float(loss.detach().float()))
+        lrs.append(engine.get_lr()[0])
         hits.append(layer.prefetch_hits)
         in_use.append(layer.pool.in_use)
         cache.append(layer.cache_bytes)
@@ -122,7 +142,8 @@ def main() -> None:
         "slices": layer.sliced.slices_updated if layer.sliced is not None else 0,
         "numels": [int(n) for n in opt.fp16_partitioned_groups_flat_numel],
         "param_bytes": layer.counters.by_kind.get("param", [0, 0]),
-        "status": layer.status().dram.wire(),
+        "status": layer.status().dram.wire(), "overlap": layer.status().update_overlap.wire(), "held": held,
+        "lrs": lrs,
     }))
     layer.close()
 

@@ -160,3 +160,56 @@ def test_a_planned_layer_takes_nothing_from_deepspeeds_config(monkeypatch: pytes
     with pytest.raises(ValueError, match="name no NVMe namespace and the DeepSpeed config has no "
                                          r"zero_optimization.offload_\*.nvme_path"):
         integration.open_layer(bare, SwapSettings(lock_memory=False), numel=1000)
+
+
+def test_the_update_thread_takes_the_ranks_gpu_and_waits_for_its_copies_to_it() -> None:
+    """CUDA's current device is per thread and starts at 0: the update thread (memstrata.runtime.swap.overlap) is
+    put on the rank's device, and a 16-bit partition it wrote on the accelerator is waited for before the
+    forward may gather it; on the CPU neither touches the accelerator."""
+    from memstrata.runtime.swap.overlap import bind_thread, fence
+
+    calls: list[Any] = []
+    stream = SimpleNamespace(synchronize=lambda: calls.append("synchronize"))
+    accelerator = SimpleNamespace(set_device=lambda index: calls.append(("set_device", index)),
+                                  current_stream=lambda: stream)
+    bind_thread(accelerator, torch.device("cuda", 3))
+    assert calls == [("set_device", 3)]
+    fence(accelerator, torch.empty(8, device="meta"))  # any device but the host's: the copy ran on a stream
+    assert calls[-1] == "synchronize"
+    calls.clear()
+    bind_thread(accelerator, torch.device("cpu"))
+    fence(accelerator, torch.empty(8))
+    fence(accelerator, None)  # no 16-bit flat partition (weights swapped): nothing to wait for
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the update thread's device and the fence "
+                                                          "on its copies are CUDA's")
+@pytest.mark.parametrize("param", ["cpu", "none"])
+def test_on_a_gpu_the_update_beside_the_forward_trains_bit_for_bit_as_in_place(tmp_path: Path, param: str) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("pipeline_worker.py")
+    repo = worker.parents[2]
+    runs = {}
+    for overlap in (True, False):
+        namespace = tmp_path / f"ns-{overlap}.img"
+        namespace.write_bytes(b"")
+        os.truncate(namespace, 512 << 20)
+        out = tmp_path / f"{overlap}.json"
+        swap = {"prefetch_subgroups": 1, "cache_subgroups": 1, "overlap_update": overlap}
+        env = {**os.environ, "DS_ACCELERATOR": "cuda",
+               "PYTHONPATH": os.pathsep.join([str(repo / "runtime"), str(repo / "operator")])}
+        proc = subprocess.run([sys.executable, str(worker), str(namespace), str(tmp_path / f"swap-{overlap}"),
+                               str(out), json.dumps(swap), "4", "sub-group=65536", f"param={param}", "warmup=5",
+                               *(["hold-last=1"] if overlap else [])],
+                              env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[overlap] = json.loads(out.read_text())
+    assert runs[True]["held"] == [True] and runs[True]["overlap"]["on"], runs[True]["overlap"]
+    assert runs[True]["losses"] == runs[False]["losses"]
+    assert runs[True]["weights"] == runs[False]["weights"]

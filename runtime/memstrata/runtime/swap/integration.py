@@ -43,6 +43,10 @@ Hook points:
    nothing reads what it makes; and `offload_optimizer.fast_init` is turned on
    where the weights are on NVMe, so the fp32 master is written a chunk at a time
    (memstrata.runtime.swap.optimizer).
+11. `step` outermost, each trainable parameter's `all_gather`/`all_gather_coalesced`, the engine's `forward`,
+   `backward`, checkpoint and save methods and the optimizer's `state_dict`/`load_state_dict`
+   (memstrata.runtime.swap.overlap): the update runs beside the next forward, which waits per sub-group for the
+   weights it gathers, and is joined when that forward ends and before anything else reads the optimizer.
 
 Everything else - partitioning, the coordinator, the CPU Adam step - is stock.
 """
@@ -260,6 +264,8 @@ def initialize(*args: Any, swap: SwapSettings | dict[str, Any] | None = None, la
     opt = _zero3(engine)
     if opt is not None:
         _install_step_hooks(opt, layer)
+        if layer.overlap is not None:
+            layer.overlap.wrap_engine(engine)
         if settings.one_pass_overflow and engine.fp16_enabled():
             opt.has_overflow = types.MethodType(_one_pass_has_overflow(layer), opt)
     return result
@@ -287,15 +293,37 @@ def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
 
             layer.sliced = install_sliced_update(opt, swapper, layer.dram_gradients, layer,
                                                  settings.slice_elements or slice_elements(int(opt.sub_group_size)))
+        overlap = _overlap(opt, layer)
         # The order hook also drives the pipelined update's read-ahead, so it is there whenever either is on.
-        if settings.cache_subgroups > 0 or settings.prefetch_subgroups > 0:
+        if settings.cache_subgroups > 0 or settings.prefetch_subgroups > 0 or overlap is not None:
             from memstrata.runtime.swap.suborder import install_reversing_order
 
-            layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups)
+            layer.subgroup_order = install_reversing_order(opt, swapper, settings.cache_subgroups,
+                                                           overlap.order if overlap is not None else None)
         if layer.dram_gradients is not None:
             layer.pool.reserve(_update_buffer_bytes(opt, layer))
     if settings.trim_after_step:
         _trim_after_step(opt, layer)
+    if layer.overlap is not None:  # outermost: the whole step, trimming included, runs on the update thread
+        layer.overlap.wrap_step()
+        layer.overlap.wrap_params()
+
+
+def _overlap(opt: ZeroOptimizer, layer: SwapLayer) -> Any:
+    """The overlapped update's loop hooks (under the order hook, so they see real sub-group ids), or None where
+    it is off or refused (the reason kept for the status)."""
+    if not layer.settings.overlap_update:
+        layer.overlap_refused = "overlap_update is off"
+        return None
+    from memstrata.runtime.swap.overlap import OverlappedUpdate, refusal
+
+    reason = refusal(opt)
+    if reason is not None:
+        layer.overlap_refused = reason
+        return None
+    layer.overlap = OverlappedUpdate(opt)
+    layer.overlap.wrap_loop()
+    return layer.overlap
 
 
 def _mark_steps(opt: ZeroOptimizer, swapper: Any) -> None:

@@ -26,7 +26,8 @@ from memstrata.runtime.strata.affinity import TensorKind, place
 from memstrata.runtime.strata.dma import DmaDevice, dma_device
 from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters
 from memstrata.runtime.swap.pinning import Pins
-from memstrata.runtime.swap.status import ActivationStatus, DramStatus, MovedBytes, NvmeStatus, SwapStatus
+from memstrata.runtime.swap.status import (ActivationStatus, DramStatus, MovedBytes, NvmeStatus, OverlapStatus,
+                                           SwapStatus)
 from memstrata.runtime.swap.tokens import IoTokens
 
 __all__ = ["SwapSettings", "SwapLayer", "active", "activate", "node_ranks", "release_free_heap"]
@@ -112,6 +113,9 @@ class SwapSettings(BaseModel):
         True, description="After each update, give back the optimizer pool's regions beyond the one locked for the "
                           "update's buffers (sized once by memstrata.plan.buffers.update_buffer_bytes, kept for "
                           "the run): what a first step or a checkpoint needed beyond it.")
+    overlap_update: bool = Field(
+        True, description="Run each update beside the next forward, which waits per sub-group for the weights it "
+                          "gathers (memstrata.runtime.swap.overlap); where refused, the update runs in place.")
     dram_gradients: bool = Field(
         True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "
                           "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.swap.gradients).")
@@ -248,6 +252,8 @@ class SwapLayer:
         self.subgroup_order: Any = None  # memstrata.runtime.swap.suborder.SubGroupOrder, once installed
         self.dram_gradients: Any = None  # memstrata.runtime.swap.gradients.DramGradients, once installed
         self.sliced: Any = None  # memstrata.runtime.swap.sliced.SlicedUpdate, once installed
+        self.overlap: Any = None  # memstrata.runtime.swap.overlap.OverlappedUpdate, once installed
+        self.overlap_refused = "not installed"
         self.io_log: list[tuple[str, float, float]] | None = None  # tests: (kind, start, end) per I/O batch
 
     @classmethod
@@ -360,6 +366,8 @@ class SwapLayer:
                 vm_locked_bytes=vm_locked_bytes(),
             ),
             activations=self._activation_status(),
+            update_overlap=(self.overlap.report() if self.overlap is not None
+                            else OverlapStatus(on=False, refused=self.overlap_refused)),
         )
 
     def close(self) -> None:
@@ -377,6 +385,8 @@ class SwapLayer:
             if self.activations is not None:
                 stack.callback(self.activations.pool.close)
                 stack.callback(self.activations.drop)
+            if self.overlap is not None:  # first: an update still running uses the pools and the engine
+                stack.callback(self.overlap.join_quietly)
 
 
 def _unlink(path: str) -> None:

@@ -31,6 +31,8 @@ class ZeroParam(Protocol):
     ds_id: int
     ds_tensor: PartitionedTensor
     nvme_swapper: Any  # the parameter swapper, on a parameter whose partition goes to NVMe
+    all_gather: Callable[..., Any]  # wrapped on the instance (memstrata.runtime.swap.overlap)
+    all_gather_coalesced: Callable[..., Any]
 
 
 class SwapInfo(Protocol):
@@ -81,6 +83,15 @@ class ZeroOptimizer(Protocol):
     _optimizer_step: Callable[..., object]
     _unflatten_partitioned_parameters: Callable[[int], None]
     torch_autocast_gradscaler: Any
+    # The overlapped update (memstrata.runtime.swap.overlap): what refuses it, the forward's parameter order, the
+    # calls it signals from and the ones it joins before.
+    module: Any
+    persistent_parameters: list[Any]
+    zero_hpz_partition_size: int
+    use_muon: bool
+    _reassign_or_swap_out_partitioned_parameters: Callable[[int], object]
+    state_dict: Callable[..., Any]
+    load_state_dict: Callable[..., Any]
 
     # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.
     @overload
@@ -97,6 +108,7 @@ class Engine(Protocol):
 
     optimizer: object
     memstrata: SwapLayer  # memstrata's own, set by initialize: the engine's swap layer
+    forward: Callable[..., Any]  # wrapped on the instance (memstrata.runtime.swap.overlap)
 
     def fp16_enabled(self) -> bool: ...
 

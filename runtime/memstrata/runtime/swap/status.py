@@ -11,7 +11,8 @@ from pydantic import Field
 
 from memstrata.api.base import ApiModel
 
-__all__ = ["ActivationStatus", "DramStatus", "GradientStatus", "MovedBytes", "NvmeStatus", "SwapStatus"]
+__all__ = ["ActivationStatus", "DramStatus", "GradientStatus", "MovedBytes", "NvmeStatus", "OverlapStatus",
+           "SwapStatus"]
 
 
 class _Status(ApiModel):
@@ -83,7 +84,22 @@ class ActivationStatus(_Status):
     locked_bytes: int = Field(description="The activation pool's regions now.")
 
 
+class OverlapStatus(_Status):
+    """The optimizer update run beside the next forward (memstrata.runtime.swap.overlap)."""
+
+    on: bool = Field(description="Whether updates run beside the forward; false: each runs in place.")
+    refused: str = Field("", description="Why they do not (on false), in words.")
+    updates: int = Field(0, description="Updates that ran beside a forward, in all.")
+    update_seconds: float = Field(0.0, description="Their time on the update thread, in all.")
+    forward_waits: int = Field(0, description="Gathers that waited for their sub-group's update.")
+    forward_wait_seconds: float = Field(0.0, description="The forward's time waiting for them, in all.")
+    join_wait_seconds: float = Field(0.0, description="Time waiting for updates to end (when the forward ended, "
+                                                      "before a checkpoint or the next step), in all.")
+
+
 class SwapStatus(_Status):
     nvme: NvmeStatus
     dram: DramStatus
+    update_overlap: OverlapStatus = Field(default_factory=lambda: OverlapStatus(on=False),
+                                          description="The update beside the forward.")
     activations: ActivationStatus | None = Field(None, description="None: no activation was offloaded.")

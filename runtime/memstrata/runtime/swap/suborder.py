@@ -16,6 +16,11 @@ With the order reversed each step, the K sub-groups updated last in step i
 are the first K of step i+1: the optimizer swapper keeps exactly those in
 DRAM (its `keep` set) and writes every other one back to NVMe.
 
+Where the update runs beside the next forward (memstrata.runtime.swap.overlap),
+the order is fixed instead, the forward's, so the forward's first layers are
+updated first; the K kept are then the first K, which the next update starts
+on without reading while the read-ahead fetches what follows.
+
 The same walk drives the pipelined update (memstrata.runtime.swap.readahead):
 the swapper is told this step's swappable sub-groups in order before the loop,
 and the pipeline is drained right after the loop's last `_release_sub_group`
@@ -40,14 +45,18 @@ __all__ = ["install_reversing_order", "SubGroupOrder"]
 class SubGroupOrder:
     """Per-optimizer state of the hook: this step's order, whether the loop is running, what was walked."""
 
-    def __init__(self, groups: int, cache_slots: int) -> None:
-        self.groups, self.cache_slots = groups, cache_slots
+    def __init__(self, groups: int, cache_slots: int, fixed: list[int] | None = None) -> None:
+        self.groups, self.cache_slots, self.fixed = groups, cache_slots, fixed
         self.order: list[int] = list(range(groups))
         self.in_loop = False
         self.history: list[list[int]] = []  # sub-group ids in update order, per walk (a few ints per step)
 
     def next_order(self) -> list[int]:
-        """The reverse of the last walk. Counted in walks, not calls: a step skipped on overflow walks nothing."""
+        """The reverse of the last walk. Counted in walks, not calls: a step skipped on overflow walks nothing.
+        A fixed order (the overlapped update's: the forward's) is every step's."""
+        if self.fixed is not None:
+            self.order = list(self.fixed)
+            return self.order
         forward = list(range(self.groups))
         self.order = forward if len(self.history) % 2 == 0 else forward[::-1]
         return self.order
@@ -56,16 +65,18 @@ class SubGroupOrder:
         """Sub-groups to leave in DRAM this step: the last K swapped ones walked (the first K of the next step).
         Sub-groups too small to swap stay in DRAM anyway and must not take a cache slot."""
         candidates = [g for g in self.order if swappable(g)]
+        if self.fixed is not None:  # the same first K every step: the next update starts on them, unread
+            return candidates[:self.cache_slots]
         return candidates[len(candidates) - min(self.cache_slots, len(candidates)):] if self.cache_slots else []
 
 
 def install_reversing_order(optimizer: ZeroOptimizer, swapper: MemstrataOptimizerSwapper,
-                            cache_slots: int) -> SubGroupOrder:
+                            cache_slots: int, fixed: list[int] | None = None) -> SubGroupOrder:
     """Wrap `optimizer.step` and the loop's per-sub-group methods; tell `swapper` which ids to keep each step.
 
     The loop's calls (seam.STEP_LOOP) and every other name used here are checked by memstrata.runtime.swap.seam
     before initialize."""
-    state = SubGroupOrder(len(optimizer.fp16_groups), cache_slots)
+    state = SubGroupOrder(len(optimizer.fp16_groups), cache_slots, fixed)
 
     def translated(name: str) -> None:
         original = getattr(optimizer, name)  # what the instance has now: the class's, or a wrapper installed first
