@@ -25,6 +25,9 @@ LOOP_BYTES = 64 << 30  # sparse: only what memstrata writes is allocated
 STOCK_PROFILES = {"stock-default": ("default", "nvme", "nvme"), "stock-tuned": ("tuned", "nvme", "nvme"),
                   "stock-cpu": ("tuned", "cpu", "cpu")}
 CONTENDERS = ("memstrata", *STOCK_PROFILES)
+# memstrata with each update in place, after step() and before the next forward (SwapSettings.overlap_update off):
+# the baseline of the update beside the forward (benchmarks/offload/overlap.py). Not among CONTENDERS.
+IN_PLACE = "memstrata-in-place"
 
 
 def job_shape(arch: Any, seq: int, batch: int, engine: str, gpu: bool = False) -> Any:
@@ -67,7 +70,7 @@ def stock_cpu_bytes(arch: Any, seq: int, batch: int, scratch: Path, gpu: bool = 
 
 
 def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, work: Path, loop: str,
-                   gpu: bool = False) -> tuple[dict[str, Any], list[str]]:
+                   gpu: bool = False, overlap: bool = True) -> tuple[dict[str, Any], list[str]]:
     """(what the run records about its plan, the harness arguments that run it) for a DRAM budget."""
     from memstrata.api.finetunejob import MemoryPolicy
     from memstrata.plan.assignment import plan_for_node
@@ -79,6 +82,7 @@ def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, 
     # As in a pod: the device plugin grants a namespace only to a plan that puts something on NVMe.
     env = {"MEMSTRATA_NVME_DEVICES": loop} if plan.bytes_on("nvme") else {}
     settings = swap_settings(plan, arch, job="bench", run_dir=work, env=env).settings
+    settings = settings.model_copy(update={"overlap_update": overlap})
     param_dev, optim_dev = offload_devices(plan)
     record = {"dram_budget_bytes": budget, "feasible": plan.feasible,
               "shortfalls": [s.message for s in plan.shortfalls],
@@ -114,11 +118,12 @@ def run_contender(contender: str, *, arch_name: str, arch: Any, seq: int, batch:
                   "--zero-init", "--precision", "bf16", "--swap-dir", str(work / "swap"), "--out", str(out),
                   *(["--gpu"] if gpu else [])]
         devices = [backing]
-        if contender == "memstrata":
+        if contender in ("memstrata", IN_PLACE):
             loop = attach_loop(work)
             devices.append(Path(loop).name)
             try:
-                rec["plan"], extra = memstrata_plan(arch, seq, batch, scratch, cap["bytes"] - base, work, loop, gpu)
+                rec["plan"], extra = memstrata_plan(arch, seq, batch, scratch, cap["bytes"] - base, work, loop, gpu,
+                                                    overlap=contender == "memstrata")
             except ValueError as exc:  # the planner or stratamap refused: that is the result at this cap
                 rec["error"] = f"no plan: {exc}"
                 return rec

@@ -13,8 +13,9 @@ accelerator. DS_ACCELERATOR (default cpu) names the accelerator.
 `init-chunk=N`: the fp32 master is first written N elements at a time (memstrata.runtime.swap.optimizer.INIT_CHUNK).
 `warmup=N`: DeepSpeed's WarmupLR over N steps, so the learning rate changes every step.
 `fail-late=1`: the failing Adam first waits (up to 60 s) for the next forward to begin.
-`hold-last=1`: the first update's last Adam waits (up to 60 s) for the next forward to begin; whether it began
-is recorded (`held`).
+`hold-last=W[,W2]`: the last Adam of update W waits (up to `hold-seconds`, 60) for the next forward to begin;
+whether it began is recorded (`held`).
+`ckpt-after=N`: right after step N's step(), memstrata's checkpoint reads every sub-group (`ckpt`: digest, seconds).
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def main() -> None:
     adam: list[tuple[float, float]] = []
     inner = opt._optimizer_step
     current_step, walks, held = [0], [0], []
+    holds = set(opts.get("hold-last", "").split(","))
     forward_began = {step: threading.Event() for step in range(1, int(steps) + 2)}
 
     def timed(position: int, *args: Any, **kwargs: Any) -> Any:
@@ -90,8 +92,8 @@ def main() -> None:
             if opts.get("fail-late"):  # after the next forward began: an update beside it fails there
                 held.append(forward_began[walks[0] + 1].wait(60))
             raise InjectedFailure("injected")
-        if opts.get("hold-last") and walks[0] == 1 and position == len(opt.fp16_groups) - 1:
-            held.append(forward_began[2].wait(60))
+        if str(walks[0]) in holds and position == len(opt.fp16_groups) - 1:
+            held.append(forward_began[walks[0] + 1].wait(float(opts.get("hold-seconds", 60))))
         t0 = time.monotonic()
         try:
             return inner(position, *args, **kwargs)
@@ -101,6 +103,7 @@ def main() -> None:
     opt._optimizer_step = timed
     gen = torch.Generator().manual_seed(7)
     lrs: list[float] = []
+    ckpt: dict[str, Any] = {}
     losses, hits, in_use, cache, skipped, locked = [], [], [], [], [], []
     failure: dict[str, Any] = {}
     for step in range(1, int(steps) + 1):
@@ -113,6 +116,8 @@ def main() -> None:
             engine.backward(loss * float("inf") if step == overflow_at else loss)
             at = "step"
             engine.step()
+            if step == int(opts.get("ckpt-after", 0)):
+                ckpt = checkpoint_digest(opt)
         except InjectedFailure as exc:
             walked = layer.subgroup_order.history[-1]
             swapper.release_swap_buffers(opt.fp32_partitioned_groups_flat[walked[-1]])
@@ -142,10 +147,24 @@ def main() -> None:
         "slices": layer.sliced.slices_updated if layer.sliced is not None else 0,
         "numels": [int(n) for n in opt.fp16_partitioned_groups_flat_numel],
         "param_bytes": layer.counters.by_kind.get("param", [0, 0]),
-        "status": layer.status().dram.wire(), "overlap": layer.status().update_overlap.wire(), "held": held,
+        "status": layer.status().dram.wire(), "overlap": layer.status().update_overlap.wire(), "held": held, "ckpt": ckpt,
         "lrs": lrs,
     }))
     layer.close()
+
+
+def checkpoint_digest(opt: Any) -> dict[str, Any]:
+    """What memstrata's checkpoint reads of every sub-group (its master and moments, through ZeRO-3's own swap
+    calls), digested, and how long that took."""
+    from memstrata.runtime.train.checkpoints.engine_state import SubGroups
+
+    t0, digest, groups = time.monotonic(), hashlib.sha256(), SubGroups(opt)
+    for i in range(len(groups)):
+        tensors, _ = groups.read(i)
+        for name in sorted(tensors):
+            digest.update(tensors[name].detach().float().contiguous().numpy().tobytes())
+        groups.release(i)
+    return {"digest": digest.hexdigest(), "seconds": time.monotonic() - t0}
 
 
 if __name__ == "__main__":

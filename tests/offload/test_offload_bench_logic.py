@@ -341,3 +341,34 @@ def test_probes_that_run_out_bound_the_floor_and_the_ratio_stays_conservative() 
     fr = m["floor_ratio"]
     assert m["floors"]["stock-tuned"]["floor"]["status"] == "bounded"
     assert fr["stock_k"] == 12.5 and fr["upper_bound"] and fr["ratio"] == round(3.75 / 12.5, 3)
+
+
+def test_the_overlap_benchmark_compares_beside_with_in_place_and_bounds_each_step() -> None:
+    import overlap
+
+    fio = {"read_bytes_per_s": 1e9, "write_bytes_per_s": 5e8}
+    io = {"read_bytes": 10**9, "write_bytes": 5 * 10**8}  # 1 s + 1 s of I/O per step
+
+    def run(name: str, step: float, losses: list[float], on: bool) -> dict[str, Any]:
+        return {**_run(name, step, rss=2 * G if on else G), "losses": losses, "io": {"sda": io},
+                "plan": {"offload_devices": ["cpu", "nvme"]},
+                "swap": {"updateOverlap": {"on": on, "refused": "" if on else "overlap_update is off",
+                                           "forwardWaitSeconds": 0.25}}}
+
+    cap = {"k": 8, "bytes": 3 * G, "all_fits": False,
+           "runs": [run("memstrata-in-place", 4.0, [2.0, 1.5], False), run("memstrata", 3.0, [2.0, 1.5], True)]}
+    fits = {"k": 20.0, "bytes": 5 * G, "all_fits": True,
+            "runs": [run("memstrata", 1.25, [2.0], True), run("memstrata-in-place", 1.5, [2.0], False)]}
+    results = {"models": {"gpt-125m": {"caps": [cap, fits]}}, "fio": fio, "backing_device": "sda", "seq": 128,
+               "batch": 1, "statistic": "median", "machine": {"cores": 2}}
+    overlap.summarize(results)
+    assert results["models"]["gpt-125m"]["compute_floor_seconds"] == 1.25  # the faster all-fits step
+    assert cap["step_ratio"] == 0.75 and cap["same_losses"] is True and cap["memory_ratio"] == 2.0
+    beside = cap["runs"][1]
+    assert beside["bound"]["io_seconds"] == 2.0 and beside["bound"]["overlapped_seconds"] == 2.0
+    assert beside["bound"]["ratio"] == 1.5 and beside["overlap"]["on"]
+    cap["runs"][0]["losses"] = [2.0, 1.25]  # a changed loss is reported, never hidden by a faster step
+    overlap.summarize(results)
+    assert cap["same_losses"] is False
+    table = overlap.markdown(results)
+    assert "| gpt-125m | 8 | 3.00 | cpu | 3.000 | 4.000 | 0.75 | False | 2.0 | 1.5 | 0.25 | 2.0 |" in table

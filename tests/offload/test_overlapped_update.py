@@ -20,13 +20,19 @@ SWAP = {"prefetch_subgroups": 1, "cache_subgroups": 1}
 def test_the_update_beside_the_forward_trains_bit_for_bit_as_in_place(loopdev, tmp_path: Path) -> None:
     """The first update's last Adam is held until the second forward has begun: that forward starts while a
     sub-group is not yet updated, waits at that sub-group's gather, and every loss and weight (under a warm-up
-    learning rate the scheduler changes right after each step() returns) is the in-place update's."""
+    learning rate the scheduler changes right after each step() returns) is the in-place update's; so is what a
+    checkpoint right after step() reads."""
     dev = loopdev(512 << 20)
     steps = 4
     beside = _run(dev, tmp_path, "beside", {**SWAP, "overlap_update": True}, steps, "param=cpu", "warmup=5",
-                  "hold-last=1")
-    in_place = _run(dev, tmp_path, "in-place", {**SWAP, "overlap_update": False}, steps, "param=cpu", "warmup=5")
-    assert beside["held"] == [True], "the next forward did not begin while the update ran"
+                  "hold-last=1,2", "hold-seconds=3", "ckpt-after=2")
+    in_place = _run(dev, tmp_path, "in-place", {**SWAP, "overlap_update": False}, steps, "param=cpu", "warmup=5",
+                    "ckpt-after=2")
+    assert beside["held"][0] is True, "the next forward did not begin while the update ran"
+    # A checkpoint taken right after step() (memstrata's own, through ZeRO-3's swap calls) waited for the held
+    # update instead of reading a sub-group half-updated: the second hold ran out, the state is the in-place one.
+    assert beside["held"][1] is False and beside["ckpt"]["seconds"] > 2.5, beside["ckpt"]
+    assert beside["ckpt"]["digest"] == in_place["ckpt"]["digest"]
     assert beside["losses"] == in_place["losses"]
     assert beside["weights"] == in_place["weights"]
     assert len(set(beside["lrs"])) == steps, beside["lrs"]
