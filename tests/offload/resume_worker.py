@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,13 @@ def die(marker: Path, phase: str, step: int) -> None:
 
 def arm(recipe: Any, phase: str, step: int, marker: Path) -> None:
     engine = recipe.engine
-    state = {"step": 0, "in_update": False, "writes": 0, "files": 0}
+    state = {"step": 0, "in_update": False, "writes": 0, "files": 0, "updating": 0}
     original_step = engine.step
 
     def counted_step(*a: Any, **k: Any) -> Any:
         state["in_update"] = engine.is_gradient_accumulation_boundary()
+        if state["in_update"]:
+            state["updating"] = current()  # the step this update takes, wherever it runs
         try:
             return original_step(*a, **k)
         finally:
@@ -55,7 +58,10 @@ def arm(recipe: Any, phase: str, step: int, marker: Path) -> None:
         def counting(real: Any) -> Any:
             def async_pwrite(*a: Any, **k: Any) -> Any:
                 out = real(*a, **k)
-                if state["in_update"] and current() == step:
+                # In step() or, with the update beside the next forward (memstrata.runtime.swap.overlap), on its
+                # thread after step() has returned.
+                beside = threading.current_thread().name == "memstrata-update"
+                if (state["in_update"] or beside) and state["updating"] == step:
                     state["writes"] += 1
                     if state["writes"] == 2:
                         die(marker, phase, step)  # submitted, not waited for

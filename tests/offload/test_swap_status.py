@@ -32,8 +32,11 @@ def test_status_json_has_the_keys_its_readers_use_and_counts_what_moved(tmp_path
         wire = json.loads(json.dumps(layer.status().wire()))  # what a reader of the JSON file gets
     finally:
         layer.close()
-    assert list(wire) == ["nvme", "dram", "activations"]
+    assert list(wire) == ["nvme", "dram", "updateOverlap", "activations"]
     assert wire["activations"] is None  # present, and null: no activation was offloaded
+    # No ZeRO-3 optimizer was built on this layer: no update ran beside a forward, and the status says so.
+    assert wire["updateOverlap"] == {"on": False, "refused": "not installed", "updates": 0, "updateSeconds": 0.0,
+                                     "forwardWaits": 0, "forwardWaitSeconds": 0.0, "joinWaitSeconds": 0.0}
     assert list(wire["nvme"]) == NVME_KEYS and list(wire["dram"]) == DRAM_KEYS
     nvme, dram = wire["nvme"], wire["dram"]
     assert nvme["byKind"] == {"optimizer": {"written": 16384, "read": 16384}}

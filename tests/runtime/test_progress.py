@@ -105,6 +105,8 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                  "gradients": None, "vmLockedBytes": 96 << 20},
         "activations": {"stratum": "cxl", "numaNodes": [2, 3], "livePeakBytes": 24 << 20,
                         "offloadedBytes": 120 << 20, "returnedBytes": 120 << 20, "prefetched": 19, "tensors": 20, "lockedBytes": 32 << 20},
+        "updateOverlap": {"on": True, "refused": "", "updates": 4, "updateSeconds": 2.0, "forwardWaits": 9,
+                          "forwardWaitSeconds": 0.5, "joinWaitSeconds": 0.25},
     }
     losses = [5.0, 4.0, 3.0, 2.0, 1.0]
     report = RunReport(
@@ -125,3 +127,4 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
     assert "pinned for ZeRO-3 (weights, gradients; exact)" in text and "3.0 MiB" in text
     assert "activation checkpoints, peak held (NUMA 2,3)" in text and "24.0 MiB" in text
     assert "activation checkpoints moved, 19 prefetched" in text and "120.0 MiB" in text
+    assert "update beside the forward: 4 updates, 2.00 s of them, 1.25 s hidden behind the forward" in text

@@ -36,7 +36,7 @@ import torch
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
 from memstrata.runtime.swap.status import OverlapStatus
 
-__all__ = ["OverlappedUpdate", "StepGroup", "forward_order", "refusal"]
+__all__ = ["OverlappedUpdate", "StepGroup", "forward_order", "refusal", "settle"]
 
 # Called from outside the update (memstrata's own checkpoints bring sub-groups in and put them back through the
 # three swap calls): each joins the update first. The update's own calls of them, on its thread, go straight on.
@@ -75,7 +75,8 @@ def refusal(opt: ZeroOptimizer) -> str | None:
     """Why this optimizer's update cannot run beside the forward (see the module), or None."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-    params = [p for group in opt.fp16_groups for p in group]
+    # Every parameter, frozen ones too (LoRA's base weights): the forward reads them all.
+    params = [p for p in opt.module.parameters() if getattr(p, "ds_tensor", None) is not None]
     if any(getattr(p.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme for p in params):
         return "weights on NVMe: the forward's reads and the update's writes share the rank's NVMe engine"
     reasons = ((len(opt.persistent_parameters) > 0, "persistent parameters (stage3_param_persistence_threshold > 0): "
@@ -113,6 +114,15 @@ class _Update:
         self.seconds = 0.0
 
 
+def settle(opt: Any) -> None:
+    """Wait for the update `opt` may be running beside the forward (raising its error): before reading any of its
+    state directly, as memstrata's checkpoint does (a resident sub-group is read without a swap call, and the
+    sliced update points its master at one slice at a time)."""
+    overlap = getattr(opt, "memstrata_overlap", None)
+    if overlap is not None:
+        overlap.join()
+
+
 def bind_thread(accelerator: Any, device: torch.device) -> None:
     """The update thread's accelerator device: CUDA's current device is per thread and starts at 0, so on any rank
     but a node's first the update would allocate and copy on another rank's GPU."""
@@ -144,6 +154,7 @@ class OverlappedUpdate:
         from deepspeed.accelerator import get_accelerator
 
         self.opt = opt
+        opt.memstrata_overlap = self  # for `settle`: whoever holds the optimizer can wait for its update
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
         self.subgroup_of = {id(p): g for g, group in enumerate(opt.fp16_groups) for p in group}
         self.order = forward_order(opt)

@@ -92,6 +92,7 @@ class ZeroOptimizer(Protocol):
     _reassign_or_swap_out_partitioned_parameters: Callable[[int], object]
     state_dict: Callable[..., Any]
     load_state_dict: Callable[..., Any]
+    memstrata_overlap: Any  # memstrata's own: the OverlappedUpdate installed on it
 
     # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.
     @overload

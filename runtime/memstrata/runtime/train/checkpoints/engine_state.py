@@ -81,6 +81,9 @@ class SubGroups:
     """ZeRO-3's optimizer sub-groups of one rank, each brought in and put back through ZeRO-3's own calls."""
 
     def __init__(self, zero: Any) -> None:
+        from memstrata.runtime.swap.overlap import settle
+
+        settle(zero)  # an update still running beside the forward is finished before any of its state is read
         self.zero = zero
 
     def __len__(self) -> int:

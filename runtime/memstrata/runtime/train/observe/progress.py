@@ -212,3 +212,11 @@ def render_memstrata(status: SwapStatus, console: Console) -> None:
         t.add_row(act.stratum, f"activation checkpoints moved, {act.prefetched} prefetched",
                   format_bytes(act.offloaded_bytes))
     console.print(t)
+    ov = status.update_overlap
+    if ov.on:
+        hidden = max(0.0, ov.update_seconds - ov.forward_wait_seconds - ov.join_wait_seconds)
+        console.print(f"update beside the forward: {ov.updates} updates, {ov.update_seconds:.2f} s of them, "
+                      f"{hidden:.2f} s hidden behind the forward (it waited {ov.forward_wait_seconds:.2f} s for "
+                      f"sub-groups, {ov.join_wait_seconds:.2f} s at its end)")
+    else:
+        console.print(f"update in place: {ov.refused}")
