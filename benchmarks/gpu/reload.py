@@ -25,7 +25,8 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.bfloat16,
                                                  attn_implementation="sdpa").to(device).eval()
     with torch.no_grad():
-        losses = [float(model(input_ids=x.to(device), labels=y.to(device)).loss.float()) for x, y in batches]
+        # As the run evaluated them: packed examples kept apart by their position ids.
+        losses = [float(model(**b.model_inputs(device), use_cache=False).loss.float()) for b in batches]
     print(json.dumps({"validation_loss": sum(losses) / len(losses), "batches": len(losses)}))
     return 0
 

@@ -79,7 +79,7 @@ def transformers_loss(model_dir: Path, precision: str, validation: Path) -> floa
                       Training(sequence_length=64, micro_batch=2, steps=1, seed=7),
                       load_tokenizer(model_dir, model.config.vocab_size))
     with torch.no_grad():
-        losses = [float(model(input_ids=x, labels=y).loss) for x, y in data.validation(2)]
+        losses = [float(model(**b.model_inputs("cpu"), use_cache=False).loss) for b in data.validation(2)]
     return sum(losses) / len(losses)
 
 

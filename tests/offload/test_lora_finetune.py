@@ -108,8 +108,7 @@ def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[li
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     batches, losses = data.batches(2, start=0, rank=0, world=1), []
     for _ in range(STEPS):
-        inputs, labels = next(batches)
-        loss = model(input_ids=inputs, labels=labels).loss
+        loss = model(**next(batches).model_inputs("cpu"), use_cache=False).loss  # packed examples kept apart
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: run `make i
 
 from memstrata.api.finetunejob import Training  # noqa: E402
 from memstrata.api.jobdata import Dataset  # noqa: E402
+from memstrata.runtime.train.data.packing import IGNORE  # noqa: E402
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, DatasetError, FileData, build_data  # noqa: E402
 from memstrata.runtime.train.data.encode import encode_record  # noqa: E402
 from memstrata.runtime.train.data.records import PromptCompletion  # noqa: E402
@@ -105,7 +106,10 @@ def test_a_tiny_file_repeats_to_fill_a_sequence(tmp_path: Path) -> None:
     data = build_data(Dataset(path=str(write(tmp_path / "t.jsonl", [{"text": "hi"}]))),
                       Training(steps=1, sequence_length=64), BYTES)
     (ids, labels), = rows(data, 1, 1)
-    assert ids == labels == ([BOS, *b"hi", EOS] * 16)
+    assert ids == [BOS, *b"hi", EOS] * 16
+    # Packed: no example's first token is scored from the one before it, and each one's positions restart.
+    assert labels == [IGNORE, *b"hi", EOS] * 16
+    assert next(data.batches(1)).position_ids[0].tolist() == [0, 1, 2, 3] * 16
 
 
 def test_same_seed_same_batches_other_seed_other_order(tmp_path: Path) -> None:

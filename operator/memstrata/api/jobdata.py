@@ -76,7 +76,8 @@ class Dataset(ApiModel):
                                                 "per line.")
     format: DatasetFormat = Field("auto", description="The record format; auto: that of the first record.")
     text_field: str = Field("text", min_length=1, description="The JSONL field that holds the text (format text).")
-    packing: bool = Field(True, description="Pack examples end to end into full sequences; false: one example "
+    packing: bool = Field(True, description="Pack examples end to end into full sequences, each attending only "
+                                            "to itself (position ids restart per example); false: one example "
                                             "per sequence, padded.")
     validation_split: float = Field(0.0, ge=0, lt=0.5, description="Fraction of the records held out for "
                                                                    "validation (chosen by record, reproducibly).")

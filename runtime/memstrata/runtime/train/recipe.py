@@ -54,6 +54,8 @@ from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces,
 if TYPE_CHECKING:
     import torch
 
+    from memstrata.runtime.train.data.packing import Batch
+
 SWAP_DIR_PREFIX = "memstrata-run-"  # a run's scratch directory under the NVMe path (one per run and rank)
 
 
@@ -214,11 +216,12 @@ class FineTuneRecipe:
         return self.swap_status
 
     # --- train ---------------------------------------------------------------------------------------
-    def _loss(self, inputs: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+    def _loss(self, batch: "Batch") -> "torch.Tensor":
         assert self.engine is not None
-        device = self.engine.device
-        # Labels sit at the inputs' positions; the model shifts them (Hugging Face's convention).
-        return self.engine(input_ids=inputs.to(device), labels=labels.to(device)).loss
+        # Labels sit at the inputs' positions; the model shifts them (Hugging Face's convention). The position ids
+        # keep packed examples apart (memstrata.runtime.train.data.packing); without the cache, whose presence
+        # turns Transformers' packed-sequence masking off, which training never reads anyway.
+        return self.engine(**batch.model_inputs(self.engine.device), use_cache=False).loss
 
     def evaluate(self) -> float | None:
         """Mean loss over the validation batches (None when the dataset has none), the same on every rank.
@@ -239,9 +242,9 @@ class FineTuneRecipe:
         self.engine.eval()
         try:
             with torch.no_grad():
-                losses = [float(self._loss(x, y).float()) for x, y in mine]
+                losses = [float(self._loss(batch).float()) for batch in mine]
                 for _ in range(forwards - len(mine)):
-                    self._loss(*batches[0])  # not counted: keeps this rank in step with the others' gathers
+                    self._loss(batches[0])  # not counted: keeps this rank in step with the others' gathers
         finally:
             self.engine.train()
         total, count = world_sum(self.ranks, self.engine.device, sum(losses), len(losses))
@@ -273,9 +276,9 @@ class FineTuneRecipe:
             started, losses = clock.start(), []
             rate = self.engine.get_lr()[0]  # the scheduler set it after the previous update
             for _ in range(t.gradient_accumulation):
-                inputs, labels = next(batches)
+                batch = next(batches)
                 clock.start()
-                loss = self._loss(inputs, labels)
+                loss = self._loss(batch)
                 self.phases.forward += clock.lap()
                 self.engine.backward(loss)
                 self.phases.backward += clock.lap()

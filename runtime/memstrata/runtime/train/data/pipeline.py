@@ -33,7 +33,7 @@ from memstrata.api.finetunejob import Training
 from memstrata.api.jobdata import Dataset
 from memstrata.runtime.train.data.chat import check_chat_template
 from memstrata.runtime.train.data.encode import Example, encode_record
-from memstrata.runtime.train.data.packing import labels_of, micro_batches, sequences, trains
+from memstrata.runtime.train.data.packing import Batch, Row, labels_of, micro_batches, row, sequences, trains
 from memstrata.runtime.train.data.records import DatasetError, Format, Record, RecordError, read_records, scan
 from memstrata.runtime.train.data.stream import SHUFFLE_BUFFER, epochs, held_out
 from memstrata.runtime.train.data.synthetic import SyntheticKind, synthetic_block
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["DatasetError", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "TrainData",
            "SyntheticData", "FileData", "build_data", "rank_stride"]
 
-Batch = tuple["torch.Tensor", "torch.Tensor"]
 SYNTHETIC_VALIDATION_BLOCKS = 16  # held-out blocks when a synthetic set has a validationSplit
 
 
@@ -84,13 +83,13 @@ class SyntheticData(TrainData):
 
     def batches(self, micro_batch: int, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         blocks = (k * micro_batch + i for k in rank_stride(start, rank, world) for i in range(micro_batch))
-        rows = ((ids, list(ids)) for ids in map(self.block, blocks))
+        rows = (row(ids, list(ids)) for ids in map(self.block, blocks))
         return micro_batches(rows, micro_batch)
 
     def validation(self, micro_batch: int) -> list[Batch]:
         if not self.has_validation:
             return []
-        rows = [(ids, list(ids)) for ids in (synthetic_block(self.kind, self.seed, i, self.sequence_length,
+        rows = [row(ids, list(ids)) for ids in (synthetic_block(self.kind, self.seed, i, self.sequence_length,
                                                              stream="validation")
                                              for i in range(SYNTHETIC_VALIDATION_BLOCKS))]
         return list(micro_batches(rows, micro_batch, keep_last=True))
@@ -169,14 +168,14 @@ class FileData(TrainData):
             yield example
         raise DatasetError(f"{self.path}: an epoch read no record: the file changed while the run was reading it")
 
-    def _train_rows(self) -> Iterator[tuple[list[int], list[int]]]:
+    def _train_rows(self) -> Iterator[Row]:
         return sequences(self._train_examples(), self.length, self.tokenizer.pad_id, self.packing)
 
     def batches(self, micro_batch: int, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         rank_stride(start, rank, world)  # checks the rank
-        rows: Iterator[tuple[list[int], list[int]]] = itertools.islice(self._train_rows(), start * micro_batch, None)
+        rows: Iterator[Row] = itertools.islice(self._train_rows(), start * micro_batch, None)
         if world > 1:  # the other ranks' micro-batches are read past, never made into tensors
-            rows = (row for n, row in enumerate(rows) if (n // micro_batch) % world == rank)
+            rows = (r for n, r in enumerate(rows) if (n // micro_batch) % world == rank)
         return micro_batches(rows, micro_batch)
 
     def _validation_examples(self) -> Iterator[Example]:
