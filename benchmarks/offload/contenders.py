@@ -25,9 +25,11 @@ LOOP_BYTES = 64 << 30  # sparse: only what memstrata writes is allocated
 STOCK_PROFILES = {"stock-default": ("default", "nvme", "nvme"), "stock-tuned": ("tuned", "nvme", "nvme"),
                   "stock-cpu": ("tuned", "cpu", "cpu")}
 CONTENDERS = ("memstrata", *STOCK_PROFILES)
-# memstrata with each update in place, after step() and before the next forward (SwapSettings.overlap_update off):
-# the baseline of the update beside the forward (benchmarks/offload/overlap.py). Not among CONTENDERS.
-IN_PLACE = "memstrata-in-place"
+# memstrata with each update beside the next forward whatever the device (SwapSettings.overlap_update true; by
+# default only beside an accelerator's forward) and with each in place (false): benchmarks/offload/overlap.py
+# compares the two. Not among CONTENDERS.
+BESIDE, IN_PLACE = "memstrata-beside", "memstrata-in-place"
+OVERLAP = {"memstrata": None, BESIDE: True, IN_PLACE: False}
 
 
 def job_shape(arch: Any, seq: int, batch: int, engine: str, gpu: bool = False) -> Any:
@@ -70,7 +72,7 @@ def stock_cpu_bytes(arch: Any, seq: int, batch: int, scratch: Path, gpu: bool = 
 
 
 def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, work: Path, loop: str,
-                   gpu: bool = False, overlap: bool = True) -> tuple[dict[str, Any], list[str]]:
+                   gpu: bool = False, overlap: bool | None = None) -> tuple[dict[str, Any], list[str]]:
     """(what the run records about its plan, the harness arguments that run it) for a DRAM budget."""
     from memstrata.api.finetunejob import MemoryPolicy
     from memstrata.plan.assignment import plan_for_node
@@ -118,12 +120,12 @@ def run_contender(contender: str, *, arch_name: str, arch: Any, seq: int, batch:
                   "--zero-init", "--precision", "bf16", "--swap-dir", str(work / "swap"), "--out", str(out),
                   *(["--gpu"] if gpu else [])]
         devices = [backing]
-        if contender in ("memstrata", IN_PLACE):
+        if contender in OVERLAP:
             loop = attach_loop(work)
             devices.append(Path(loop).name)
             try:
                 rec["plan"], extra = memstrata_plan(arch, seq, batch, scratch, cap["bytes"] - base, work, loop, gpu,
-                                                    overlap=contender == "memstrata")
+                                                    overlap=OVERLAP[contender])
             except ValueError as exc:  # the planner or stratamap refused: that is the result at this cap
                 rec["error"] = f"no plan: {exc}"
                 return rec

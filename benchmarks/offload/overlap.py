@@ -3,8 +3,8 @@
     python benchmarks/offload/overlap.py --models gpt-125m,gpt-350m --caps-bytes-per-param 8,13.75
 
 memstrata at each DRAM cap base + k bytes/param (and the all-fits k) twice, in one run: with the update beside the
-next forward (SwapSettings.overlap_update, the default; memstrata.runtime.swap.overlap) and with it in place
-('memstrata-in-place'), the same plan otherwise; each in its own process tree inside its own capped cgroup
+next forward ('memstrata-beside': SwapSettings.overlap_update true, which forces it on the CPU too;
+memstrata.runtime.swap.overlap) and with it in place ('memstrata-in-place'), the same plan otherwise; each in its own process tree inside its own capped cgroup
 (contenders.run_contender, as benchmarks/offload/run.py runs them). The base is the one the offload-budget
 benchmark measured (benchmarks/results/offload-budget.json), so the caps are that benchmark's; a model it did not
 run takes the planner's base plus an idle interpreter's RSS.
@@ -34,7 +34,7 @@ import contenders  # noqa: E402
 from record import machine, write_results  # noqa: E402
 
 RESULTS = HERE.parents[1] / "benchmarks" / "results"
-PAIR = ("memstrata", contenders.IN_PLACE)
+PAIR = (contenders.BESIDE, contenders.IN_PLACE)
 
 
 def summarize_cap(cap: dict[str, Any], fio: dict[str, Any] | None, backing: str, compute: float | None) -> None:
@@ -69,7 +69,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"seq {results['seq']}, batch {results['batch']}, bf16, {results['statistic']}; "
              f"{results['machine']['cores']} cores; bound: {budget.BOUND_FORMULA}", "",
              "| model | k (B/param) | cap GiB | weights | step beside s | step in place s | beside / in place | "
-             "same losses | bound (overlapped) s | beside / bound | forward waits s | peak beside / in place |",
+             "same losses | bound (overlapped) s | beside / bound | forward waited, all steps s | peak beside / in place |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         for cap in m["caps"]:
@@ -174,10 +174,9 @@ def main() -> int:
         arch = PRESETS[name]
         base, how = base_bytes(name, args, scratch)
         m = results["models"][name] = {"params": arch.parameters(), "base_bytes": base, "base_from": how,
-                                       "caps": budget.caps(base, arch.parameters(), ks,
-                                                           args.all_fits_bytes_per_param)}
+                                       "caps": [{**c, "runs": []} for c in budget.caps(
+                                           base, arch.parameters(), ks, args.all_fits_bytes_per_param)]}
         for i, cap in enumerate(m["caps"]):
-            cap["runs"] = []
             for contender in (PAIR if i % 2 == 0 else PAIR[::-1]):  # alternate who runs first against drift
                 cap["runs"].append(contenders.run_contender(
                     contender, arch_name=name, arch=arch, seq=args.seq, batch=args.batch, warmup=args.warmup,

@@ -356,9 +356,9 @@ def test_the_overlap_benchmark_compares_beside_with_in_place_and_bounds_each_ste
                                            "forwardWaitSeconds": 0.25}}}
 
     cap = {"k": 8, "bytes": 3 * G, "all_fits": False,
-           "runs": [run("memstrata-in-place", 4.0, [2.0, 1.5], False), run("memstrata", 3.0, [2.0, 1.5], True)]}
+           "runs": [run("memstrata-in-place", 4.0, [2.0, 1.5], False), run("memstrata-beside", 3.0, [2.0, 1.5], True)]}
     fits = {"k": 20.0, "bytes": 5 * G, "all_fits": True,
-            "runs": [run("memstrata", 1.25, [2.0], True), run("memstrata-in-place", 1.5, [2.0], False)]}
+            "runs": [run("memstrata-beside", 1.25, [2.0], True), run("memstrata-in-place", 1.5, [2.0], False)]}
     results = {"models": {"gpt-125m": {"caps": [cap, fits]}}, "fio": fio, "backing_device": "sda", "seq": 128,
                "batch": 1, "statistic": "median", "machine": {"cores": 2}}
     overlap.summarize(results)

@@ -48,7 +48,8 @@ def test_the_update_beside_the_forward_trains_bit_for_bit_as_in_place(loopdev, t
 def test_a_failed_update_beside_the_forward_raises_in_that_forward(loopdev, tmp_path: Path) -> None:
     """Adam failing on the second sub-group of step 2's update once step 3's forward has begun: step() has
     returned, so the error is raised by that forward, named as the update's, and nothing read ahead outlives it."""
-    r = _run(loopdev(512 << 20), tmp_path, "fail", SWAP, 3, "param=cpu", "fail-at=2", "fail-late=1")
+    r = _run(loopdev(512 << 20), tmp_path, "fail", {**SWAP, "overlap_update": True}, 3, "param=cpu", "fail-at=2",
+             "fail-late=1")
     f = r["failure"]
     assert r["held"] == [True], "step 3's forward did not begin while step 2's update ran"
     assert f and f["step"] == 3 and f["at"] == "forward", f

@@ -39,11 +39,14 @@ def test_read_ahead_changes_no_loss_and_no_weight(loopdev, tmp_path: Path) -> No
     reverse the order and serve the DRAM cache; every NVMe read after the first of the walk was read ahead."""
     dev = loopdev(512 << 20)
     steps, k = 4, 2
-    runs = {d: _run(dev, tmp_path, f"depth{d}", {"prefetch_subgroups": d, "cache_subgroups": k, "checksums": True},
-                    steps) for d in (0, 1, 2)}
+    runs = {d: _run(dev, tmp_path, f"depth{d}", {"prefetch_subgroups": d, "cache_subgroups": k, "checksums": True,
+                                                 "overlap_update": True if d == 2 else None}, steps)
+            for d in (0, 1, 2)}
     base = runs[0]
-    # 16-bit weights on NVMe: the update runs in place (memstrata.runtime.swap.overlap), so the walk reverses.
-    assert not base["overlap"]["on"] and "weights on NVMe" in base["overlap"]["refused"], base["overlap"]
+    # The update runs in place (memstrata.runtime.swap.overlap), so the walk reverses: by default because the
+    # forward runs on the CPU; asked to run beside it, because the 16-bit weights are on NVMe.
+    assert not base["overlap"]["on"] and "runs on the CPU" in base["overlap"]["refused"], base["overlap"]
+    assert not runs[2]["overlap"]["on"] and "weights on NVMe" in runs[2]["overlap"]["refused"], runs[2]["overlap"]
     assert base["swappable"] > k + 2, base
     assert base["orders"][1] == base["orders"][0][::-1], base["orders"]
     assert base["cache_hits"] == k * (steps - 1)

@@ -312,8 +312,13 @@ def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
 def _overlap(opt: ZeroOptimizer, layer: SwapLayer) -> Any:
     """The overlapped update's loop hooks (under the order hook, so they see real sub-group ids), or None where
     it is off or refused (the reason kept for the status)."""
-    if not layer.settings.overlap_update:
+    wanted = layer.settings.overlap_update
+    if wanted is False:
         layer.overlap_refused = "overlap_update is off"
+        return None
+    if wanted is None and str(layer.device).startswith("cpu"):
+        layer.overlap_refused = ("the forward runs on the CPU, whose cores the update would take (overlap_update: "
+                                 "true runs it beside anyway)")
         return None
     from memstrata.runtime.swap.overlap import OverlappedUpdate, refusal
 

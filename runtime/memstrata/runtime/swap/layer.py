@@ -113,9 +113,11 @@ class SwapSettings(BaseModel):
         True, description="After each update, give back the optimizer pool's regions beyond the one locked for the "
                           "update's buffers (sized once by memstrata.plan.buffers.update_buffer_bytes, kept for "
                           "the run): what a first step or a checkpoint needed beyond it.")
-    overlap_update: bool = Field(
-        True, description="Run each update beside the next forward, which waits per sub-group for the weights it "
-                          "gathers (memstrata.runtime.swap.overlap); where refused, the update runs in place.")
+    overlap_update: bool | None = Field(
+        None, description="Run each update beside the next forward, which waits per sub-group for the weights it "
+                          "gathers (memstrata.runtime.swap.overlap). None: where the forward runs on an "
+                          "accelerator (on the CPU the update would take the forward's cores); where refused, the "
+                          "update runs in place.")
     dram_gradients: bool = Field(
         True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "
                           "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.swap.gradients).")
