@@ -23,6 +23,8 @@ INVALID = [
      "checkpoint.path must not be output.path or inside it"),
     (lambda s: s["training"].update(steps=10, schedule={"type": "cosine", "warmupSteps": 20}),
      "schedule.warmupSteps must not exceed training.steps"),
+    (lambda s: s["training"].update(schedule={"warmupSteps": 2, "warmupRatio": 0.1}),
+     "schedule: set warmupSteps or warmupRatio, not both"),
     (lambda s: s.update(output={"path": "/out/m", "metricsPath": "/out/m/logs"}),
      "output.metricsPath must not be output.path or inside it"),
     (lambda s: s["training"].update(optimizer={"beta2": 1.0}), "spec.training.optimizer.beta2"),

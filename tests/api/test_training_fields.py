@@ -16,6 +16,9 @@ BASE: dict[str, Any] = {"model": {"preset": "gpt-tiny"}, "dataset": {"synthetic"
 @pytest.mark.parametrize(("change", "message"), [
     ({"training": {"steps": 10, "sequenceLength": 64, "schedule": {"type": "cosine", "warmupSteps": 11}}},
      "schedule.warmupSteps: 11 is more than training.steps (10)"),
+    ({"training": {"steps": 10, "sequenceLength": 64, "schedule": {"warmupSteps": 2, "warmupRatio": 0.1}}},
+     "schedule: set warmupSteps or warmupRatio, not both (warmupSteps 2, warmupRatio 0.1)"),
+    ({"training": {"steps": 10, "sequenceLength": 64, "schedule": {"warmupRatio": 1.0}}}, "warmupRatio"),
     ({"output": {"path": "/out/m", "metricsPath": "/out/m/logs"}}, "output.metricsPath must not be output.path"),
     ({"training": {"steps": 10, "sequenceLength": 64, "optimizer": {"beta1": 1.0}}}, "beta1"),
     ({"checkpoint": {"path": "/c", "keep": 0}}, "keep"),

@@ -75,6 +75,20 @@ def test_the_torch_scheduler_sets_each_steps_rate() -> None:
 
 
 def test_the_report_names_the_schedule_briefly() -> None:
-    assert describe(_s()) == "constant"
-    assert describe(_s("cosine", warmup=10, floor=0.1)) == "cosine to 0.1x, 10 warmup steps"
-    assert describe(_s("linear", warmup=1)) == "linear to 0x, 1 warmup step"
+    assert describe(_s(), 100) == "constant"
+    assert describe(_s("cosine", warmup=10, floor=0.1), 100) == "cosine to 0.1x, 10 warmup steps"
+    assert describe(_s("linear", warmup=1), 100) == "linear to 0x, 1 warmup step"
+    assert describe(LearningRateSchedule(type="linear", warmup_ratio=0.1), 25) == \
+        "linear to 0x, 3 warmup steps (0.1 of 25)"
+
+
+def test_a_warmup_ratio_is_that_fraction_of_the_steps_rounded_up_as_transformers_does() -> None:
+    from transformers import get_linear_schedule_with_warmup  # the reference a TRL user's run follows
+    import torch
+
+    schedule = LearningRateSchedule(type="linear", warmup_ratio=0.1)
+    assert schedule.warmup(25) == 3 and schedule.warmup(30) == 3 and schedule.warmup(31) == 4
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=3, num_training_steps=25)
+    assert [lr_multiplier(k, schedule, 25) for k in range(25)] == pytest.approx(
+        [reference.lr_lambdas[0](k) for k in range(25)])

@@ -8,6 +8,7 @@ CEL `x-kubernetes-validations` for the API server — and tests hold them togeth
 """
 from __future__ import annotations
 
+import math
 from typing import Final, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -38,10 +39,28 @@ class LearningRateSchedule(ApiModel):
     """Linear warmup from 0 to training.learningRate, then constant, linear or cosine decay to
     `minLearningRateRatio` x learningRate at the last step (Hugging Face's schedules, with a floor)."""
 
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "!has(self.warmupSteps) || !has(self.warmupRatio) || self.warmupSteps == 0 || self.warmupRatio == 0.0",
+        "schedule: set warmupSteps or warmupRatio, not both")]})
+
     type: ScheduleType = "constant"
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps of linear warmup.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Warmup as a fraction of training.steps, rounded up "
+                                                             "(transformers' warmup_ratio); instead of warmupSteps.")
     min_learning_rate_ratio: float = Field(0.0, ge=0, le=1, description="The decay's floor, as a fraction of "
                                                                         "learningRate (linear and cosine).")
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "LearningRateSchedule":
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError(f"schedule: set warmupSteps or warmupRatio, not both (warmupSteps {self.warmup_steps}, "
+                             f"warmupRatio {self.warmup_ratio:g})")
+        return self
+
+    def warmup(self, total_steps: int) -> int:
+        """Optimizer steps of warmup in a run of `total_steps`: warmupSteps, or warmupRatio x the steps rounded up
+        (as transformers' get_warmup_steps rounds it)."""
+        return self.warmup_steps or math.ceil(self.warmup_ratio * total_steps)
 
 
 class Optimizer(ApiModel):

@@ -23,7 +23,7 @@ def lr_multiplier(step: int, schedule: LearningRateSchedule, total_steps: int) -
     """The factor on the peak learning rate once `step` optimizer steps are done (0 before the first)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    warmup = schedule.warmup_steps
+    warmup = schedule.warmup(total_steps)
     if step < warmup:
         return step / warmup
     if schedule.type == "constant":
@@ -53,11 +53,13 @@ def build_scheduler(optimizer: "torch.optim.Optimizer",
     return LambdaLR(optimizer, factor)
 
 
-def describe(schedule: LearningRateSchedule) -> str:
+def describe(schedule: LearningRateSchedule, total_steps: int) -> str:
     """The schedule in a few words for the final report: 'cosine to 0.1x, 10 warmup steps'."""
     words: str = schedule.type
     if schedule.type != "constant":
         words += f" to {schedule.min_learning_rate_ratio:g}x"
-    if schedule.warmup_steps:
-        words += f", {schedule.warmup_steps} warmup step{'s' if schedule.warmup_steps != 1 else ''}"
+    if warmup := schedule.warmup(total_steps):
+        words += f", {warmup} warmup step{'s' if warmup != 1 else ''}"
+        if schedule.warmup_ratio:
+            words += f" ({schedule.warmup_ratio:g} of {total_steps})"
     return words
