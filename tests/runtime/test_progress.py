@@ -128,3 +128,18 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
     assert "activation checkpoints, peak held (NUMA 2,3)" in text and "24.0 MiB" in text
     assert "activation checkpoints moved, 19 prefetched" in text and "120.0 MiB" in text
     assert "update beside the forward: 4 updates, 2.00 s of them, 1.25 s hidden behind the forward" in text
+
+
+def test_a_short_runs_loss_summary_never_compares_a_window_with_itself() -> None:
+    """Three steps: the first against the last, not the same three steps twice (which read 'x1.00, NOT falling
+    enough' while the loss fell); one step has no trend to judge."""
+    s = LossSummary.of([2.0, 1.9, 1.5])
+    assert (s.first, s.last) == ([2.0], [1.5]) and s.ratio == pytest.approx(0.75)
+    assert LossSummary.of([float(k) for k in range(20, 0, -1)]).first == [20.0, 19.0, 18.0, 17.0, 16.0]
+    report = RunReport(job="t", model="gpt-tiny", parameters=1, precision="bf16", engine="deepspeed",
+                       offload={"param": "cpu", "optimizer": "cpu"}, steps=1, tokens=64, tokens_per_second=1.0,
+                       losses=[2.5], loss=LossSummary.of([2.5]), peak_rss_bytes=1, strata={}, swap_dir="",
+                       swap_files=0, swap_files_after_init=0, phases={"total": 1.0}, deepspeed_settings=[])
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    assert "one step: no trend yet" in out.getvalue() and "NOT falling" not in out.getvalue()

@@ -77,6 +77,8 @@ class LossSummary(BaseModel):
     def of(cls, losses: list[float], window: int = 5) -> "LossSummary":
         if not losses:
             raise ValueError("no losses recorded")
+        # Never overlapping windows: on a short run, the first and the last halves (one step each on three).
+        window = max(1, min(window, len(losses) // 2))
         first, last = losses[:window], losses[-window:]
         fm, lm = sum(first) / len(first), sum(last) / len(last)
         return cls(first=first, last=last, first_mean=fm, last_mean=lm, ratio=lm / fm if fm else float("inf"))
@@ -147,7 +149,8 @@ def render_report(r: RunReport, console: Console | None = None, *, verbose: bool
     if r.loss is None:
         line("loss", f"- (resumed at step {r.resumed_from}, the last: nothing left to train)")
     else:
-        verdict = "falling" if r.loss.ratio <= 0.8 else "NOT falling enough"
+        verdict = ("one step: no trend yet" if len(r.losses) < 2 else
+                   "falling" if r.loss.ratio <= 0.8 else "NOT falling enough")
         since = f", this attempt, resumed at step {r.resumed_from}" if r.resumed_from else ""
         line("loss", f"first {len(r.loss.first)} steps {r.loss.first_mean:.4f} -> last {len(r.loss.last)} "
                      f"{r.loss.last_mean:.4f} (x{r.loss.ratio:.2f}, {verdict}{since})")
