@@ -19,6 +19,9 @@ CASES = {
     "top-level-list": ("- " + GOOD.replace("\n", "\n  "), "expected a mapping at the top level, got a list"),
     "spec-is-a-list": (GOOD.split("spec:")[0] + "spec: [model, dataset]\n", "spec: Input should be a valid dictionary"),
     "unknown-field": (GOOD.replace("steps: 4", "stepz: 4, steps: 4"), "spec.training.stepz: unknown field"),
+    # A misspelt field is two problems; the unknown name comes first, and neither hides behind a count.
+    "misspelt-field": (GOOD.replace("steps: 4", "stepz: 4"),
+                       "spec.training.stepz: unknown field; spec.training.steps: Field required"),
     "wrong-type": (GOOD.replace("steps: 4", "steps: many"), "spec.training.steps: Input should be a valid integer"),
     "negative-steps": (GOOD.replace("steps: 4", "steps: -5"),
                        "spec.training.steps: Input should be greater than 0 (got -5)"),

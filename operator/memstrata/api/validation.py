@@ -15,16 +15,26 @@ def field_path(loc: tuple[Any, ...]) -> str:
     return out or "<document>"
 
 
+SHOWN = 5  # problems named in full; past them, a count (a message stays one readable line)
+
+
 def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """`spec.training.steps: Input should be greater than 0 (got -5)`, plus how many more."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    """`spec.training.steps: Input should be greater than 0 (got -5)`: every problem, each naming its field,
+    joined by '; ' (an unknown field, usually a misspelt one, first), the ones past SHOWN counted."""
+    errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
+    lines = [_one(e, prefix) for e in errors[:SHOWN]]
+    more = len(errors) - SHOWN
+    if more > 0:
+        lines.append(f"and {more} more problem{'s' if more > 1 else ''}")
+    return "; ".join(lines)
+
+
+def _one(error: Any, prefix: str) -> str:
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     path = field_path(((prefix,) if prefix else ()) + loc)
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
+    msg = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
         msg = "unknown field"
-    elif first["type"] != "missing" and "input" in first and not isinstance(first["input"], (dict, list)):
-        msg += f" (got {first['input']!r})"
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    return f"{path}: {msg}{more}"
+    elif error["type"] != "missing" and "input" in error and not isinstance(error["input"], (dict, list)):
+        msg += f" (got {error['input']!r})"
+    return f"{path}: {msg}"
