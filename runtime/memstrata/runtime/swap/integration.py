@@ -55,7 +55,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import io
 import os
+import sys
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["SUPPORTED_DEEPSPEED", "SeamMismatch", "UnsupportedDeepSpeed", "check_version", "constructing",
-           "initialize", "open_layer"]
+           "init_distributed", "initialize", "open_layer"]
 
 SUPPORTED_DEEPSPEED = "0.19.8"
 
@@ -189,6 +191,20 @@ def _zero3(engine: Engine) -> ZeroOptimizer | None:
     return opt if isinstance(opt, DeepSpeedZeroOptimizer_Stage3) else None
 
 
+def init_distributed(backend: str) -> None:
+    """deepspeed.init_distributed, quietly: on the CPU it prints 'DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op
+    built successfully' to stdout on every run (deepspeed/comm/torch.py), where the run's own output goes. That
+    line is dropped; anything else it prints goes to stderr, not lost."""
+    import deepspeed
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    rest = [line for line in printed.getvalue().splitlines() if not line.endswith(" built successfully")]
+    if rest:
+        print("\n".join(rest), file=sys.stderr)
+
+
 def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
                swap: SwapSettings | dict[str, Any] | None = None, *, numel: int,
                swap_dir: Path | None = None) -> SwapLayer:
@@ -207,7 +223,7 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
     if not dist.is_initialized():
         # ZeRO-3's collectives run on the accelerator's backend: NCCL on a GPU (gloo cannot reduce CUDA tensors
         # at speed, and NCCL nothing else), gloo on the CPU.
-        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+        init_distributed(accelerator.communication_backend_name())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank,
                           local_world=node_ranks(settings, os.environ),

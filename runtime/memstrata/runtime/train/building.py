@@ -35,13 +35,15 @@ def setup_distributed(on_gpu: bool, local_rank: int) -> None:
         import torch
 
         torch.cuda.set_device(local_rank)  # one GPU per rank: cuda:LOCAL_RANK
-    import deepspeed
+    import deepspeed  # noqa: F401  (its loggers exist once imported, so the levels set below stick)
 
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # torch 2.13 warns on every step that ZeRO-3 calls the old collective names; once is noise enough.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
+    from memstrata.runtime.swap.integration import init_distributed
+
+    init_distributed("nccl" if on_gpu else "gloo")
 
 
 def torch_dtype(precision: Precision) -> "torch.dtype":
