@@ -155,6 +155,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def process_umask() -> int:
+    """The process's umask, read without setting it (/proc/self/status; os.umask would change it, for a moment,
+    under every other thread)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _modes_as_created(path: Path, umask: int) -> None:
+    """The modes mkdir(2) and open(2) give under `umask`, on the whole tree: mkdtemp made the directory 0700 and
+    safetensors writes its shards 0600, so on a shared volume no one else could read the model."""
+    path.chmod(0o777 & ~umask)
+    for f in path.iterdir():
+        if f.is_dir():
+            _modes_as_created(f, umask)
+        else:
+            f.chmod(0o666 & ~umask)
+
+
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
         if f.is_dir():
@@ -191,6 +213,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
     try:
         owner = own(tmp)  # if this process is killed, the next run given this path removes the partial output
         yield tmp
+        _modes_as_created(tmp, process_umask())
         _fsync_tree(tmp)
         # rename(2) would silently replace an empty directory made meanwhile: check once more, then rename
         # (atomic: the output path holds a whole model or nothing) and make the rename itself durable.
