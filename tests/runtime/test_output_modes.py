@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
-from memstrata.runtime.train.model.export import atomic_output, process_umask  # noqa: E402
+from memstrata.runtime.train.model.export import (OutputPathError, atomic_output, check_output_path,  # noqa: E402
+                                                   process_umask)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
@@ -36,3 +37,9 @@ def test_the_output_has_the_modes_of_the_runs_umask(tmp_path: Path, umask: int) 
     assert mode(out) == mode(out / "merged") == 0o777 & ~umask
     assert {mode(f) for f in (out / "model.safetensors", out / "merged" / "model.safetensors",
                               out / "config.json")} == {0o666 & ~umask}
+
+
+def test_a_missing_parent_is_explained_for_a_local_run_too(tmp_path: Path) -> None:
+    with pytest.raises(OutputPathError, match=r"spec.output.path: .*/nowhere: no such directory \(create it; in a "
+                                              r"pod, mount a volume there\)"):
+        check_output_path(tmp_path / "nowhere" / "model")

@@ -43,7 +43,8 @@ def check_output_path(path: Path) -> None:
                               "(choose a new path or remove it)")
     parent = path.parent
     if not parent.is_dir():
-        raise OutputPathError(f"spec.output.path: {parent}: no such directory (mount a volume there)")
+        raise OutputPathError(f"spec.output.path: {parent}: no such directory (create it; in a pod, mount a "
+                              "volume there)")
     try:  # really try: permission bits say nothing about a read-only mount, or to root
         os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent))
     except OSError as exc:
