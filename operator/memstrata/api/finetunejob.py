@@ -70,7 +70,9 @@ class Optimizer(ApiModel):
     beta1: float = Field(0.9, ge=0, lt=1, description="Decay of the first moment.")
     beta2: float = Field(0.95, ge=0, lt=1, description="Decay of the second moment.")
     eps: float = Field(1e-8, gt=0, le=1)
-    weight_decay: float = Field(0.0, ge=0, le=10, description="Decoupled weight decay (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="Decoupled weight decay (AdamW), of the weight "
+                                                               "matrices and embeddings: biases and norm scales "
+                                                               "are not decayed.")
 
 
 class Training(ApiModel):

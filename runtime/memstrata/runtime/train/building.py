@@ -109,8 +109,7 @@ def _initialize(model: Any, ds: DsConfig, training: Training, layer: Any) -> Tra
 
     import deepspeed
 
-    from memstrata.runtime.train.model.lora import trainable
-
+    groups = param_groups(model, training.optimizer.weight_decay)
     # DeepSpeed calls this with its basic optimizer, steps the scheduler after every applied optimizer step and
     # keeps it as engine.lr_scheduler (saved in its checkpoints).
     scheduler = functools.partial(build_scheduler, training=training)
@@ -118,11 +117,28 @@ def _initialize(model: Any, ds: DsConfig, training: Training, layer: Any) -> Tra
         from memstrata.runtime.swap.cpufacts import cpu_info_answered
 
         with cpu_info_answered():
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model), config=ds.config,
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds.config,
                                                    lr_scheduler=scheduler)
         return engine
     from memstrata.runtime.swap.integration import initialize
 
-    engine, _, _, _ = initialize(model=model, model_parameters=trainable(model), config=ds.config,
+    engine, _, _, _ = initialize(model=model, model_parameters=groups, config=ds.config,
                                  lr_scheduler=scheduler, layer=layer)
     return engine
+
+
+def param_groups(model: Any, weight_decay: float) -> list[Any]:
+    """What the optimizer is given: the trainable parameters, and with weight decay in two groups, the biases and
+    norm scales (every parameter of fewer than two dimensions) not decayed, as transformers' Trainer and TRL do.
+    Without decay, one group: the layout earlier checkpoints have. Shapes are ZeRO-3's `ds_shape`: a partitioned
+    parameter's own tensor is empty."""
+    from memstrata.runtime.train.model.lora import trainable
+
+    params = trainable(model)
+    if not weight_decay:
+        return params
+    flat = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
+    if not flat:
+        return params
+    kept = {id(p) for p in flat}
+    return [{"params": [p for p in params if id(p) not in kept]}, {"params": flat, "weight_decay": 0.0}]
