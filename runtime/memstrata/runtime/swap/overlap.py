@@ -9,8 +9,8 @@ every path to a parameter's value goes through: the forward's fetch, `GatheredPa
 waits for its sub-group's 16-bit copy; the optimizer state's write-back goes on behind it. The update is joined
 when that forward ends, so backward (which writes the gradient buffers the update reads) never runs beside it,
 and before anything else that reads the optimizer's state: a checkpoint's save or load (DeepSpeed's, and
-memstrata's, which swaps sub-groups in and out itself), the optimizer's `state_dict`, the engine's `destroy`, the
-layer's `close`, and the next `step()`.
+memstrata's, which reads sub-groups itself and so `settle`s first), the optimizer's `state_dict`, the engine's
+`destroy`, the layer's `close`, and the next `step()`.
 
 What the update reads of what the main thread may change meanwhile is frozen as of the `step()` call: the
 optimizer's hyperparameters (an LR scheduler steps right after `step()` returns) are read by the update thread
@@ -38,10 +38,6 @@ from memstrata.runtime.swap.status import OverlapStatus
 
 __all__ = ["OverlappedUpdate", "StepGroup", "forward_order", "refusal", "settle"]
 
-# Called from outside the update (memstrata's own checkpoints bring sub-groups in and put them back through the
-# three swap calls): each joins the update first. The update's own calls of them, on its thread, go straight on.
-JOINED_OPTIMIZER_CALLS = ("state_dict", "load_state_dict", "_optimizer_states_and_gradient_swap_in",
-                          "_optimizer_states_and_gradient_swap_out", "_release_swap_buffers")
 _LOCAL = threading.local()  # .frozen: {id(param group): its hyperparameters as of the step}, on the update thread
 
 
@@ -302,7 +298,7 @@ class OverlappedUpdate:
 
         engine.forward = forward_then_join
         for owner, names in ((engine, ("backward", "save_checkpoint", "load_checkpoint", "save_16bit_model",
-                                       "destroy")), (self.opt, JOINED_OPTIMIZER_CALLS)):
+                                       "destroy")), (self.opt, ("state_dict", "load_state_dict"))):
             for name in names:
                 setattr(owner, name, self._joining(getattr(owner, name)))
 

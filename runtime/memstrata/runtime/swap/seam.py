@@ -351,9 +351,7 @@ SEAM: tuple[Dependency, ...] = (
     Dependency(Kind.ATTRIBUTE, _Z3, "optimizer", "its param groups, read by the update as of its step",
                set_in="__init__"),
     *[Dependency(Kind.WRAPPED, _Z3, n, "joins the update first", params=p)
-      for n, p in (("state_dict", ()), ("_optimizer_states_and_gradient_swap_in", ("sub_group_id", "timer_names")),
-                   ("_optimizer_states_and_gradient_swap_out", ("sub_group_id", "timer_names")),
-                   ("_release_swap_buffers", _SUBGROUP), ("load_state_dict", ("state_dict_list", "load_optimizer_states",
+      for n, p in (("state_dict", ()), ("load_state_dict", ("state_dict_list", "load_optimizer_states",
                                                              "load_from_fp32_weights", "checkpoint_folder",
                                                              "load_serial", "param_shapes")))],
     *[Dependency(Kind.WRAPPED, "deepspeed.runtime.engine.DeepSpeedEngine", n, "joins the update first", params=p)
