@@ -167,24 +167,18 @@ def process_umask() -> int:
     return mask
 
 
-def _modes_as_created(path: Path, umask: int) -> None:
-    """The modes mkdir(2) and open(2) give under `umask`, on the whole tree: mkdtemp made the directory 0700 and
-    safetensors writes its shards 0600, so on a shared volume no one else could read the model."""
-    path.chmod(0o777 & ~umask)
+def _finish_tree(path: Path, umask: int) -> None:
+    """Every file and directory of the output given the mode mkdir(2) and open(2) give under `umask` (mkdtemp made
+    the directory 0700 and safetensors writes its shards 0600, so on a shared volume no one else could read the
+    model) and made durable, in one walk."""
     for f in path.iterdir():
         if f.is_dir():
-            _modes_as_created(f, umask)
-        else:
-            f.chmod(0o666 & ~umask)
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        if f.is_dir():
-            _fsync_tree(f)  # a LoRA output's merged model
+            _finish_tree(f, umask)  # a LoRA output's merged model
             continue
+        f.chmod(0o666 & ~umask)
         with f.open("rb") as handle:
             os.fsync(handle.fileno())
+    path.chmod(0o777 & ~umask)
     fsync_dir(path)
 
 
@@ -214,8 +208,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
     try:
         owner = own(tmp)  # if this process is killed, the next run given this path removes the partial output
         yield tmp
-        _modes_as_created(tmp, process_umask())
-        _fsync_tree(tmp)
+        _finish_tree(tmp, process_umask())
         # rename(2) would silently replace an empty directory made meanwhile: check once more, then rename
         # (atomic: the output path holds a whole model or nothing) and make the rename itself durable.
         check_output_path(path)
