@@ -70,7 +70,7 @@ def transformers_loss(model_dir: Path, precision: str, validation: Path) -> floa
     from transformers import AutoModelForCausalLM
 
     from memstrata.api.finetunejob import Training
-    from memstrata.api.jobdata import Dataset
+    from memstrata.api.dataset import Dataset
     from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
 
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16

@@ -94,7 +94,7 @@ def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[li
     from transformers import AutoModelForCausalLM
 
     from memstrata.api.finetunejob import Training
-    from memstrata.api.jobdata import Dataset
+    from memstrata.api.dataset import Dataset
     from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
 
     training = Training(sequence_length=64, micro_batch=2, steps=STEPS, seed=7)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
 from memstrata.api.finetunejob import Training  # noqa: E402
-from memstrata.api.jobdata import Dataset  # noqa: E402
+from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, DatasetError, build_data  # noqa: E402
 
 TRAINING = Training(steps=1, sequence_length=32, micro_batch=2)
@@ -49,7 +49,7 @@ def error_of(path: Path, tokenizer: Any = None, **dataset: Any) -> str:
     ("messages", {"messages": [{"role": "user"}]}, "no 'content' field in messages[0]"),
     ("messages", {"messages": [{"role": "user", "content": 3}]}, "field 'content' in messages[0] must be a string"),
     ("messages", {"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]},
-     "messages[1]: unknown role 'robot' (expected one of system, user, assistant)"),
+     "messages[1]: unknown role 'robot' (expected one of system, user, assistant, tool)"),
     ("messages", {"messages": [{"content": "x"}]}, "no 'role' field in messages[0]"),
     ("messages", {"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
     ("messages", {"messages": [{"role": "assistant", "content": "x"}]}, "messages[0] is an assistant turn"),
@@ -80,7 +80,7 @@ def test_explicit_format_overrides_the_first_record(tmp_path: Path) -> None:
 def test_text_field_names_the_field(tmp_path: Path) -> None:
     path = write(tmp_path / "data.jsonl", [{"body": "hello world " * 10}] * 3)
     assert build(path, text_field="body").format == "text"
-    assert "no 'text', 'prompt'/'completion' or 'messages' field" in error_of(path)
+    assert "no 'text', 'prompt'/'completion', 'messages', ShareGPT" in error_of(path)
 
 
 def test_not_utf8_names_the_line(tmp_path: Path) -> None:

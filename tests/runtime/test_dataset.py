@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
 from memstrata.api.finetunejob import Training  # noqa: E402
-from memstrata.api.jobdata import Dataset  # noqa: E402
+from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, SyntheticData, TrainData, build_data  # noqa: E402
 
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: run `make i
 pytest.importorskip("transformers", reason="transformers is not installed: run `make install`")
 
 from memstrata.api.finetunejob import Training  # noqa: E402
-from memstrata.api.jobdata import Dataset  # noqa: E402
+from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.runtime.train.data.packing import IGNORE  # noqa: E402
 from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer  # noqa: E402
 

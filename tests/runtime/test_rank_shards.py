@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install` (the runtime extra)")
 
 from memstrata.api.finetunejob import FineTuneJobSpec, Resources, Training  # noqa: E402
-from memstrata.api.jobdata import Dataset  # noqa: E402
+from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.api.jobstatus import WorkerStatus  # noqa: E402
 from memstrata.api.report import RuntimeReport  # noqa: E402
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, build_data  # noqa: E402

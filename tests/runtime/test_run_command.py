@@ -72,6 +72,14 @@ def test_missing_dataset_file(tmp_path: Path) -> None:
     assert not nvme.exists()
 
 
+def test_a_dataset_glob_that_matches_nothing_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    pattern = str(tmp_path / "shards" / "*.parquet")
+    job = _job(tmp_path, dataset={"mix": [{"path": pattern, "weight": 1}, {"path": str(TINY), "weight": 1}]})
+    nvme = tmp_path / "nvme"
+    _assert_refused(_run(str(job), "--nvme-path", str(nvme)), "spec.dataset.mix[0].path", pattern, "matches no file")
+    assert not nvme.exists()
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path: Path) -> None:
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"text": "a fine first record " * 20}) + "\n" + '{"text": "broken\n')

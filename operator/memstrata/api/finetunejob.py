@@ -16,7 +16,8 @@ from pydantic import ConfigDict, Field, model_validator
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.base import ApiModel, cel
 from memstrata.api.bounds import MAX_BATCH, MAX_SEED, MAX_STEPS
-from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, Dataset, ModelSource, Output, Volume, VolumeMount, under
+from memstrata.api.dataset import Dataset
+from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, ModelSource, Output, Volume, VolumeMount, under
 from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.lora import Lora, check_targets
 from memstrata.api.strataplan import Engine

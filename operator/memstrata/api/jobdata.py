@@ -3,7 +3,7 @@
 may not take."""
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -56,51 +56,6 @@ class ModelSource(ApiModel):
             raise ValueError(f"model.path {self.path}: the shape is not known yet (no model.architecture, and "
                              "the model directory has not been inspected)")
         return shape
-
-
-DatasetFormat = Literal["auto", "text", "prompt_completion", "messages"]
-
-
-class Dataset(ApiModel):
-    """A JSONL file on a volume, or a built-in synthetic set.
-
-    Records are `{"text": ...}` (trained on every token), `{"prompt": ..., "completion": ...}` (loss on the
-    completion only) or `{"messages": [{"role": ..., "content": ...}, ...]}` (the model's chat template
-    applied, loss on the assistant turns only); `format: auto` takes the format of the first record.
-    """
-
-    synthetic: Literal["copy", "arithmetic"] | None = Field(
-        None, description="A built-in synthetic set with learnable structure."
-    )
-    path: str | None = Field(None, description="A JSONL file: one text, prompt/completion or messages record "
-                                                "per line.")
-    format: DatasetFormat = Field("auto", description="The record format; auto: that of the first record.")
-    text_field: str = Field("text", min_length=1, description="The JSONL field that holds the text (format text).")
-    packing: bool = Field(True, description="Pack examples end to end into full sequences, each attending only "
-                                            "to itself (position ids restart per example); false: one example "
-                                            "per sequence, padded.")
-    validation_split: float = Field(0.0, ge=0, lt=0.5, description="Fraction of the records held out for "
-                                                                   "validation (chosen by record, reproducibly).")
-    validation_path: str | None = Field(None, description="A separate JSONL file for validation (instead of a "
-                                                          "split).")
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.synthetic) != has(self.path)", "set exactly one of dataset.synthetic or dataset.path"),
-                cel("!has(self.validationPath) || !has(self.validationSplit) || self.validationSplit == 0.0",
-                    "set at most one of dataset.validationSplit or dataset.validationPath"),
-            ]
-        }
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "Dataset":
-        if (self.synthetic is None) == (self.path is None):
-            raise ValueError("set exactly one of dataset.synthetic or dataset.path")
-        if self.validation_path is not None and self.validation_split:
-            raise ValueError("set at most one of dataset.validationSplit or dataset.validationPath")
-        return self
 
 
 class Output(ApiModel):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
+    from memstrata.api.dataset import Dataset
     from memstrata.api.finetunejob import FineTuneJobSpec
 
 EXIT_USAGE = 2
@@ -53,6 +55,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.feasible else EXIT_USAGE
 
 
+def _dataset_paths(dataset: "Dataset") -> list[tuple[str, str]]:
+    """(field, path) of every data path a spec names."""
+    named = [("dataset.path", dataset.path), ("dataset.validationPath", dataset.validation_path)]
+    named += [(f"dataset.mix[{i}].path", m.path) for i, m in enumerate(dataset.mix or [])]
+    return [(field, path) for field, path in named if path is not None]
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from memstrata.api import load_job
     from memstrata.plan import plan_job
@@ -62,8 +71,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     spec = job.spec = _overridden(args, job.spec)
     if spec.model.path is not None and not Path(spec.model.path).is_dir():
         raise UserError(f"{args.file}: spec.model.path: {spec.model.path}: no such directory")
-    if spec.dataset.path is not None and not Path(spec.dataset.path).is_file():
-        raise UserError(f"{args.file}: spec.dataset.path: {spec.dataset.path}: no such file")
+    for field, path in _dataset_paths(spec.dataset):
+        if not (glob.glob(path) if glob.has_magic(path) else Path(path).exists()):
+            raise UserError(f"{args.file}: spec.{field}: {path}: "
+                            + ("matches no file" if glob.has_magic(path) else "no such file or directory"))
     from memstrata.cli.modelshape import with_model_shape
 
     spec = job.spec = _with_shape(args.file, spec, with_model_shape)
@@ -94,6 +105,7 @@ def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJ
     as a whole."""
     from pydantic import ValidationError
 
+    from memstrata.api.dataset import Dataset
     from memstrata.api.finetunejob import FineTuneJobSpec
     from memstrata.api.validation import describe_validation_error
 

@@ -212,6 +212,8 @@ class LocalRun:
                          f"{recipe.engine_name} swap layer (weights -> {plan.offload_device('weights')}, optimizer "
                          f"state -> {plan.offload_device('master', 'optimizer')}) in {recipe.swap_dir}")
         recipe.setup()
+        if recipe.data is not None:
+            self.bar.message(f"memstrata: {self.job.metadata.name}: training on {recipe.data.summary}")
         resumed = recipe.resumed
         if resumed is not None:
             self.resumed_from = resumed.step

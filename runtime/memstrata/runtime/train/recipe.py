@@ -35,6 +35,7 @@ from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data, load_tokenizer
+from memstrata.runtime.train.data.tokenizer import use_chat_template
 from memstrata.runtime.train.model.export import reclaim_partials
 from memstrata.runtime.train.observe.metrics import StepResult
 from memstrata.runtime.train.launch import world_sum
@@ -99,6 +100,8 @@ class FineTuneRecipe:
         self.adapter = check_adapter(spec, self.hf_config, self.arch, preset=self.model_dir is None)
         self.tokenizer = (load_tokenizer(self.model_dir.path, self.arch.vocab) if self.model_dir is not None
                           else ByteTokenizer())
+        if spec.dataset.chat_template is not None:
+            use_chat_template(self.tokenizer, spec.dataset.chat_template)
         if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
             raise RecipeError(f"spec.model: vocabulary of {self.arch.vocab} tokens is smaller than the byte "
                               f"tokenizer's {ByteTokenizer.VOCAB}")

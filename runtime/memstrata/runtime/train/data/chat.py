@@ -13,6 +13,8 @@ model stops generating at the end-of-turn token and never produces it.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from memstrata.runtime.train.data.records import DatasetError, Messages, RecordError
 from memstrata.runtime.train.data.tokenizer import Tokenizer
 
@@ -28,9 +30,12 @@ def chat_spans(messages: Messages, tokenizer: Tokenizer) -> tuple[str, list[tupl
     turns = messages.as_dicts()
     full = tokenizer.render_chat(turns, add_generation_prompt=False)
     spans: list[tuple[int, int]] = []
-    for i, (role, content) in enumerate(messages.messages):
-        if role != "assistant":
+    for i, turn in enumerate(messages.turns):
+        if turn.extra and "tool_calls" in dict(turn.extra):
+            _check_calls_rendered(turns, i, tokenizer)
+        if not messages.trained(i):
             continue
+        content = turn.content
         before = tokenizer.render_chat(turns[:i], add_generation_prompt=True)
         through = tokenizer.render_chat(turns[: i + 1], add_generation_prompt=False)
         for what, part in ((f"messages[:{i}] with the generation prompt", before), (f"messages[:{i + 1}]", through)):
@@ -51,6 +56,16 @@ def chat_spans(messages: Messages, tokenizer: Tokenizer) -> tuple[str, list[tupl
     return full, spans
 
 
+def _check_calls_rendered(turns: list[dict[str, Any]], i: int, tokenizer: Tokenizer) -> None:
+    """Refuse a turn whose tool calls the template leaves out: the model would learn to answer without them."""
+    bare = [*turns[:i], {k: v for k, v in turns[i].items() if k != "tool_calls"}]
+    if tokenizer.render_chat(bare, add_generation_prompt=False) == tokenizer.render_chat(
+            turns[: i + 1], add_generation_prompt=False):
+        raise ChatTemplateError(f"messages[{i}] has tool_calls, but the chat template of {tokenizer.name} does not "
+                                "render them: they would be dropped from what is trained on (set dataset.chatTemplate "
+                                "to a template that renders tool calls)")
+
+
 def chat_example(messages: Messages, tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it is trained on (assistant turns)."""
     text, spans = chat_spans(messages, tokenizer)
@@ -63,9 +78,9 @@ def chat_example(messages: Messages, tokenizer: Tokenizer) -> tuple[list[int], l
     return ids, mask
 
 
-def check_chat_template(tokenizer: Tokenizer, dataset: str) -> None:
+def check_chat_template(tokenizer: Tokenizer, dataset: str, fmt: str = "messages") -> None:
     """Refuse a messages dataset for a tokenizer that has no chat template (before reading any record)."""
     if not tokenizer.has_chat_template:
-        raise DatasetError(f"{dataset}: a messages dataset needs a chat template, and {tokenizer.name} has none "
-                           "(use a model directory whose tokenizer_config.json or chat_template.jinja has one, or "
-                           "prompt/completion records)")
+        raise DatasetError(f"{dataset}: a {fmt} dataset needs a chat template, and {tokenizer.name} has none "
+                           "(set dataset.chatTemplate, use a model directory whose tokenizer_config.json or "
+                           "chat_template.jinja has one, or use prompt/completion records)")

@@ -4,14 +4,15 @@
 - prompt/completion: the prompt (with the tokenizer's leading specials, as a text starts), then the
   completion, then EOS; only the completion and the EOS are trained on. The two strings are joined as
   given - a separating space or newline belongs in the data, where the user can see it.
-- messages: the chat template (see chat.py); only the assistant turns, each through its end-of-turn token.
+- messages (and ShareGPT, Alpaca and TRL's conversational prompt/completion, read as messages): the chat
+  template (see chat.py); only the assistant turns, each through its end-of-turn token.
   No EOS is added: the template's own turn markers delimit a conversation, and an EOS after the last
   end-of-turn is a token the model never sees when it is asked a question.
 """
 from __future__ import annotations
 
 from memstrata.runtime.train.data.chat import chat_example
-from memstrata.runtime.train.data.records import Messages, PromptCompletion, Record, TextRecord
+from memstrata.runtime.train.data.records import Messages, PromptCompletion, Record, RecordError, TextRecord
 from memstrata.runtime.train.data.tokenizer import Tokenizer
 
 __all__ = ["Example", "encode_record"]
@@ -28,4 +29,7 @@ def encode_record(record: Record, tokenizer: Tokenizer) -> Example:
         completion = [*tokenizer.encode(record.completion), tokenizer.eos_id]
         return prompt + completion, [False] * len(prompt) + [True] * len(completion)
     assert isinstance(record, Messages)
+    if not tokenizer.has_chat_template:  # TRL's conversational prompt/completion, found record by record
+        raise RecordError(f"a conversation needs a chat template, and {tokenizer.name} has none (set "
+                          "dataset.chatTemplate, or use a model directory whose tokenizer has one)")
     return chat_example(record, tokenizer)

@@ -1,9 +1,10 @@
 """Training data: what a job's `spec.dataset` describes, as micro-batches of `(input_ids, labels)`.
 
 `build_data` is the entry point. A synthetic set is generated block by block through the byte tokenizer;
-a JSONL file is validated completely first (one streaming pass, records.py), then streamed for every
-epoch through a bounded shuffle buffer (stream.py), each record tokenized with its loss mask (encode.py,
-chat.py) and packed or padded into sequences (packing.py). Nothing holds the whole file.
+a dataset's files (sources.py) are validated completely first (one streaming pass, sets.py, records.py), then
+streamed for every epoch through a bounded shuffle buffer (stream.py), several datasets drawn by weight, each
+record tokenized with its loss mask (encode.py, chat.py) and packed or padded into sequences (packing.py).
+Nothing holds a whole file (but a JSON array, which cannot be streamed).
 
 Both produce `(input_ids, labels)` LongTensors of shape (micro_batch, sequence_length), labels at the
 inputs' positions with -100 where there is no loss: the model (a Hugging Face causal LM) shifts them.
@@ -24,17 +25,18 @@ its own blocks; a file is read whole by every rank and only its own micro-batche
 from __future__ import annotations
 
 import itertools
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memstrata.api.finetunejob import Training
-from memstrata.api.jobdata import Dataset
+from memstrata.api.dataset import Dataset, MixSource
 from memstrata.runtime.train.data.chat import check_chat_template
 from memstrata.runtime.train.data.encode import Example, encode_record
 from memstrata.runtime.train.data.packing import Batch, Row, labels_of, micro_batches, row, sequences, trains
-from memstrata.runtime.train.data.records import DatasetError, Format, Record, RecordError, read_records, scan
+from memstrata.runtime.train.data.records import DatasetError, Format, Record, RecordError
+from memstrata.runtime.train.data.sets import Counts, DataSet
 from memstrata.runtime.train.data.stream import SHUFFLE_BUFFER, epochs, held_out
 from memstrata.runtime.train.data.synthetic import SyntheticKind, synthetic_block
 from memstrata.runtime.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -96,77 +98,93 @@ class SyntheticData(TrainData):
 
 
 class FileData(TrainData):
-    """A JSONL dataset, validated on construction and streamed afterwards."""
+    """A dataset (or a weighted mix of several), validated on construction and streamed afterwards."""
 
     def __init__(self, dataset: Dataset, training: Training, tokenizer: Tokenizer,
                  shuffle_buffer: int = SHUFFLE_BUFFER) -> None:
-        assert dataset.path is not None
-        self.path, self.text_field = Path(dataset.path), dataset.text_field
         self.tokenizer, self.packing = tokenizer, dataset.packing
         self.length, self.seed, self.shuffle_buffer = training.sequence_length, training.seed, shuffle_buffer
-        self.held_out = held_out(training.seed, dataset.validation_split)
-        train = scan(self.path, dataset.format, dataset.text_field, keep=lambda n: not self.held_out(n))
-        self.format: Format = train.format
-        self.why = train.why
-        if self.format == "messages":
-            check_chat_template(tokenizer, f"dataset.path {self.path}")
-        self.train_records = train.kept
-        self.validation_records = train.other
-        self.stamp = train.stamp  # every epoch's read checks the file is still the one validated
-        self.validation_file: Path | None = None
-        self.validation_stamp = train.stamp
-        self.validation_why = self.why
-        if not train.kept:
-            raise DatasetError(f"{self.path}: validationSplit {dataset.validation_split} holds out all "
-                               f"{train.other} records, leaving none to train on")
-        if dataset.validation_split and not train.other:
-            raise DatasetError(f"{self.path}: validationSplit {dataset.validation_split} holds out none of the "
-                               f"{train.kept} records: raise it, or give a validationPath")
+        specs = dataset.sources()
+        fields = ["dataset.path"] if dataset.mix is None else [f"dataset.mix[{i}].path" for i in range(len(specs))]
+        self.sets = [DataSet(spec, field) for spec, field in zip(specs, fields)]
+        self.weights = [spec.weight for spec in specs]
+        # The first dataset's split is keyed as a single file's always was (its line numbers), so it is unchanged.
+        self.held_out = [held_out(training.seed, dataset.validation_split, salt=f"{i}:" if i else "")
+                         for i in range(len(specs))]
+        counts = [self._scan(i, dataset.validation_split) for i in range(len(specs))]
+        self.format: Format = self.sets[0].format
+        for data in self.sets:
+            if data.conversation:
+                check_chat_template(tokenizer, f"{data.field} {data.name}", data.format)
+        self.validation_set: DataSet | None = None
+        self.train_records = sum(c.kept for c in counts)
+        self.validation_records = sum(c.other for c in counts)
         if dataset.validation_path is not None:
-            self.validation_file = Path(dataset.validation_path)
-            # Loss on a differently formatted file would not be comparable: the format is the training file's.
-            if dataset.format == "auto":
-                self.validation_why = f"{self.why} of {self.path}"
-            val = scan(self.validation_file, self.format, dataset.text_field, why=self.validation_why)
-            if not val.kept:
-                raise DatasetError(f"{self.validation_file}: holds no records")
-            self.validation_records = val.kept
-            self.validation_stamp = val.stamp
-        held = (f", {self.validation_records} held out for validation" if dataset.validation_split else
-                f"; validation: {self.validation_records} from {self.validation_file}" if self.validation_file
-                else "")
-        self.summary = f"{self.path}: {self.train_records} {self.format} records{held}"
+            spec = MixSource(path=dataset.validation_path, weight=1.0, format=dataset.format,
+                             text_field=dataset.text_field, columns=dataset.columns)
+            self.validation_set = DataSet(spec, "dataset.validationPath", inherit=self.sets[0])
+            self.validation_records = self.validation_set.scan().kept
+        self.summary = self._summary(counts, dataset)
         self._validation: dict[int, list[Batch]] = {}
         # The first sequence now, so what only tokenizing shows (a chat template that is not prefix-stable,
         # records with nothing to train on within sequenceLength) fails before training starts.
         next(self._train_rows())
 
-    def _encode(self, path: Path, number: int, record: Record) -> Example:
+    def _scan(self, i: int, split: float) -> Counts:
+        data = self.sets[i]
+        counts = data.scan(keep=lambda k: not self.held_out[i](k))
+        if not counts.kept:
+            raise DatasetError(f"{data.name}: validationSplit {split} holds out all {counts.other} records, leaving "
+                               "none to train on")
+        if split and not counts.other:
+            raise DatasetError(f"{data.name}: validationSplit {split} holds out none of the {counts.kept} records: "
+                               "raise it, or give a validationPath")
+        return counts
+
+    def _summary(self, counts: list[Counts], dataset: Dataset) -> str:
+        parts = [f"{d.name}: {c.kept} {d.format} records" + (f" (weight {w:g})" if dataset.mix else "")
+                 for d, c, w in zip(self.sets, counts, self.weights)]
+        held = (f", {self.validation_records} held out for validation" if dataset.validation_split else
+                f"; validation: {self.validation_records} from {dataset.validation_path}" if self.validation_set
+                else "")
+        return "; ".join(parts) + held
+
+    def _encode(self, where: str, record: Record) -> Example:
         try:
             return encode_record(record, self.tokenizer)
         except RecordError as exc:
-            raise DatasetError(f"{path}:{number}: {exc}") from None
+            raise DatasetError(f"{where}: {exc}") from None
 
-    def _read_train(self) -> Iterator[tuple[int, Record]]:
-        return read_records(self.path, self.format, self.text_field, self.why, keep=lambda n: not self.held_out(n),
-                            stamp=self.stamp)
-
-    def _train_examples(self) -> Iterator[Example]:
-        """Examples forever, epoch after epoch; fails when a whole epoch had nothing to train on, or nothing at
-        all (either would otherwise loop forever without yielding a batch)."""
+    def _set_examples(self, i: int) -> Iterator[Example]:
+        """Examples of dataset `i` forever, epoch after epoch; fails when a whole epoch had nothing to train on,
+        or nothing at all (either would otherwise loop forever without yielding a batch)."""
+        data, test = self.sets[i], self.held_out[i]
         current, useful = 0, False
-        for epoch, (number, record) in epochs(self._read_train, self.seed, self.shuffle_buffer):
+        seed: int | str = self.seed if i == 0 else f"{self.seed}:{i}"
+        for epoch, (_, where, record) in epochs(lambda: data.records(keep=lambda k: not test(k)), seed,
+                                                self.shuffle_buffer):
             if epoch != current:
                 if not useful:
-                    raise DatasetError(f"{self.path}: no record has a token to train on within the first "
+                    raise DatasetError(f"{data.name}: no record has a token to train on within the first "
                                        f"training.sequenceLength ({self.length}) tokens")
                 current, useful = epoch, False
-            example = self._encode(self.path, number, record)
+            example = self._encode(where, record)
             if not useful:
                 labels = labels_of(example)
                 useful = any(m for m in example[1]) if self.packing else trains(labels[: self.length])
             yield example
-        raise DatasetError(f"{self.path}: an epoch read no record: the file changed while the run was reading it")
+        raise DatasetError(f"{data.name}: an epoch read no record: the file changed while the run was reading it")
+
+    def _train_examples(self) -> Iterator[Example]:
+        """One dataset's examples, or a mix's: each drawn from dataset i with probability weight_i / sum."""
+        streams = [self._set_examples(i) for i in range(len(self.sets))]
+        if len(streams) == 1:
+            yield from streams[0]
+            return
+        rng = random.Random(f"memstrata-mix:{self.seed}")
+        choices = range(len(streams))
+        while True:
+            yield next(streams[rng.choices(choices, self.weights)[0]])
 
     def _train_rows(self) -> Iterator[Row]:
         return sequences(self._train_examples(), self.length, self.tokenizer.pad_id, self.packing)
@@ -179,14 +197,13 @@ class FileData(TrainData):
         return micro_batches(rows, micro_batch)
 
     def _validation_examples(self) -> Iterator[Example]:
-        if self.validation_file is not None:
-            for number, record in read_records(self.validation_file, self.format, self.text_field,
-                                               self.validation_why, stamp=self.validation_stamp):
-                yield self._encode(self.validation_file, number, record)
-        elif self.validation_records:
-            for number, record in read_records(self.path, self.format, self.text_field, self.why,
-                                               keep=self.held_out, stamp=self.stamp):
-                yield self._encode(self.path, number, record)
+        if self.validation_set is not None:
+            for _, where, record in self.validation_set.records():
+                yield self._encode(where, record)
+            return
+        for data, test in zip(self.sets, self.held_out):
+            for _, where, record in data.records(keep=test):
+                yield self._encode(where, record)
 
     def validation(self, micro_batch: int) -> list[Batch]:
         if micro_batch not in self._validation:
@@ -202,6 +219,4 @@ def build_data(dataset: Dataset, training: Training, tokenizer: Tokenizer) -> Tr
     if dataset.synthetic is not None:
         return SyntheticData(dataset.synthetic, training.sequence_length, training.seed,
                              validation=dataset.validation_split > 0)
-    if dataset.path is None:
-        raise DatasetError("spec.dataset: set exactly one of dataset.synthetic or dataset.path")
     return FileData(dataset, training, tokenizer)

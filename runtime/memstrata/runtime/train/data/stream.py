@@ -23,14 +23,15 @@ SHUFFLE_BUFFER = 10_000  # records; a few MB of short records
 T = TypeVar("T")
 
 
-def held_out(seed: int, fraction: float) -> Callable[[int], bool]:
-    """Whether the record on a line number is a validation record: hash(seed, line) < fraction."""
+def held_out(seed: int, fraction: float, salt: str = "") -> Callable[[int], bool]:
+    """Whether the record of a key (its line number in a dataset's first file) is a validation record:
+    hash(seed, salt, key) < fraction; `salt` tells the datasets of a mix apart."""
     if fraction <= 0:
         return lambda _number: False
     threshold = int(fraction * (1 << 64))
 
     def test(number: int) -> bool:
-        digest = hashlib.blake2b(f"{seed}:{number}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{seed}:{salt}{number}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") < threshold
 
     return test
@@ -50,7 +51,7 @@ def shuffled(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
     yield from buffer
 
 
-def epochs(read: Callable[[], Iterable[T]], seed: int, size: int = SHUFFLE_BUFFER) -> Iterator[tuple[int, T]]:
+def epochs(read: Callable[[], Iterable[T]], seed: int | str, size: int = SHUFFLE_BUFFER) -> Iterator[tuple[int, T]]:
     """(epoch, item) forever: `read()` once per epoch, shuffled by (seed, epoch); it ends at the first epoch
     that reads nothing, which would otherwise be followed by empty epochs for ever at full speed."""
     epoch = 0

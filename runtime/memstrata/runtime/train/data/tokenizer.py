@@ -15,7 +15,8 @@ from memstrata.runtime.train.data.records import DatasetError, RecordError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "TokenizerError", "load_tokenizer", "TOKENIZER_FILES"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "TokenizerError", "load_tokenizer", "use_chat_template",
+           "TOKENIZER_FILES"]
 
 # Any one of these makes a directory loadable by AutoTokenizer (fast, SentencePiece, BPE or WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -43,7 +44,7 @@ class Tokenizer(Protocol):
     @property
     def has_chat_template(self) -> bool: ...
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         """The chat template applied to `messages`, as text."""
         ...
 
@@ -72,7 +73,7 @@ class ByteTokenizer:
     def has_chat_template(self) -> bool:
         return False
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         raise TokenizerError(f"{self.name} has no chat template")
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -115,7 +116,7 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False,
                                                add_generation_prompt=add_generation_prompt)
@@ -136,6 +137,23 @@ class HFTokenizer:
 
     def __len__(self) -> int:
         return len(self.hf)
+
+
+def use_chat_template(tokenizer: Tokenizer, template: str) -> None:
+    """Render conversations (and save the tokenizer) with `template` instead of the tokenizer's own; fails
+    naming dataset.chatTemplate when it cannot be used or does not render a plain exchange."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise TokenizerError(f"dataset.chatTemplate: {tokenizer.name} renders no templates; a chat template needs a "
+                             "model directory's tokenizer (model.path)")
+    tokenizer.hf.chat_template = template
+    probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+    try:
+        text = tokenizer.render_chat(probe, add_generation_prompt=False)
+    except RecordError as exc:
+        raise TokenizerError(f"dataset.chatTemplate: does not render a user/assistant exchange: {exc}") from None
+    if "ping" not in text or "pong" not in text:
+        raise TokenizerError("dataset.chatTemplate: a user/assistant exchange renders without its messages' "
+                             f"content ({text[:80]!r}): the template must write each message's content")
 
 
 def load_tokenizer(model_dir: Path, vocab: int) -> HFTokenizer:
