@@ -31,6 +31,9 @@ def spec(**training: Any) -> FineTuneJobSpec:
     ({"method": "lora", "lora": {"targetModules": ["self_attn.q_proj"]}}, "training.lora.targetModules.0\n"),
     ({"method": "lora", "lora": {"targetModules": ["q_proj", "q_proj"]}},
      "training.lora.targetModules: q_proj given twice"),
+    ({"method": "lora", "lora": {"targetModules": ["all-linear", "q_proj"]}},
+     "training.lora.targetModules: all-linear names every linear module; give it alone (got all-linear, q_proj)"),
+    ({"method": "lora", "lora": {"targetModules": ["all-linears"]}}, "training.lora.targetModules.0\n"),
     ({"method": "lora", "lora": {"targetModules": ["c_attn"]}},
      "training.lora.targetModules: c_attn: not a linear module of a Llama-family model's layers (those that take "
      "adapters: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"),
@@ -47,7 +50,11 @@ def test_defaults_per_family_and_full_has_no_adapter() -> None:
     assert spec().training.adapter() is None
     lora = spec(method="lora").training.adapter()
     assert lora == Lora() and (lora.rank, lora.alpha, lora.dropout, lora.merge_on_save) == (16, 32.0, 0.05, False)
-    assert lora.targets("llama") == ["q_proj", "v_proj"] and lora.targets("gpt") == ["c_attn"]
+    llama, gpt = PRESETS["llama3.2-1b"], PRESETS["gpt-tiny"]
+    assert lora.targets(llama) == ["q_proj", "v_proj"] and lora.targets(gpt) == ["c_attn"]
+    every = Lora(target_modules=["all-linear"])
+    assert every.targets(llama) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert every.targets(gpt) == ["c_attn", "c_proj", "c_fc"]
 
 
 def test_adapter_tensors_are_rank_times_in_plus_out_per_targeted_module() -> None:
@@ -72,7 +79,7 @@ def test_the_crd_carries_the_rules() -> None:
     assert lora["rank"]["minimum"] == 0 and lora["rank"]["exclusiveMinimum"] is True
     assert lora["dropout"]["maximum"] == 1 and lora["dropout"]["exclusiveMaximum"] is True
     assert lora["targetModules"]["x-kubernetes-list-type"] == "set"
-    assert lora["targetModules"]["items"]["pattern"] == "^[A-Za-z_][A-Za-z0-9_]*$"
+    assert lora["targetModules"]["items"]["pattern"] == "^([A-Za-z_][A-Za-z0-9_]*|all-linear)$"
 
 
 def _identity(training: dict[str, Any]) -> Identity:

@@ -6,6 +6,7 @@ and every targeted weight is the base's plus exactly scaling·B·A."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,7 +37,7 @@ spec:
   dataset: {{path: {DATA}, format: messages, validationPath: {validation}}}
   training:
     method: lora
-    lora: {{rank: {RANK}, alpha: {ALPHA}, targetModules: [q_proj, v_proj, down_proj], dropout: 0.0,
+    lora: {{rank: {RANK}, alpha: {ALPHA}, targetModules: [q_proj, v_proj, down_proj], dropout: 0.0, useRslora: true,
             mergeOnSave: true}}
     sequenceLength: 64
     microBatch: 2
@@ -103,7 +104,7 @@ def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[li
     torch.manual_seed(7)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                            LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                      target_modules=["q_proj", "v_proj", "down_proj"]))
+                                      target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     batches, losses = data.batches(2, start=0, rank=0, world=1), []
@@ -135,7 +136,7 @@ def test_the_adapter_loads_with_peft_and_reproduces_the_trained_logits(trained: 
             "merged"} <= names, names
     assert not list(out.parent.glob(f".{out.name}.partial*")), "the temporary directory was left behind"
     config = json.loads((out / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
+    assert (config["r"], config["lora_alpha"], config["peft_type"], config["use_rslora"]) == (RANK, ALPHA, "LORA", True)
     assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
     assert config["base_model_name_or_path"] == str(trained["base"])
     status = trained["result"]["output"]
@@ -160,7 +161,7 @@ def test_the_merged_model_is_the_base_plus_exactly_the_adapter(trained: dict[str
         "the merged model does not reproduce the trained engine's logits"
     base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32).state_dict()
     adapter = load_file(out / "adapter_model.safetensors")
-    scaling = ALPHA / RANK
+    scaling = ALPHA / math.sqrt(RANK)  # rank-stabilized
     targeted = 0
     for name, weight in merged.state_dict().items():
         module = name.removesuffix(".weight")

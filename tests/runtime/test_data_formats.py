@@ -261,3 +261,14 @@ def test_csv_cells_are_text_as_written(tmp_path: Path, smol: HFTokenizer) -> Non
     ids, labels = one_row(smol, path=str(path))
     assert trained_runs(smol, labels) == [" 1.50" + smol.hf.eos_token]
     assert smol.decode(ids).startswith("Price of tea?\nAnswer: 1.50")
+
+
+def test_loss_on_the_whole_conversation_when_completion_only_loss_is_off(tmp_path: Path, smol: HFTokenizer) -> None:
+    """completionOnlyLoss: false trains on every token the template renders: system, user turns and markers."""
+    path = jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    ids, labels = one_row(smol, path=str(path), completion_only_loss=False)
+    text = smol.hf.apply_chat_template(CHAT, tokenize=False)
+    n = len(smol.hf(text, add_special_tokens=False)["input_ids"])
+    assert labels[:n] == ids[:n] and set(labels[n:]) == {-100}
+    _, only = one_row(smol, path=str(path))
+    assert sum(t != -100 for t in only) < n / 2

@@ -97,7 +97,8 @@ class Manifest(ApiModel):
 
 
 # What a checkpoint written before these fingerprint keys existed was trained with: a full fine-tune.
-FINGERPRINT_DEFAULTS: Final[dict[str, Any]] = {"training.method": "full", "training.lora": None}
+FINGERPRINT_DEFAULTS: Final[dict[str, Any]] = {"training.method": "full", "training.lora": None,
+                                               "dataset.completionOnlyLoss": True}
 
 
 def identity_mismatches(saved: Identity, current: Identity) -> list[str]:
@@ -132,8 +133,8 @@ def identity_mismatches(saved: Identity, current: Identity) -> list[str]:
     for key in sorted(set(saved.training) | set(current.training)):
         was = saved.training.get(key, FINGERPRINT_DEFAULTS.get(key))
         if was != current.training.get(key):
-            why = ("another set of parameters would train, with other optimizer state" if key in FINGERPRINT_DEFAULTS
-                   else "the data position and schedule would not carry over")
+            why = ("another set of parameters would train, with other optimizer state"
+                   if key in ("training.method", "training.lora") else "the data position and schedule would not carry over")
             out.append(f"{key}: the checkpoint has {was!r}, this job {current.training.get(key)!r} ({why})")
     return out
 
@@ -146,6 +147,8 @@ def run_fingerprint(training: Any, dataset: Any) -> dict[str, Any]:
     t = training.model_dump(mode="json", by_alias=True)
     keep = ("sequenceLength", "microBatch", "gradientAccumulation", "seed", "learningRate", "schedule", "method")
     adapter = training.adapter()
-    lora = adapter.model_dump(mode="json", by_alias=True, exclude={"merge_on_save"}) if adapter is not None else None
+    # useRslora only when set, so an adapter's fingerprint from before the field existed still matches.
+    lora = adapter.model_dump(mode="json", by_alias=True, exclude={"merge_on_save"} | (
+        set() if adapter is None or adapter.use_rslora else {"use_rslora"})) if adapter is not None else None
     return {**{f"training.{k}": t[k] for k in keep if k in t}, "training.lora": lora,
             **{f"dataset.{k}": v for k, v in dataset.model_dump(mode="json", by_alias=True).items()}}

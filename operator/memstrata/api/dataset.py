@@ -70,6 +70,10 @@ class Dataset(SourceShape):
     chat_template: str | None = Field(None, min_length=1, max_length=65536,
                                       description="A Jinja chat template used instead of the tokenizer's; the output "
                                                   "model's tokenizer carries it.")
+    completion_only_loss: bool = Field(True, description="The loss on what the model answers only: completions "
+                                                          "and assistant turns (TRL's default); false: on every "
+                                                          "token, prompts, user and system turns and the chat "
+                                                          "template's markers too (Axolotl's train_on_inputs).")
     packing: bool = Field(True, description="Pack examples end to end into full sequences, each attending only "
                                             "to itself (position ids restart per example); false: one example "
                                             "per sequence, padded.")

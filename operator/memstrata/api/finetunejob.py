@@ -107,6 +107,10 @@ class Training(ApiModel):
     optimizer: Optimizer = Optimizer()
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no "
                                                             "clipping).")
+    neftune_noise_alpha: float | None = Field(
+        None, gt=0, le=100, description="NEFTune: uniform noise of magnitude alpha / sqrt(sequence x hidden) added to "
+                                        "the input embeddings while training (5 in the paper; transformers' "
+                                        "neftune_noise_alpha); validation and the saved model see none.")
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "Training":

@@ -20,7 +20,8 @@ from memstrata.api.base import ApiModel
 from memstrata.api.families import Linear
 from memstrata.api.families import family as family_of
 
-ModuleName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+ModuleName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^([A-Za-z_][A-Za-z0-9_]*|all-linear)$")]
+ALL_LINEAR = "all-linear"  # PEFT's word for every linear module of the layers
 
 
 class Lora(ApiModel):
@@ -37,8 +38,10 @@ class Lora(ApiModel):
                     "that name): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Llama-family "
                     "models: Llama, Qwen2, Qwen3, Mistral, Gemma, SmolLM2), o_proj, qkv_proj, gate_up_proj, "
                     "down_proj (Phi-3) or c_attn, c_proj, c_fc (GPT-2); default: q_proj and v_proj, qkv_proj (Phi-3) "
-                    "or c_attn.",
+                    "or c_attn; `all-linear`: every one of them (PEFT's all-linear, the LM head excepted).",
         json_schema_extra={"x-kubernetes-list-type": "set"})
+    use_rslora: bool = Field(False, description="Rank-stabilized LoRA: the update is scaled by alpha / sqrt(rank) "
+                                                "instead of alpha / rank (PEFT's use_rslora).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapters' input while training.")
     merge_on_save: bool = Field(
         False, description="Also write the base model with the adapters merged in (W + alpha / rank x B x A), a plain "
@@ -50,11 +53,17 @@ class Lora(ApiModel):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"training.lora.targetModules: {', '.join(twice)} given twice")
+        if ALL_LINEAR in names and len(names) > 1:
+            raise ValueError(f"training.lora.targetModules: {ALL_LINEAR} names every linear module; give it alone "
+                             f"(got {', '.join(names)})")
         return self
 
-    def targets(self, family: Family) -> list[str]:
-        """The target modules, the family's default when none are named."""
-        return list(self.target_modules) if self.target_modules else list(family_of(family).lora_defaults)
+    def targets(self, arch: ModelArchitecture) -> list[str]:
+        """The target modules: every linear module's name for all-linear, the family's default when none are
+        named."""
+        if self.target_modules == [ALL_LINEAR]:
+            return linear_names(arch)
+        return list(self.target_modules) if self.target_modules else list(family_of(arch.family).lora_defaults)
 
 
 def layer_linears(arch: ModelArchitecture) -> list[Linear]:
@@ -71,7 +80,7 @@ def linear_names(arch: ModelArchitecture) -> list[str]:
 
 def unknown_targets(lora: Lora, arch: ModelArchitecture) -> list[str]:
     known = set(linear_names(arch))
-    return [t for t in lora.targets(arch.family) if t not in known]
+    return [t for t in lora.targets(arch) if t not in known]
 
 
 def check_targets(lora: Lora, arch: ModelArchitecture) -> None:
@@ -87,6 +96,6 @@ def adapter_tensor_sizes(arch: ModelArchitecture, lora: Lora) -> list[int]:
     """Elements of every adapter tensor, in `model.parameters()` order (A before B in each module): what trains
     under LoRA. A module with in and out features gets rank·in + out·rank."""
     check_targets(lora, arch)
-    wanted, r = set(lora.targets(arch.family)), lora.rank
+    wanted, r = set(lora.targets(arch)), lora.rank
     layer = [n for name, fan_in, fan_out in layer_linears(arch) if name in wanted for n in (r * fan_in, fan_out * r)]
     return layer * arch.layers

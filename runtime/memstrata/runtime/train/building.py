@@ -93,7 +93,11 @@ def build_engine(ds: DsConfig, training: Training, arch: ModelArchitecture, *, d
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
         if adapter is not None:
-            model = add_adapters(model, adapter, arch.family, seed=t.seed)
+            model = add_adapters(model, adapter, arch, seed=t.seed)
+        if t.neftune_noise_alpha is not None:
+            from memstrata.runtime.train.model.neftune import install_neftune
+
+            install_neftune(model, t.neftune_noise_alpha)
         built(model)
         handed = layer is not None  # from here on, initialize closes the layer if it fails
         return _initialize(model, ds, t, layer)

@@ -8,6 +8,8 @@
   template (see chat.py); only the assistant turns, each through its end-of-turn token.
   No EOS is added: the template's own turn markers delimit a conversation, and an EOS after the last
   end-of-turn is a token the model never sees when it is asked a question.
+
+With `dataset.completionOnlyLoss: false` every token is trained on (the prompt, every turn, the markers).
 """
 from __future__ import annotations
 
@@ -20,7 +22,13 @@ __all__ = ["Example", "encode_record"]
 Example = tuple[list[int], list[bool]]  # token ids, and per token whether it carries a label
 
 
-def encode_record(record: Record, tokenizer: Tokenizer) -> Example:
+def encode_record(record: Record, tokenizer: Tokenizer, completion_only: bool = True) -> Example:
+    """Token ids and, per token, whether it is trained on; `completion_only` false: every token is."""
+    ids, mask = _encode(record, tokenizer)
+    return (ids, mask) if completion_only else (ids, [True] * len(ids))
+
+
+def _encode(record: Record, tokenizer: Tokenizer) -> Example:
     if isinstance(record, TextRecord):
         ids = [*tokenizer.encode(record.text, first=True), tokenizer.eos_id]
         return ids, [True] * len(ids)

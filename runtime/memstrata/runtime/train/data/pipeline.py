@@ -102,7 +102,7 @@ class FileData(TrainData):
 
     def __init__(self, dataset: Dataset, training: Training, tokenizer: Tokenizer,
                  shuffle_buffer: int = SHUFFLE_BUFFER) -> None:
-        self.tokenizer, self.packing = tokenizer, dataset.packing
+        self.tokenizer, self.packing, self.completion_only = tokenizer, dataset.packing, dataset.completion_only_loss
         self.length, self.seed, self.shuffle_buffer = training.sequence_length, training.seed, shuffle_buffer
         specs = dataset.sources()
         fields = ["dataset.path"] if dataset.mix is None else [f"dataset.mix[{i}].path" for i in range(len(specs))]
@@ -151,7 +151,7 @@ class FileData(TrainData):
 
     def _encode(self, where: str, record: Record) -> Example:
         try:
-            return encode_record(record, self.tokenizer)
+            return encode_record(record, self.tokenizer, self.completion_only)
         except RecordError as exc:
             raise DatasetError(f"{where}: {exc}") from None
 

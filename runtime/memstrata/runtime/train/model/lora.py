@@ -75,10 +75,10 @@ def check_lora(config: "PretrainedConfig", lora: Lora, arch: ModelArchitecture, 
         check_targets(lora, arch)  # what the planner can count (a spec without the shape skipped this check)
     except ValueError as exc:
         raise LoraError(f"spec.{exc}") from None
-    check_target_modules(config, lora, arch.family)
+    check_target_modules(config, lora, arch)
 
 
-def check_target_modules(config: "PretrainedConfig", lora: Lora, family: Family) -> None:
+def check_target_modules(config: "PretrainedConfig", lora: Lora, arch: ModelArchitecture) -> None:
     """LoraError naming spec.training.lora.targetModules when `config`'s model has no module of a target's name."""
     available = linear_module_names(config)
     fused = [n for n in available if n in FUSED_PROJECTIONS]
@@ -88,13 +88,13 @@ def check_target_modules(config: "PretrainedConfig", lora: Lora, family: Family)
         raise LoraError(f"spec.training.lora: {type(config).__name__} fuses its projections ({', '.join(fused)}); "
                         "memstrata plans LoRA on separate q/k/v and gate/up projections only: use "
                         "training.method: full for this model")
-    missing = [t for t in lora.targets(family) if t not in available]
+    missing = [t for t in lora.targets(arch) if t not in available]
     if missing:
         raise LoraError(f"spec.training.lora.targetModules: {', '.join(missing)}: the model has no such linear "
                         f"module (its linear modules: {', '.join(available)})")
 
 
-def add_adapters(model: "PreTrainedModel", lora: Lora, family: Family, *, seed: int) -> Any:
+def add_adapters(model: "PreTrainedModel", lora: Lora, arch: ModelArchitecture, *, seed: int) -> Any:
     """`model` (built under ZeRO-3, weights loaded) wrapped in PEFT's LoRA layers: a `PeftModel` whose adapters
     alone require gradients."""
     import torch
@@ -102,10 +102,10 @@ def add_adapters(model: "PreTrainedModel", lora: Lora, family: Family, *, seed: 
 
     # PEFT annotates lora_alpha as an int but scales by alpha / r in floating point: a fractional alpha works.
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
-                        lora_dropout=lora.dropout,
-                        target_modules=lora.targets(family), task_type="CAUSAL_LM",
+                        lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
+                        target_modules=lora.targets(arch), task_type="CAUSAL_LM",
                         # GPT-2's Conv1D stores its weight transposed: its family says so.
-                        fan_in_fan_out=family_of(family).lora_fan_in_fan_out)
+                        fan_in_fan_out=family_of(arch.family).lora_fan_in_fan_out)
     # A is drawn from the job's seed (B starts at zero), so a run is reproducible; `deepspeed.initialize` then
     # partitions the adapters like any parameter built outside zero.Init, broadcasting rank 0's values.
     torch.manual_seed(seed)
