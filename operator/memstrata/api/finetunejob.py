@@ -20,6 +20,7 @@ from memstrata.api.dataset import Dataset
 from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, ModelSource, Output, Volume, VolumeMount, under
 from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.lora import Lora, check_targets
+from memstrata.api.selection import SELECTION_RULE, EarlyStopping, selection_problem
 from memstrata.api.strataplan import Engine
 from memstrata.api.units import Bytes
 
@@ -107,6 +108,10 @@ class Training(ApiModel):
     optimizer: Optimizer = Optimizer()
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no "
                                                             "clipping).")
+    keep_best: bool = Field(False, description="The output is the model of the evaluation with the lowest "
+                                               "validation loss (needs evalInterval and validation data), not the "
+                                               "last step's.")
+    early_stopping: EarlyStopping | None = Field(None, description="Stop when the validation loss stops falling.")
     neftune_noise_alpha: float | None = Field(
         None, gt=0, le=100, description="NEFTune: uniform noise of magnitude alpha / sqrt(sequence x hidden) added to "
                                         "the input embeddings while training (5 in the paper; transformers' "
@@ -192,6 +197,8 @@ class RunPolicy(ApiModel):
 
 
 class FineTuneJobSpec(ApiModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [SELECTION_RULE]})
+
     model: ModelSource
     dataset: Dataset
     training: Training
@@ -232,6 +239,9 @@ class FineTuneJobSpec(ApiModel):
                 and under(self.checkpoint.path.rstrip("/"), self.output.path.rstrip("/"))):
             raise ValueError("checkpoint.path must not be output.path or inside it: the model directory is created "
                              "whole at the end")
+        selection = selection_problem(self.training, self.dataset)
+        if selection is not None:
+            raise ValueError(selection)
         adapter = self.training.adapter()
         if shape is not None and adapter is not None:
             check_targets(adapter, shape)  # a model directory's own modules are checked again by the runtime

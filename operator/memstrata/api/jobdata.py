@@ -58,12 +58,15 @@ class ModelSource(ApiModel):
         return shape
 
 
+DEFAULT_SHARD: Final = 2 * GiB
+
+
 class Output(ApiModel):
     """Where the fine-tuned model goes: a Hugging Face directory, written atomically at the end (with
     training.method lora: the adapter in PEFT format, and the merged model in `merged/` with lora.mergeOnSave)."""
 
     path: str = Field(min_length=1, description="A directory that must not exist yet, on a writable volume.")
-    shard_size: Bytes = Field(2 * GiB, description="Largest safetensors shard (default 2Gi).")
+    shard_size: Bytes = Field(DEFAULT_SHARD, description="Largest safetensors shard (default 2Gi).")
     metrics_path: str | None = Field(
         None, min_length=1, description="Directory for metrics.jsonl (one line per step) and TensorBoard event "
                                         "files; default: `<path>-metrics` beside the model.")
@@ -97,6 +100,9 @@ class Checkpoint(ApiModel):
                                 "start); with neither field set: every 30 minutes.")
     keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are removed only after "
                                                    "a newer one is complete.")
+    export_model: bool = Field(False, description="Also write each checkpoint's model in Hugging Face format to "
+                                                  "`model/` in its step directory (what output.path would get), "
+                                                  "which transformers or PEFT loads while the run goes on.")
 
     def due(self, step: int, minutes_since_last: float) -> bool:
         """Whether a checkpoint is due after optimizer step `step`."""

@@ -29,6 +29,7 @@ from memstrata.api.inventory import Gpu
 from memstrata.api.report import RuntimeReport
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.data.pipeline import DatasetError
+from memstrata.runtime.train.model.export import describe_output, mark_run_complete
 from memstrata.runtime.train.model.hfmodel import ModelDirError
 from memstrata.runtime.train.launch import (LaunchError, Ranks, Terminated, launch, local_rendezvous, stop_on_sigterm,
                                             worker_setup)
@@ -260,13 +261,25 @@ class LocalRun:
         self.report_to(self.last)
 
     def _save(self, result: TrainResult) -> None:
-        assert self.job.spec.output is not None
-        self.bar.message(f"memstrata: saving the fine-tuned model to {self.job.spec.output.path}")
+        out, steps = self.job.spec.output, self.job.spec.training.steps
+        assert out is not None
+        if result.stopped_early is not None:
+            self.bar.message(f"memstrata: {self.job.metadata.name}: {result.stopped_early}")
         t0 = time.perf_counter()
-        last_validation = result.validation_losses.get(max(result.validation_losses, default=-1))
-        if last_validation is None and self.recipe.resumed is not None:  # resumed after the last step itself
-            last_validation = self.recipe.resumed.manifest.validation_loss
-        self.recipe.save(self.job.spec.training.steps, last_validation)
+        best = self.recipe.selection.publish(steps)
+        if best is not None:
+            self.bar.message(f"memstrata: the output is the model of step {best.step}, the lowest validation loss "
+                             f"({best.loss:.4f}): {out.path}")
+            if self.ranks.leader:
+                self.recipe.output = describe_output(Path(out.path))
+        else:
+            self.bar.message(f"memstrata: saving the fine-tuned model to {out.path}")
+            last_validation = result.validation_losses.get(max(result.validation_losses, default=-1))
+            if last_validation is None and self.recipe.resumed is not None:  # resumed after the last step itself
+                last_validation = self.recipe.resumed.manifest.validation_loss
+            self.recipe.save(result.steps[-1].step if result.steps else steps, last_validation)
+            if result.stopped_early is not None and self.ranks.leader:
+                mark_run_complete(Path(out.path), steps)
         result.phases.save = time.perf_counter() - t0
         # At once, not with the final report: a model on the volume must be reported even if this
         # process dies before the end.

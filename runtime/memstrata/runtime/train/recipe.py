@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from memstrata.api.finetunejob import FineTuneJob
+from memstrata.api.jobdata import DEFAULT_SHARD
 from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data, load_tokenizer
+from memstrata.runtime.train.best import Selection
 from memstrata.runtime.train.data.tokenizer import use_chat_template
 from memstrata.runtime.train.model.export import reclaim_partials
 from memstrata.runtime.train.observe.metrics import StepResult
@@ -76,6 +78,7 @@ class TrainResult:
     steps: list[StepResult] = field(default_factory=list)
     phases: Phases = field(default_factory=Phases)
     validation_losses: dict[int, float] = field(default_factory=dict)  # step (0: before training) -> loss
+    stopped_early: str | None = None  # why the run ended before training.steps
 
 
 class FineTuneRecipe:
@@ -269,6 +272,8 @@ class FineTuneRecipe:
         batches = self.data.batches(t.micro_batch, start=self.resumed.micro_batches if self.resumed else 0,
                                     rank=self.ranks.rank, world=world)
         result = TrainResult(phases=self.phases)
+        out = self.spec.output
+        self.selection = Selection(t, Path(out.path) if out else None, leader=self.ranks.leader, resumed_step=done)
         before = self.evaluate() if self.resumed is None else None
         if before is not None:
             result.validation_losses[0] = before
@@ -300,13 +305,22 @@ class FineTuneRecipe:
                                 tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length * world,
                                 learning_rate=float(rate), grad_norm=float(norm) if norm is not None else None)
             if step == t.steps or (t.eval_interval and step % t.eval_interval == 0):
-                record.validation_loss = self.evaluate()
-                if record.validation_loss is not None:
-                    result.validation_losses[step] = record.validation_loss
+                self._evaluate_after(record, result)
             self._checkpoint(record, micro_batches=step * t.gradient_accumulation * world)
             result.steps.append(record)
             on_step(record)
+            if self.selection.stop_reason is not None:
+                result.stopped_early = f"stopped early after step {step}: {self.selection.stop_reason}"
+                break
         return result
+
+    def _evaluate_after(self, record: StepResult, result: TrainResult) -> None:
+        """The validation loss after `record`'s step, which may make its model the best kept so far."""
+        record.validation_loss = self.evaluate()
+        if record.validation_loss is not None:
+            result.validation_losses[record.step] = record.validation_loss
+            self.selection.observe(record.step, record.validation_loss,
+                                   lambda path, step, loss: self.save(step, loss, path=path))
 
     def _checkpoint(self, record: StepResult, micro_batches: int) -> None:
         """Save a checkpoint after `record`'s step when one is due."""
@@ -315,44 +329,34 @@ class FineTuneRecipe:
         try:
             record.checkpoint = self.checkpointer.save(self.engine, step=record.step, micro_batches=micro_batches,
                                                        loss=record.loss, validation_loss=record.validation_loss)
-        except CheckpointWriteError as exc:
+            if self.checkpointer.spec.export_model:  # a model transformers loads while the run goes on
+                self.save(record.step, record.validation_loss, path=Path(record.checkpoint.path) / "model")
+        except (CheckpointWriteError, OSError) as exc:
             # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
             # the partial write is gone, the previous checkpoint stays the latest, training goes on.
             record.checkpoint_error = f"{type(exc).__name__}: {exc}"
 
     # --- save ----------------------------------------------------------------------------------------
-    def save(self, step: int, validation_loss: float | None) -> OutputStatus | None:
-        """Write the fine-tuned model to spec.output.path (None when the job has no output, and on every rank but
-        0, which only takes part in the gathers)."""
-        from memstrata.runtime.train.model.export import join_save, save_model
+    def save(self, step: int, validation_loss: float | None, path: Path | None = None) -> OutputStatus | None:
+        """Write the fine-tuned model to spec.output.path, or `path` (None when the job has no output, and on every
+        rank but 0, which only takes part in the gathers)."""
+        from memstrata.runtime.train.model.writing import write_model
 
         out = self.spec.output
-        if out is None:
+        if out is None and path is None:
             return None
         if self.engine is None:
             raise RuntimeError("FineTuneRecipe.save() called before setup()")
         # Parameters the last forward prefetched are still in flight; gathering one of them would assert.
         self.engine.empty_partition_cache()
-        dtype = self._dtype()
-        tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
-        if self.adapter is not None:
-            from memstrata.runtime.train.model import lora
-
-            if not self.ranks.leader:
-                lora.join_save(self.engine.module, self.adapter)
-                return None
-            self.output = lora.save_adapter(self.engine.module, Path(out.path), lora=self.adapter, tokenizer=tokenizer,
-                                            shard_size=out.shard_size, step=step, dtype=dtype,
-                                            validation_loss=validation_loss, job=self.job.metadata.name,
-                                            job_uid=self.job_uid)
-            return self.output
-        if not self.ranks.leader:
-            join_save(self.engine.module)
-            return None
-        self.output = save_model(self.engine.module, Path(out.path), tokenizer=tokenizer, shard_size=out.shard_size,
-                                 step=step, dtype=dtype, validation_loss=validation_loss, job=self.job.metadata.name,
-                                 job_uid=self.job_uid)
-        return self.output
+        written = write_model(self.engine.module, path or Path(out.path if out else ""), adapter=self.adapter,
+                              leader=self.ranks.leader, shard_size=out.shard_size if out else DEFAULT_SHARD,
+                              tokenizer=None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer,
+                              step=step, dtype=self._dtype(), validation_loss=validation_loss,
+                              job=self.job.metadata.name, job_uid=self.job_uid)
+        if path is None:
+            self.output = written
+        return written
 
     # --- cleanup ----------------------------------------------------------------------------------
     def cleanup(self) -> None:

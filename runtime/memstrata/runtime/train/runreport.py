@@ -125,6 +125,8 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         model_bytes=recipe.model_dir.tensor_bytes if recipe.model_dir is not None else 0,
         validation_losses=result.validation_losses,
         output=recipe.output,
+        kept_best=spec.training.keep_best and recipe.output is not None,
+        stopped_early=result.stopped_early,
         parameters=plan.parameters,
         trainable_parameters=plan.trainable_parameters,
         precision=spec.training.precision,

@@ -189,12 +189,32 @@ def finished_output(path: Path, *, job: str, job_uid: str, steps: int) -> Output
         run = json.loads((path / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(run, dict) or (run.get("job"), run.get("jobUid"), run.get("step")) != (job, job_uid, steps):
+    # runSteps: the run's last step, where the model is another step's (keepBest) or it stopped early.
+    if not isinstance(run, dict) or (run.get("job"), run.get("jobUid"), run.get("runSteps", run.get("step"))) != (
+            job, job_uid, steps):
         return None
+    return describe_output(path)
+
+
+def describe_output(path: Path) -> OutputStatus:
+    """The status of a complete output directory, from its files and run file."""
+    run = json.loads((path / RUN_FILE).read_text())
     files = [f for f in path.rglob("*") if f.is_file()]  # a LoRA output's merged model included
-    return OutputStatus(path=str(path), step=steps, files=len(files),
+    return OutputStatus(path=str(path), step=run["step"], files=len(files),
                         bytes=sum(f.stat().st_size for f in files if f.suffix == ".safetensors"),
                         validation_loss=run.get("validationLoss"))
+
+
+def mark_run_complete(path: Path, run_steps: int) -> None:
+    """Say in `path`'s run file that the run which wrote it ended after step `run_steps` (replaced atomically), so
+    a retry of a finished job recognises an output of another step as its own."""
+    run = json.loads((path / RUN_FILE).read_text())
+    tmp = path / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps({**run, "runSteps": run_steps}, indent=1) + "\n")
+    with tmp.open("rb") as handle:
+        os.fsync(handle.fileno())
+    tmp.rename(path / RUN_FILE)
+    fsync_dir(path)
 
 
 @contextlib.contextmanager

@@ -117,6 +117,10 @@ class RunReport(BaseModel):
     model_bytes: int = Field(0, description="Bytes of the model's weights in its directory (0 for a preset).")
     validation_losses: dict[int, float] = Field({}, description="Validation loss by step (0: before training).")
     output: OutputStatus | None = None
+    kept_best: bool = Field(False, description="training.keepBest: the output is the model of the lowest "
+                                               "validation loss.")
+    stopped_early: str | None = Field(None, description="Why the run ended before training.steps "
+                                                        "(training.earlyStopping).")
     sample: Sample | None = None
     strata: dict[str, StratumCounters]
     swap_dir: str
@@ -170,9 +174,12 @@ def render_report(r: RunReport, console: Console | None = None, *, verbose: bool
             if c.bytes_written or c.bytes_read else ""
         line(name, f"peak {format_bytes(c.peak_bytes)}{moved}")
     line("time", ", ".join(f"{name} {format_duration(sec)}" for name, sec in r.phases.items()))
+    if r.stopped_early is not None:
+        line("stopped", r.stopped_early)
     if r.output is not None:
+        best = ", the lowest validation loss" if r.kept_best else ""
         line("output", f"{r.output.path} ({r.output.files} files, {format_bytes(r.output.bytes)} of weights, "
-                       f"step {r.output.step})")
+                       f"step {r.output.step}{best})")
     if r.sample is not None:
         line("prompt", r.sample.prompt)
         line("  before", r.sample.before)
