@@ -138,6 +138,11 @@ def test_the_adapter_loads_with_peft_and_reproduces_the_trained_logits(trained: 
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"], config["use_rslora"]) == (RANK, ALPHA, "LORA", True)
     assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "README.md")
+    assert (card.data.base_model, card.data.library_name) == (str(trained["base"]), "peft")
+    assert f"LoRA, rank {RANK}, alpha {ALPHA:g} (alpha / sqrt(rank), rsLoRA)" in card.text
     assert config["base_model_name_or_path"] == str(trained["base"])
     status = trained["result"]["output"]
     assert status["path"] == str(out) and status["step"] == STEPS

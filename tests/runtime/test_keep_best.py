@@ -69,6 +69,12 @@ def test_the_best_model_is_kept_and_the_run_stops_after_its_patience(cli: Any, t
     assert report["stopped_early"].startswith(f"stopped early after step {last}: the validation loss did not improve")
     said = " ".join(proc.stdout.split())
     assert f"step {best}, the lowest validation loss" in said and "stopped early after step" in said
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "model" / "README.md")  # the Hub's own reader of the card
+    assert (card.data.base_model, card.data.library_name) == ("gpt-tiny", "transformers")
+    assert f"the model of step {best}." in card.text and "full fine-tune" in card.text
+    assert f"{evaluated[best]:.4f} at step {best}" in card.text and f"at step {last}" not in card.text
 
 
 def test_each_checkpoint_carries_a_model_transformers_loads_and_the_run_resumes_past_it(cli: Any,

@@ -13,6 +13,7 @@ import pytest
 
 from memstrata.api import load_job
 from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.api.jobdata import Checkpoint
 from memstrata.api.report import RuntimeReport
 from memstrata.api.runtimeconfig import RuntimeConfig
 from memstrata.operator.observe import job_view
@@ -53,7 +54,7 @@ def test_the_checkpoint_spec_reaches_the_runtimes_job(tmp_path: Path) -> None:
     """A retried pod resumes only if its job still says where the checkpoints are."""
     checkpoint = {"path": "/data/ckpt", "everyMinutes": 15, "keep": 1}
     job, _ = job_and_plan(load_config(rendered_config(tmp_path, checkpoint=checkpoint)))
-    assert job.spec.checkpoint is not None and job.spec.checkpoint.wire() == checkpoint
+    assert job.spec.checkpoint is not None and job.spec.checkpoint == Checkpoint.model_validate(checkpoint)
     job, _ = job_and_plan(load_config(rendered_config(tmp_path)))
     assert job.spec.checkpoint is None
 

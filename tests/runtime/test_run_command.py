@@ -80,6 +80,22 @@ def test_a_dataset_glob_that_matches_nothing_is_refused_before_anything_starts(t
     assert not nvme.exists()
 
 
+@pytest.mark.slow
+def test_the_report_says_where_the_optimizer_state_went_as_the_init_line_does(tmp_path: Path) -> None:
+    """memstrata's engine with every byte in DRAM: DeepSpeed is configured with its swapper (device nvme), but
+    the state is in DRAM and NVMe stays empty, so both the init line and the report say cpu."""
+    job = _job(tmp_path, memory__dramBudget="1Gi", training__steps=2)
+    nvme, report = tmp_path / "nvme", tmp_path / "report.json"
+    nvme.mkdir()
+    proc = _run(str(job), "--nvme-path", str(nvme), "--report-json", str(report), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert "(weights -> cpu, optimizer state -> cpu)" in said, said
+    assert "weights -> cpu, optimizer state -> cpu" in said.split("engine", 1)[1], said
+    r = json.loads(report.read_text())
+    assert r["offload"] == {"param": "cpu", "optimizer": "cpu"} and r["strata"]["nvme"]["peak_bytes"] == 0
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path: Path) -> None:
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"text": "a fine first record " * 20}) + "\n" + '{"text": "broken\n')

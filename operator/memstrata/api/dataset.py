@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from memstrata.api.base import ApiModel, cel
+from memstrata.api.bounds import MAX_SEED
 
 # The record shapes: three of memstrata's own (text, prompt/completion, messages) and two named presets that are
 # read as messages (ShareGPT's `conversations` of `from`/`value`; Alpaca's `instruction`/`input`/`output`).
@@ -77,6 +78,9 @@ class Dataset(SourceShape):
     packing: bool = Field(True, description="Pack examples end to end into full sequences, each attending only "
                                             "to itself (position ids restart per example); false: one example "
                                             "per sequence, padded.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="The seed of the data's order, mix draws and "
+                                                                   "held-out split (TRL's data_seed); default: "
+                                                                   "training.seed.")
     validation_split: float = Field(0.0, ge=0, lt=0.5, description="Fraction of the records held out for "
                                                                    "validation (chosen by record, reproducibly).")
     validation_path: str | None = Field(None, min_length=1, description="A separate dataset for validation "

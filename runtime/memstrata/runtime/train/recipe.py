@@ -80,6 +80,9 @@ class TrainResult:
     validation_losses: dict[int, float] = field(default_factory=dict)  # step (0: before training) -> loss
     stopped_early: str | None = None  # why the run ended before training.steps
 
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
 
 class FineTuneRecipe:
     def __init__(self, job: FineTuneJob, plan: Plan, nvme_path: Path, *, resume: bool = False,
@@ -131,6 +134,7 @@ class FineTuneRecipe:
         self.ds: DsConfig | None = None
         self.engine: TrainingEngine | None = None
         self.phases = Phases()
+        self.result = TrainResult(phases=self.phases)  # this attempt's steps so far (train() starts it afresh)
         self.hbm_peak_bytes = 0  # the device memory held at its peak so far (GPU runs; train.observe.device)
 
     # --- setup ------------------------------------------------------------------------------------
@@ -271,7 +275,7 @@ class FineTuneRecipe:
         world = self.ranks.world
         batches = self.data.batches(t.micro_batch, start=self.resumed.micro_batches if self.resumed else 0,
                                     rank=self.ranks.rank, world=world)
-        result = TrainResult(phases=self.phases)
+        result = self.result = TrainResult(phases=self.phases)
         out = self.spec.output
         self.selection = Selection(t, Path(out.path) if out else None, leader=self.ranks.leader, resumed_step=done)
         before = self.evaluate() if self.resumed is None else None
@@ -340,6 +344,7 @@ class FineTuneRecipe:
     def save(self, step: int, validation_loss: float | None, path: Path | None = None) -> OutputStatus | None:
         """Write the fine-tuned model to spec.output.path, or `path` (None when the job has no output, and on every
         rank but 0, which only takes part in the gathers)."""
+        from memstrata.runtime.train.model.card import model_card
         from memstrata.runtime.train.model.writing import write_model
 
         out = self.spec.output
@@ -349,7 +354,10 @@ class FineTuneRecipe:
             raise RuntimeError("FineTuneRecipe.save() called before setup()")
         # Parameters the last forward prefetched are still in flight; gathering one of them would assert.
         self.engine.empty_partition_cache()
-        written = write_model(self.engine.module, path or Path(out.path if out else ""), adapter=self.adapter,
+        card = model_card(self.spec, job=self.job.metadata.name, step=step, losses=self.result.losses(),
+                          validation={s: v for s, v in self.result.validation_losses.items() if s <= step},
+                          formats=[d.format for d in getattr(self.data, "sets", [])])
+        written = write_model(self.engine.module, path or Path(out.path if out else ""), adapter=self.adapter, card=card,
                               leader=self.ranks.leader, shard_size=out.shard_size if out else DEFAULT_SHARD,
                               tokenizer=None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer,
                               step=step, dtype=self._dtype(), validation_loss=validation_loss,

@@ -131,7 +131,9 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         trainable_parameters=plan.trainable_parameters,
         precision=spec.training.precision,
         engine=plan.engine,
-        offload={"param": ds.offload_param, "optimizer": ds.offload_optimizer},
+        # Where the plan put the bytes, as the init line says: memstrata's engine configures DeepSpeed's optimizer
+        # device as nvme even when nothing spills (its swapper keeps the DRAM share resident).
+        offload={"param": plan.offload_device("weights"), "optimizer": plan.offload_device("master", "optimizer")},
         steps=len(result.steps),
         tokens=tokens,
         tokens_per_second=tokens / train_seconds if train_seconds else 0.0,

@@ -103,13 +103,14 @@ class FileData(TrainData):
     def __init__(self, dataset: Dataset, training: Training, tokenizer: Tokenizer,
                  shuffle_buffer: int = SHUFFLE_BUFFER) -> None:
         self.tokenizer, self.packing, self.completion_only = tokenizer, dataset.packing, dataset.completion_only_loss
-        self.length, self.seed, self.shuffle_buffer = training.sequence_length, training.seed, shuffle_buffer
+        self.length, self.seed, self.shuffle_buffer = training.sequence_length, data_seed(dataset, training), \
+            shuffle_buffer
         specs = dataset.sources()
         fields = ["dataset.path"] if dataset.mix is None else [f"dataset.mix[{i}].path" for i in range(len(specs))]
         self.sets = [DataSet(spec, field) for spec, field in zip(specs, fields)]
         self.weights = [spec.weight for spec in specs]
         # The first dataset's split is keyed as a single file's always was (its line numbers), so it is unchanged.
-        self.held_out = [held_out(training.seed, dataset.validation_split, salt=f"{i}:" if i else "")
+        self.held_out = [held_out(self.seed, dataset.validation_split, salt=f"{i}:" if i else "")
                          for i in range(len(specs))]
         counts = [self._scan(i, dataset.validation_split) for i in range(len(specs))]
         self.format: Format = self.sets[0].format
@@ -213,10 +214,15 @@ class FileData(TrainData):
         return self._validation[micro_batch]
 
 
+def data_seed(dataset: Dataset, training: Training) -> int:
+    """The seed of the data's order and split: dataset.seed, else training.seed."""
+    return dataset.seed if dataset.seed is not None else training.seed
+
+
 def build_data(dataset: Dataset, training: Training, tokenizer: Tokenizer) -> TrainData:
     """The data a job's `spec.dataset` describes; a file is validated completely (streaming) before this
     returns, so a bad record fails here with `file:line: problem`, before training starts."""
     if dataset.synthetic is not None:
-        return SyntheticData(dataset.synthetic, training.sequence_length, training.seed,
+        return SyntheticData(dataset.synthetic, training.sequence_length, data_seed(dataset, training),
                              validation=dataset.validation_split > 0)
     return FileData(dataset, training, tokenizer)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["OutputPathError", "atomic_output", "check_output_path", "finished_output", "reclaim_partials",
            "module_tensors", "save_model", "write_hf_model", "write_run_file"]
 
+CARD = "README.md"  # the model card, as the Hub names it
 RUN_FILE = "memstrata-run.json"  # which job and step wrote the model: lets a retry recognise its own finished work
 
 
@@ -278,12 +279,14 @@ def write_hf_model(model: "PreTrainedModel", into: Path, *, groups: Iterable[lis
 
 def save_model(model: "PreTrainedModel", path: Path, *, tokenizer: Any | None, shard_size: int, step: int,
                dtype: "torch.dtype", validation_loss: float | None = None, job: str = "",
-               job_uid: str = "") -> OutputStatus:
-    """Write `model` (ZeRO-3 partitioned or not) with its config, generation config and tokenizer to `path`,
-    atomically."""
+               job_uid: str = "", card: str = "") -> OutputStatus:
+    """Write `model` (ZeRO-3 partitioned or not) with its config, generation config, tokenizer and model `card` to
+    `path`, atomically."""
     with atomic_output(path) as tmp:
         size = write_hf_model(model, tmp, groups=_gathered(model), tokenizer=tokenizer, shard_size=shard_size,
                               dtype=dtype)
+        if card:
+            (tmp / CARD).write_text(card)
         write_run_file(tmp, job=job, job_uid=job_uid, step=step, validation_loss=validation_loss)
     count = sum(1 for _ in path.iterdir())
     return OutputStatus(path=str(path), step=step, files=count, bytes=size, validation_loss=validation_loss)

@@ -24,6 +24,7 @@ from memstrata.api.architecture import Family, ModelArchitecture
 from memstrata.api.families import family as family_of
 from memstrata.api.lora import Lora, check_targets
 from memstrata.runtime.train.model.export import (
+    CARD,
     atomic_output,
     check_output_path,
     module_tensors,
@@ -182,9 +183,9 @@ def join_save(model: Any, lora: Lora) -> None:
 
 def save_adapter(model: Any, path: Path, *, lora: Lora, tokenizer: Any | None, shard_size: int, step: int,
                  dtype: "torch.dtype", validation_loss: float | None = None, job: str = "",
-                 job_uid: str = "") -> OutputStatus:
-    """Write `model`'s adapter in PEFT format with the tokenizer to `path` and, with lora.mergeOnSave, the merged
-    model to `path`/merged, atomically (the run file last)."""
+                 job_uid: str = "", card: str = "") -> OutputStatus:
+    """Write `model`'s adapter in PEFT format with the tokenizer and model `card` to `path` and, with
+    lora.mergeOnSave, the merged model to `path`/merged, atomically (the run file last)."""
     from safetensors.torch import save_file
 
     check_output_path(path)  # before the gathers, as save_model does
@@ -200,6 +201,8 @@ def save_adapter(model: Any, path: Path, *, lora: Lora, tokenizer: Any | None, s
             (tmp / MERGED).mkdir()
             write_hf_model(model.get_base_model(), tmp / MERGED, groups=_merged(model), tokenizer=tokenizer,
                            shard_size=shard_size, dtype=dtype)
+        if card:
+            (tmp / CARD).write_text(card)
         write_run_file(tmp, job=job, job_uid=job_uid, step=step, validation_loss=validation_loss)
     files = [f for f in path.rglob("*") if f.is_file()]
     return OutputStatus(path=str(path), step=step, files=len(files),

@@ -17,7 +17,7 @@ __all__ = ["write_model"]
 
 def write_model(module: Any, path: Path, *, adapter: Lora | None, leader: bool, tokenizer: Any | None,
                 shard_size: int, step: int, dtype: "torch.dtype", validation_loss: float | None, job: str,
-                job_uid: str) -> OutputStatus | None:
+                job_uid: str, card: str = "") -> OutputStatus | None:
     """Write `module` (a ZeRO-3 engine's) to `path`, atomically; None on every rank but the leader."""
     from memstrata.runtime.train.model import lora
     from memstrata.runtime.train.model.export import join_save, save_model
@@ -27,9 +27,9 @@ def write_model(module: Any, path: Path, *, adapter: Lora | None, leader: bool, 
             lora.join_save(module, adapter)
             return None
         return lora.save_adapter(module, path, lora=adapter, tokenizer=tokenizer, shard_size=shard_size, step=step,
-                                 dtype=dtype, validation_loss=validation_loss, job=job, job_uid=job_uid)
+                                 dtype=dtype, validation_loss=validation_loss, job=job, job_uid=job_uid, card=card)
     if not leader:
         join_save(module)
         return None
     return save_model(module, path, tokenizer=tokenizer, shard_size=shard_size, step=step, dtype=dtype,
-                      validation_loss=validation_loss, job=job, job_uid=job_uid)
+                      validation_loss=validation_loss, job=job, job_uid=job_uid, card=card)
