@@ -67,8 +67,11 @@ def test_cel_rules_cover_cross_field_constraints() -> None:
     spec_rules = [r["message"] for r in spec["x-kubernetes-validations"]]
     assert any("immutable" in m for m in spec_rules)
     assert any("at most 512 for preset gpt-tiny" in m for m in spec_rules)
-    training = spec["properties"]["training"]["properties"]
-    assert training["steps"]["minimum"] == 0 and training["steps"]["exclusiveMinimum"] is True
+    training = spec["properties"]["training"]
+    assert "(has(self.steps) && self.steps > 0) != has(self.epochs)" in [
+        r["rule"] for r in training["x-kubernetes-validations"]]
+    training = training["properties"]
+    assert training["steps"]["minimum"] == 0 and training["epochs"]["exclusiveMinimum"] is True
     assert training["precision"]["enum"] == ["bf16", "fp16", "fp32"]
 
 

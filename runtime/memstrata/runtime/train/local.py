@@ -34,10 +34,10 @@ from memstrata.runtime.train.model.hfmodel import ModelDirError
 from memstrata.runtime.train.launch import (LaunchError, Ranks, Terminated, launch, local_rendezvous, stop_on_sigterm,
                                             worker_setup)
 from memstrata.runtime.train.observe.memwatch import MemWatch
-from memstrata.runtime.train.observe.metrics import MetricsError, MetricsWriter, StepResult
+from memstrata.runtime.train.observe.metrics import MetricsError, MetricsWriter, StepResult, TrainResult
 from memstrata.runtime.train.observe.progress import ProgressBar, Sample, render_report
 from memstrata.runtime.train.preflight import RecipeError
-from memstrata.runtime.train.recipe import FineTuneRecipe, TrainResult
+from memstrata.runtime.train.recipe import FineTuneRecipe
 from memstrata.runtime.train.runreport import NodeReport, build_report, close_all, step_status
 
 EXIT_USAGE = 2

@@ -26,7 +26,8 @@ from memstrata.runtime.train.launch import LaunchError, Ranks
 from memstrata.runtime.train.observe.metrics import MetricsError, check_metrics_dir
 
 __all__ = ["RecipeError", "accelerator_env", "check_adapter", "checkpoints", "engine_of", "hf_config",
-           "loss_chunk_tokens", "on_gpu_for", "rank_of", "read_inputs", "visible_gpus"]
+           "loss_chunk_tokens", "on_gpu_for", "rank_of", "read_model", "read_output",
+           "visible_gpus"]
 
 
 class RecipeError(ValueError):
@@ -55,21 +56,26 @@ def rank_of(spec: FineTuneJobSpec) -> Ranks:
     return ranks
 
 
-def read_inputs(spec: FineTuneJobSpec, *, job: str, job_uid: str, resume: bool
-                ) -> tuple[ModelDir | None, OutputStatus | None]:
-    """(the model directory, or None for a preset; the job's saved model when a retry finds it already written)."""
+def read_model(spec: FineTuneJobSpec) -> ModelDir | None:
+    """The model directory, or None for a preset."""
     try:
-        model_dir = (read_model_dir(Path(spec.model.path), spec.model.architecture) if spec.model.path is not None
-                     else None)
+        return read_model_dir(Path(spec.model.path), spec.model.architecture) if spec.model.path is not None else None
+    except ModelDirError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def read_output(spec: FineTuneJobSpec, *, job: str, job_uid: str, resume: bool) -> OutputStatus | None:
+    """The job's saved model when a retry finds it already written; else the output path must be free."""
+    try:
         # A retry of a job that saved its model and died before it could report so is finished, not refused.
         finished = (finished_output(Path(spec.output.path), job=job, job_uid=job_uid, steps=spec.training.steps)
                     if spec.output is not None and resume else None)
         if spec.output is not None and finished is None:
             check_output_path(Path(spec.output.path))
             check_metrics_dir(Path(spec.output.metrics_dir()))
-    except (ModelDirError, OutputPathError, MetricsError) as exc:
+    except (OutputPathError, MetricsError) as exc:
         raise RecipeError(str(exc)) from None
-    return model_dir, finished
+    return finished
 
 
 def checkpoints(spec: FineTuneJobSpec, *, job: str, job_uid: str, arch: ModelArchitecture, engine: Engine,

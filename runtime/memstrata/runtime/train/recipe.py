@@ -25,7 +25,6 @@ import os
 import shutil
 import warnings
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -37,15 +36,17 @@ from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data, load_tokenizer
 from memstrata.runtime.train.best import Selection
+from memstrata.runtime.train.epochs import with_epoch_steps
 from memstrata.runtime.train.data.tokenizer import use_chat_template
 from memstrata.runtime.train.model.export import reclaim_partials
-from memstrata.runtime.train.observe.metrics import StepResult
+from memstrata.runtime.train.observe.metrics import Phases, StepResult, TrainResult
 from memstrata.runtime.train.launch import world_sum
 from memstrata.runtime.train.model.owner import Ownership, own, reclaim
 from memstrata.runtime.train.observe.device import PhaseClock, hbm_peak_bytes, synchronizer
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.preflight import (
-    RecipeError, check_adapter, checkpoints, engine_of, hf_config, loss_chunk_tokens, on_gpu_for, rank_of, read_inputs,
+    RecipeError, check_adapter, checkpoints, engine_of, hf_config, loss_chunk_tokens, on_gpu_for, rank_of, read_model,
+    read_output,
 )
 from memstrata.runtime.train.building import build_engine, setup_distributed, torch_dtype
 from memstrata.runtime.swap.protocols import TrainingEngine
@@ -62,28 +63,6 @@ if TYPE_CHECKING:
 SWAP_DIR_PREFIX = "memstrata-run-"  # a run's scratch directory under the NVMe path (one per run and rank)
 
 
-@dataclass
-class Phases:
-    """Wall-clock seconds spent in each phase of the run."""
-
-    init: float = 0.0
-    forward: float = 0.0
-    backward: float = 0.0
-    step: float = 0.0
-    save: float = 0.0
-
-
-@dataclass
-class TrainResult:
-    steps: list[StepResult] = field(default_factory=list)
-    phases: Phases = field(default_factory=Phases)
-    validation_losses: dict[int, float] = field(default_factory=dict)  # step (0: before training) -> loss
-    stopped_early: str | None = None  # why the run ended before training.steps
-
-    def losses(self) -> list[float]:
-        return [s.loss for s in self.steps]
-
-
 class FineTuneRecipe:
     def __init__(self, job: FineTuneJob, plan: Plan, nvme_path: Path, *, resume: bool = False,
                  job_uid: str = "", expected_checkpoint: int | None = None) -> None:
@@ -95,12 +74,8 @@ class FineTuneRecipe:
         self.job, self.plan, self.job_uid = job, plan, job_uid
         self.engine_name = engine_of(spec, plan)
         self.ranks = rank_of(spec)
-        self.model_dir, self.finished = read_inputs(spec, job=job.metadata.name, job_uid=job_uid, resume=resume)
+        self.model_dir = read_model(spec)
         self.arch = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
-        self.resumed: Resumed | None = None
-        self.checkpointer, self.found = checkpoints(spec, job=job.metadata.name, job_uid=job_uid, arch=self.arch,
-                                                    engine=self.engine_name, resume=resume,
-                                                    expected=expected_checkpoint)
         self.hf_config = hf_config(self.model_dir)
         self.loss_chunk_tokens = loss_chunk_tokens(spec.training, self.hf_config)
         self.adapter = check_adapter(spec, self.hf_config, self.arch, preset=self.model_dir is None)
@@ -111,6 +86,16 @@ class FineTuneRecipe:
         if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
             raise RecipeError(f"spec.model: vocabulary of {self.arch.vocab} tokens is smaller than the byte "
                               f"tokenizer's {ByteTokenizer.VOCAB}")
+        self.data: TrainData | None = None
+        if spec.training.epochs is not None:  # the steps they take are known once the data is read
+            self.load_data()
+            assert self.data is not None
+            spec = self.spec = job.spec = with_epoch_steps(spec, self.data, self.ranks.world)
+        self.finished = read_output(spec, job=job.metadata.name, job_uid=job_uid, resume=resume)
+        self.resumed: Resumed | None = None
+        self.checkpointer, self.found = checkpoints(spec, job=job.metadata.name, job_uid=job_uid, arch=self.arch,
+                                                    engine=self.engine_name, resume=resume,
+                                                    expected=expected_checkpoint)
         self.on_gpu = on_gpu_for(spec.resources.gpus)
         # One directory per run and rank under the scratch path (the pid is the rank's own), so parallel runs and
         # the ranks of one run never share swap files.
@@ -128,7 +113,6 @@ class FineTuneRecipe:
             raise RecipeError(refusal)
         self.strata: SwapStrata | None = None
         self.swap_status: SwapStatus | None = None  # memstrata's per-stratum counters, kept past cleanup
-        self.data: TrainData | None = None
         self.output: OutputStatus | None = None
         self.model: Any = None  # the transformers model inside the engine
         self.ds: DsConfig | None = None

@@ -11,9 +11,9 @@ from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.launch import node_sums
 from memstrata.runtime.train.observe.memwatch import MemWatch
-from memstrata.runtime.train.observe.metrics import StepResult
+from memstrata.runtime.train.observe.metrics import StepResult, TrainResult
 from memstrata.runtime.train.observe.progress import LossSummary, RunReport
-from memstrata.runtime.train.recipe import FineTuneRecipe, TrainResult
+from memstrata.runtime.train.recipe import FineTuneRecipe
 from memstrata.runtime.train.schedule import describe
 
 __all__ = ["NodeReport", "build_report", "close_all", "step_status"]
@@ -127,6 +127,7 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         output=recipe.output,
         kept_best=spec.training.keep_best and recipe.output is not None,
         stopped_early=result.stopped_early,
+        epochs=recipe.data.epochs_done() if recipe.data is not None else {},
         parameters=plan.parameters,
         trainable_parameters=plan.trainable_parameters,
         precision=spec.training.precision,

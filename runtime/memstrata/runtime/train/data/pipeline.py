@@ -72,6 +72,14 @@ class TrainData(ABC):
     def validation(self, micro_batch: int) -> list[Batch]:
         """The validation micro-batches (the last may be smaller); empty when the dataset has none."""
 
+    def sequences_per_epoch(self) -> int:
+        """The training sequences of one pass over the data (training.epochs)."""
+        raise DatasetError(f"{self.summary}: endless, it has no epochs: set training.steps")
+
+    def epochs_done(self) -> dict[str, float]:
+        """Passes over each dataset the batches taken so far made (records drawn / records); empty: endless."""
+        return {}
+
 
 class SyntheticData(TrainData):
     def __init__(self, kind: SyntheticKind, sequence_length: int, seed: int, validation: bool = False) -> None:
@@ -127,9 +135,13 @@ class FileData(TrainData):
             self.validation_records = self.validation_set.scan().kept
         self.summary = self._summary(counts, dataset)
         self._validation: dict[int, list[Batch]] = {}
+        self.counts = counts
+        self._per_epoch: int | None = None
         # The first sequence now, so what only tokenizing shows (a chat template that is not prefix-stable,
         # records with nothing to train on within sequenceLength) fails before training starts.
+        self.drawn = [0] * len(self.sets)
         next(self._train_rows())
+        self.drawn = [0] * len(self.sets)  # records the batches drew, per dataset (epochs_done)
 
     def _scan(self, i: int, split: float) -> Counts:
         data = self.sets[i]
@@ -156,6 +168,21 @@ class FileData(TrainData):
         except RecordError as exc:
             raise DatasetError(f"{where}: {exc}") from None
 
+    def sequences_per_epoch(self) -> int:
+        if self._per_epoch is None:
+            self._per_epoch = sum(1 for _ in sequences(self._one_pass(), self.length, self.tokenizer.pad_id,
+                                                       self.packing, flush=True))
+        return self._per_epoch
+
+    def _one_pass(self) -> Iterator[Example]:
+        """Every training example once, in file order."""
+        for data, test in zip(self.sets, self.held_out):
+            for _, where, record in data.records(keep=lambda k: not test(k)):
+                yield self._encode(where, record)
+
+    def epochs_done(self) -> dict[str, float]:
+        return {data.name: drawn / count.kept for data, drawn, count in zip(self.sets, self.drawn, self.counts)}
+
     def _set_examples(self, i: int) -> Iterator[Example]:
         """Examples of dataset `i` forever, epoch after epoch; fails when a whole epoch had nothing to train on,
         or nothing at all (either would otherwise loop forever without yielding a batch)."""
@@ -170,6 +197,7 @@ class FileData(TrainData):
                                        f"training.sequenceLength ({self.length}) tokens")
                 current, useful = epoch, False
             example = self._encode(where, record)
+            self.drawn[i] += 1
             if not useful:
                 labels = labels_of(example)
                 useful = any(m for m in example[1]) if self.packing else trains(labels[: self.length])

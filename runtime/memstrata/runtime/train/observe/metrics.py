@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
 from pydantic import BaseModel
@@ -174,3 +174,25 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+@dataclass
+class Phases:
+    """Wall-clock seconds spent in each phase of the run."""
+
+    init: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    step: float = 0.0
+    save: float = 0.0
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepResult] = field(default_factory=list)
+    phases: Phases = field(default_factory=Phases)
+    validation_losses: dict[int, float] = field(default_factory=dict)  # step (0: before training) -> loss
+    stopped_early: str | None = None  # why the run ended before training.steps
+
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]

@@ -8,6 +8,7 @@ per step otherwise, so logs and CI stay readable); the report goes to stdout.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, field_serializer
@@ -119,6 +120,8 @@ class RunReport(BaseModel):
     output: OutputStatus | None = None
     kept_best: bool = Field(False, description="training.keepBest: the output is the model of the lowest "
                                                "validation loss.")
+    epochs: dict[str, float] = Field({}, description="Passes over each dataset the run's steps made (records "
+                                                     "drawn / records), from the first step on.")
     stopped_early: str | None = Field(None, description="Why the run ended before training.steps "
                                                         "(training.earlyStopping).")
     sample: Sample | None = None
@@ -166,6 +169,8 @@ def render_report(r: RunReport, console: Console | None = None, *, verbose: bool
         first, last = r.validation_losses[steps[0]], r.validation_losses[steps[-1]]
         line("validation", f"{first:.4f} at step {steps[0]} -> {last:.4f} at step {steps[-1]}")
     line("speed", f"{r.steps} steps, {r.tokens:,} tokens, {r.tokens_per_second:,.0f} tok/s")
+    if r.epochs:
+        line("data", ", ".join(f"{e:.2f} epochs of {Path(name).name}" for name, e in r.epochs.items()))
     loading = f"; {format_bytes(r.load_peak_rss_bytes)} by the end of loading" if r.load_peak_rss_bytes else ""
     size = f" ({format_bytes(r.model_bytes)} of weights)" if r.model_bytes else ""
     line("host", f"peak RSS {format_bytes(r.peak_rss_bytes)}{loading}{size}")
