@@ -110,6 +110,11 @@ class Training(ApiModel):
                     "16 GiB in fp32); 0 computes them whole, as Hugging Face does.")
     eval_interval: int = Field(0, ge=0, le=MAX_STEPS, description="Validation loss every this many steps (0: at the "
                                                                   "end only).")
+    eval_sample_prompt: str | None = Field(
+        None, min_length=1, max_length=4096, description="At every evaluation, the model's greedy answer to this "
+                                                         "prompt (through the chat template when the tokenizer has "
+                                                         "one) goes to metrics.jsonl, TensorBoard and the log.")
+    eval_sample_tokens: int = Field(32, gt=0, le=1024, description="The most tokens of that answer.")
     schedule: LearningRateSchedule = LearningRateSchedule()
     optimizer: Optimizer = Optimizer()
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no "

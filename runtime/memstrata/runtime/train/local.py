@@ -236,12 +236,18 @@ class LocalRun:
 
     def _on_validation(self, step: int, loss: float) -> None:
         self.validation = loss
+        self._said_sample(step, self.recipe.sample)
         if self.metrics is not None:
-            self.metrics.write_validation(step, loss)
+            self.metrics.write_validation(step, loss, self.recipe.sample)
+
+    def _said_sample(self, step: int, sample: str | None) -> None:
+        if sample is not None:
+            self.bar.message(f"memstrata: sample at step {step}: {sample!r}")
 
     def _on_step(self, s: StepResult) -> None:
         recipe = self.recipe
         self.validation = s.validation_loss if s.validation_loss is not None else self.validation
+        self._said_sample(s.step, s.sample)
         if self.metrics is not None:
             self.metrics.write_step(s)  # flushed: a killed run keeps every step it finished
         self.last = self.node.fill(step_status(self.watch, recipe.memstrata_status(), s, self.job.spec.training.steps,

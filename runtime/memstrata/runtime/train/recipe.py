@@ -36,6 +36,7 @@ from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data, load_tokenizer
 from memstrata.runtime.train.best import Selection
+from memstrata.runtime.train.sample import engine_answer
 from memstrata.runtime.train.epochs import with_epoch_steps
 from memstrata.runtime.train.data.tokenizer import use_chat_template
 from memstrata.runtime.train.model.export import reclaim_partials
@@ -119,6 +120,7 @@ class FineTuneRecipe:
         self.engine: TrainingEngine | None = None
         self.phases = Phases()
         self.result = TrainResult(phases=self.phases)  # this attempt's steps so far (train() starts it afresh)
+        self.sample: str | None = None  # the answer to training.evalSamplePrompt at the latest evaluation
         self.hbm_peak_bytes = 0  # the device memory held at its peak so far (GPU runs; train.observe.device)
 
     # --- setup ------------------------------------------------------------------------------------
@@ -239,6 +241,9 @@ class FineTuneRecipe:
                 losses = [float(self._loss(batch).float()) for batch in mine]
                 for _ in range(forwards - len(mine)):
                     self._loss(batches[0])  # not counted: keeps this rank in step with the others' gathers
+            t = self.spec.training
+            self.sample = (engine_answer(self.engine.module, self.tokenizer, t.eval_sample_prompt,
+                                         t.eval_sample_tokens, self._device()) if t.eval_sample_prompt else None)
         finally:
             self.engine.train()
         total, count = world_sum(self.ranks, self.engine.device, sum(losses), len(losses))
@@ -305,6 +310,7 @@ class FineTuneRecipe:
     def _evaluate_after(self, record: StepResult, result: TrainResult) -> None:
         """The validation loss after `record`'s step, which may make its model the best kept so far."""
         record.validation_loss = self.evaluate()
+        record.sample = self.sample
         if record.validation_loss is not None:
             result.validation_losses[record.step] = record.validation_loss
             self.selection.observe(record.step, record.validation_loss,

@@ -43,6 +43,7 @@ class StepResult:
     grad_norm: float | None = None  # DeepSpeed's global gradient norm before clipping (None if it gives none)
     checkpoint: CheckpointStatus | None = None  # the checkpoint written after this step, if one was
     checkpoint_error: str | None = None  # why the checkpoint due after this step could not be written
+    sample: str | None = None  # the model's answer to training.evalSamplePrompt, at an evaluation
 
 # TensorBoard tag of each record field that is plotted.
 TAGS = {
@@ -69,6 +70,7 @@ class MetricsRecord(BaseModel):
     tokens_per_second: float | None = None
     seconds: float | None = None
     grad_norm: float | None = None
+    sample: str | None = None
     wall_time: float
 
 
@@ -152,6 +154,8 @@ class MetricsWriter:
             value = getattr(record, name)
             if value is not None:
                 self._tb.add_scalar(tag, value, global_step=record.step, walltime=record.wall_time)
+        if record.sample is not None:
+            self._tb.add_text("validation/sample", record.sample, global_step=record.step, walltime=record.wall_time)
         self._tb.flush()
 
     def write_step(self, s: StepResult) -> None:
@@ -161,11 +165,11 @@ class MetricsWriter:
                                  tokens_per_second=s.tokens / s.seconds if s.seconds else None, seconds=s.seconds,
                                  # an fp16 overflow step has an infinite norm, which JSON cannot hold
                                  grad_norm=s.grad_norm if s.grad_norm is not None and math.isfinite(s.grad_norm)
-                                 else None, wall_time=time.time()))
+                                 else None, sample=s.sample, wall_time=time.time()))
 
-    def write_validation(self, step: int, loss: float) -> None:
-        """A validation loss measured outside a step (before the first one)."""
-        self.write(MetricsRecord(step=step, validation_loss=loss, wall_time=time.time()))
+    def write_validation(self, step: int, loss: float, sample: str | None = None) -> None:
+        """A validation loss (and sample) measured outside a step (before the first one)."""
+        self.write(MetricsRecord(step=step, validation_loss=loss, sample=sample, wall_time=time.time()))
 
     def close(self) -> None:
         if self._jsonl is not None:
