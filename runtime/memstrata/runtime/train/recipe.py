@@ -36,7 +36,7 @@ from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data, load_tokenizer
 from memstrata.runtime.train.best import Selection
-from memstrata.runtime.train.sample import engine_answer
+from memstrata.runtime.train.model.generate import engine_answer
 from memstrata.runtime.train.epochs import with_epoch_steps
 from memstrata.runtime.train.data.tokenizer import use_chat_template
 from memstrata.runtime.train.model.export import reclaim_partials
