@@ -40,7 +40,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from memstrata.plan.table import render_plan
 
     job = load_job(args.file)
-    job.spec = _with_shape(args.file, job.spec, with_model_shape)
+    job.spec = _with_shape(args.file, _overridden(args, job.spec), with_model_shape)
     if args.node:
         node, where = load_node(args.node), str(args.node)
     else:
@@ -110,16 +110,17 @@ def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJ
     from memstrata.api.validation import describe_validation_error
 
     wire = spec.wire()
-    if args.model is not None:
+    if getattr(args, "model", None) is not None:
         # A different directory: its own config.json says the shape, not the manifest.
         wire["model"] = {"path": str(args.model.absolute())}
-    if args.output is not None:
+    if getattr(args, "output", None) is not None:
         wire["output"] = {**wire.get("output", {}), "path": str(args.output.absolute())}
-    if args.steps is not None:
+    if getattr(args, "steps", None) is not None:
         wire["training"]["steps"] = args.steps
-    if args.checkpoint is not None:
+        wire["training"].pop("epochs", None)  # the steps given replace the epochs
+    if getattr(args, "checkpoint", None) is not None:
         wire["checkpoint"] = {**wire.get("checkpoint", {}), "path": str(args.checkpoint.absolute())}
-    if args.checkpoint_every is not None:
+    if getattr(args, "checkpoint_every", None) is not None:
         if "checkpoint" not in wire:
             raise UserError(f"{args.file}: --checkpoint-every needs spec.checkpoint or --checkpoint DIR")
         wire["checkpoint"]["everySteps"] = args.checkpoint_every
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nvme-path", type=Path, default=DEFAULT_NVME_PATH,
                    help="scratch directory standing in for NVMe on this machine (default: %(default)s)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--model", type=Path, help="override spec.model: a Hugging Face model directory (its "
+                                             "config.json gives the shape)")
     s.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser("run", help="fine-tune locally, no cluster needed")

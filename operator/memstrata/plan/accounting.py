@@ -27,6 +27,7 @@ DESCRIPTIONS: dict[str, str] = {
     "weights": "model weights",
     "checkpoints": "activation checkpoints",
 }
+CPU_WORKING_SET = "CPU working set (gathered layers, live activations, logits)"  # "working" of a job with no GPU
 
 # The CUDA context, cuBLAS workspaces and the allocator's slack on each GPU.
 GPU_RUNTIME_OVERHEAD = 1 << 30

@@ -15,8 +15,8 @@ from memstrata.api.inventory import NodeInventory
 from memstrata.api.strata import names, preferred_strata, registry, stratum, titles
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
 from memstrata.api.units import format_bytes
-from memstrata.plan.accounting import (DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape, build_transient,
-                                      category_bytes, subgroup_sizes, subgroup_unit, trained_parameters, working_set)
+from memstrata.plan.accounting import (CPU_WORKING_SET, DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape,
+                                      build_transient, category_bytes, subgroup_sizes, subgroup_unit, trained_parameters, working_set)
 from memstrata.plan.buffers import pinned_buffers, streamed_subgroup_bytes
 from memstrata.plan.capacity import NVME_NOTE, Ledger, capacities
 
@@ -113,6 +113,8 @@ def _place_working_set(job: JobShape, node: NodeInventory, ledger: Ledger) -> No
     total_work = work * job.ranks
     ledger.categories["working"] = _cat("working", total_work, [Allocation(stratum=compute, bytes=total_work)],
                                         job.ranks)
+    if not job.gpus:  # the same bytes, next to the CPU that computes with them
+        ledger.categories["working"].description = CPU_WORKING_SET
     if compute == "dram" and total_work > free["dram"]:
         over = total_work - free["dram"]
         ledger.short("dram", "working", over,
