@@ -255,6 +255,11 @@ def _scan(path: Path, uses: _Uses) -> None:
             for a in node.names:
                 uses.imports.add(f"{node.module}.{a.name}")
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    # A string that keys a subscript is a mapping's key (a JSON file's field), not an attribute's name, unless
+    # the mapping is an object's own attributes (`vars(x)[...]`, `x.__dict__[...]`).
+    keys = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript) and not (
+        isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) and n.value.func.id == "vars"
+        or isinstance(n.value, ast.Attribute) and n.value.attr == "__dict__")}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):  # each sub-chain too: `a.b.c` is checked as `a.b` and `a.b.c`
             chain = _chain(node)
@@ -263,7 +268,8 @@ def _scan(path: Path, uses: _Uses) -> None:
                 uses.chains.add((".".join([base, *chain[1:]]), len(base.split("."))))
         if isinstance(node, ast.Attribute) and _is_private(node.attr):
             uses.private.setdefault(node.attr, where)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value) \
+                and id(node) not in keys:
             uses.private.setdefault(node.value, where)
         if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -329,7 +335,8 @@ def test_every_deepspeed_name_the_runtime_uses_is_declared_in_the_seam() -> None
     3. in a class deriving from a DeepSpeed class, every method it defines and every `self.x` it assigns that
        the DeepSpeed class already has (as a member, or as an attribute any of its methods assigns) must be an
        entry of that class or one of its bases: an override or a re-created attribute;
-    4. every other private name (`_x` as an attribute or as a string, e.g. for getattr) must be an entry's name
+    4. every other private name (`_x` as an attribute or as a string, e.g. for getattr, but not a mapping's
+       subscript key other than `vars(x)[...]` or `x.__dict__[...]`) must be an entry's name
        (or the stock method an entry says sets it), unless memstrata defines it: a module-level
        def/class/assignment, a member or `self._x` of a class of its own (Protocol classes declare DeepSpeed's
        names, so theirs count as uses), or an attribute memstrata hangs on a foreign object, which by

@@ -480,7 +480,8 @@ def test_every_way_an_attempt_ends_gets_a_new_attempt_that_resumes_from_the_chec
     assert w.status["restarts"] == (1 if failed else 0) and w.status["attempts"] == 2
     assert w.status.get("failedPods", []) == (["llama-0"] if failed else [])
     config = _config_of(w, w.created[-1])
-    assert config["attempt"] == 1 and config["spec"]["checkpoint"] == {**CHECKPOINT_SPEC, "keep": 2}  # keep: its default
+    defaults = {"keep": 2, "exportModel": False}
+    assert config["attempt"] == 1 and config["spec"]["checkpoint"] == {**CHECKPOINT_SPEC, **defaults}
     assert w.status["checkpoint"]["step"] == 100  # the runtime's report stays until the new attempt's
 
 

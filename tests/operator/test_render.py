@@ -93,7 +93,7 @@ def test_every_attempts_runtime_config_carries_the_checkpoint_spec():
         config = RuntimeConfig.model_validate(json.loads(cm["data"][CONFIGMAP_KEY]))
         assert config.spec.checkpoint == job.spec.checkpoint and config.attempt == attempt
         assert json.loads(cm["data"][CONFIGMAP_KEY])["spec"]["checkpoint"] == {"path": "/output/ckpt", "everySteps": 50,
-                                                                      "keep": 3}
+                                                                      "keep": 3, "exportModel": False}
     # The newest checkpoint the status reports goes along: the runtime must find at least that far.
     body["status"] = {"checkpoint": {"path": "/output/ckpt/step-00000150", "step": 150,
                                      "time": "2026-11-23T10:00:00Z"}}

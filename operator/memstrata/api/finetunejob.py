@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Final, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.base import ApiModel, cel
@@ -82,7 +82,7 @@ class Training(ApiModel):
         cel("!has(self.schedule) || !has(self.schedule.warmupSteps) || has(self.epochs) || "
             "self.schedule.warmupSteps <= self.steps", "schedule.warmupSteps must not exceed training.steps"),
         cel("(has(self.steps) && self.steps > 0) != has(self.epochs)", "set exactly one of training.steps or "
-            "training.epochs"),
+            "training.epochs", ".steps"),
         cel("!has(self.lora) || (has(self.method) && self.method == 'lora')",
             "training.lora is only for training.method: lora", ".lora")]})
 
@@ -92,11 +92,11 @@ class Training(ApiModel):
     sequence_length: int = Field(2048, gt=0, le=1 << 20)
     micro_batch: int = Field(1, gt=0, le=MAX_BATCH)
     gradient_accumulation: int = Field(1, gt=0, le=MAX_BATCH)
-    steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps (or set epochs instead).")
     epochs: float | None = Field(None, gt=0, le=10_000, description="Passes over the training data instead of steps: "
                                                                     "the runtime counts the sequences of one pass "
                                                                     "(packed as trained) and runs as many steps as "
                                                                     "that many passes take, rounded up.")
+    steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps (or set epochs instead).")
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
     precision: Precision = "bf16"
     seed: int = Field(1234, ge=0, le=MAX_SEED)
@@ -128,11 +128,18 @@ class Training(ApiModel):
                                         "the input embeddings while training (5 in the paper; transformers' "
                                         "neftune_noise_alpha); validation and the saved model see none.")
 
+    @field_validator("steps")
+    @classmethod
+    def _steps_or_epochs(cls, steps: int, info: ValidationInfo) -> int:
+        # Here, not on the model, so the error names spec.training.steps (epochs is validated first).
+        epochs = info.data.get("epochs")
+        if (steps > 0) == (epochs is not None):
+            raise ValueError("set exactly one of training.steps or training.epochs"
+                             + (f" (steps {steps}, epochs {epochs:g})" if steps else ""))
+        return steps
+
     @model_validator(mode="after")
     def _warmup_fits(self) -> "Training":
-        if (self.steps > 0) == (self.epochs is not None):
-            raise ValueError("set exactly one of training.steps or training.epochs"
-                             + (f" (steps {self.steps}, epochs {self.epochs:g})" if self.steps else ""))
         if self.epochs is None and self.schedule.warmup_steps > self.steps:
             raise ValueError(f"schedule.warmupSteps: {self.schedule.warmup_steps} is more than training.steps "
                              f"({self.steps})")
@@ -210,8 +217,15 @@ class RunPolicy(ApiModel):
     suspend: bool = False
 
 
+ADDED_TOKENS_LORA = ("model.addedTokens with training.method lora: the new tokens' embedding rows would stay as "
+                     "they start (LoRA freezes the embedding); use training.method full")
+
+
 class FineTuneJobSpec(ApiModel):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [SELECTION_RULE, EPOCHS_RULE]})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        SELECTION_RULE, EPOCHS_RULE,
+        cel("!has(self.model.addedTokens) || !has(self.training.method) || self.training.method != 'lora'",
+            ADDED_TOKENS_LORA)]})
 
     model: ModelSource
     dataset: Dataset
@@ -256,6 +270,8 @@ class FineTuneJobSpec(ApiModel):
         selection = selection_problem(self.training, self.dataset)
         if selection is not None:
             raise ValueError(selection)
+        if self.model.added_tokens and self.training.method == "lora":
+            raise ValueError(ADDED_TOKENS_LORA)
         adapter = self.training.adapter()
         if shape is not None and adapter is not None:
             check_targets(adapter, shape)  # a model directory's own modules are checked again by the runtime
@@ -272,7 +288,8 @@ class FineTuneJobSpec(ApiModel):
         ValueError naming the field if the shape does not suit the rest of the spec."""
         if self.model.path is None:
             raise ValueError(f"model.preset {self.model.preset}: a preset has a fixed shape")
-        model = {"path": self.model.path, "architecture": architecture.model_dump(mode="json", by_alias=True)}
+        model = {**self.model.model_dump(mode="json", by_alias=True, exclude_none=True),
+                 "architecture": architecture.model_dump(mode="json", by_alias=True)}
         return FineTuneJobSpec.model_validate(
             {**self.model_dump(mode="json", by_alias=True, exclude_none=True), "model": model})
 

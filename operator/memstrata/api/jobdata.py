@@ -3,7 +3,7 @@
 may not take."""
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -11,6 +11,10 @@ from memstrata.api.architecture import PRESETS, ModelArchitecture, PresetName
 from memstrata.api.base import ApiModel, cel
 from memstrata.api.bounds import MAX_STEPS
 from memstrata.api.units import Bytes, GiB
+
+
+MAX_ADDED_TOKENS: Final = 1024
+AddedToken = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class ModelSource(ApiModel):
@@ -24,6 +28,12 @@ class ModelSource(ApiModel):
     architecture: ModelArchitecture | None = Field(
         None, description="The model's shape. Optional with `path`: the operator then learns it from the volume."
     )
+    added_tokens: list[AddedToken] | None = Field(
+        None, min_length=1, max_length=MAX_ADDED_TOKENS,
+        description="Tokens added to the tokenizer as special tokens (e.g. tool-call markers); the embedding (and "
+                    "an untied LM head) grows by one row per token, new rows starting at the mean of the others "
+                    "(the planner counts them); the output carries the grown model and tokenizer.",
+        json_schema_extra={"x-kubernetes-list-type": "set"})
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -31,6 +41,8 @@ class ModelSource(ApiModel):
                 cel("has(self.preset) != has(self.path)", "set exactly one of model.preset or model.path"),
                 cel("!has(self.preset) || !has(self.architecture)",
                     "model.architecture is only for model.path; a preset has a fixed shape"),
+                cel("!has(self.preset) || !has(self.addedTokens)",
+                    "model.addedTokens: a preset trains with the byte tokenizer, which takes no tokens"),
             ]
         }
     )
@@ -39,9 +51,20 @@ class ModelSource(ApiModel):
     def _one_source(self) -> "ModelSource":
         if (self.preset is None) == (self.path is None):
             raise ValueError("set exactly one of model.preset or model.path")
+        if self.preset is not None and self.added_tokens:
+            raise ValueError("model.addedTokens: a preset trains with the byte tokenizer, which takes no tokens; "
+                             "use model.path")
+        twice = sorted({t for t in self.added_tokens or [] if (self.added_tokens or []).count(t) > 1})
+        if twice:
+            raise ValueError(f"model.addedTokens: {', '.join(map(repr, twice))} given twice")
         if self.preset is not None and self.architecture is not None:
             raise ValueError("model.architecture is only for model.path; a preset has a fixed shape")
         return self
+
+    def trained_shape(self) -> ModelArchitecture:
+        """The shape that trains: `shape()` with a row of the vocabulary per added token."""
+        shape = self.shape()
+        return shape.model_copy(update={"vocab": shape.vocab + len(self.added_tokens or [])})
 
     def known_shape(self) -> ModelArchitecture | None:
         """The shape, when the spec states it (a preset or an inline architecture); None when only the

@@ -12,7 +12,7 @@ from memstrata.plan.assignment import plan_for_node
 
 
 def job_shape(spec: FineTuneJobSpec) -> JobShape:
-    model, adapter = spec.model.shape(), spec.training.adapter()
+    model, adapter = spec.model.trained_shape(), spec.training.adapter()
     return JobShape(
         model=model,
         adapter_tensors=tuple(adapter_tensor_sizes(model, adapter)) if adapter is not None else None,

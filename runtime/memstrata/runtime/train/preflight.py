@@ -19,6 +19,7 @@ from memstrata.api.finetunejob import FineTuneJobSpec, Training
 from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.lora import Lora
 from memstrata.api.strataplan import Engine, Plan
+from memstrata.runtime.train.data.tokenizer import ByteTokenizer, Tokenizer, add_tokens, load_tokenizer, use_chat_template
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, Checkpointer, Found
 from memstrata.runtime.train.model.export import OutputPathError, check_output_path, finished_output
 from memstrata.runtime.train.model.hfmodel import ModelDir, ModelDirError, read_model_dir
@@ -26,7 +27,7 @@ from memstrata.runtime.train.launch import LaunchError, Ranks
 from memstrata.runtime.train.observe.metrics import MetricsError, check_metrics_dir
 
 __all__ = ["RecipeError", "accelerator_env", "check_adapter", "checkpoints", "engine_of", "hf_config",
-           "loss_chunk_tokens", "on_gpu_for", "rank_of", "read_model", "read_output",
+           "job_tokenizer", "loss_chunk_tokens", "on_gpu_for", "rank_of", "read_model", "read_output",
            "visible_gpus"]
 
 
@@ -91,6 +92,20 @@ def checkpoints(spec: FineTuneJobSpec, *, job: str, job_uid: str, arch: ModelArc
         return checkpointer, checkpointer.to_resume(resume=resume, steps=spec.training.steps, expected_step=expected)
     except CheckpointError as exc:
         raise RecipeError(str(exc)) from None
+
+
+def job_tokenizer(spec: FineTuneJobSpec, model_dir: ModelDir | None, arch: ModelArchitecture) -> Tokenizer:
+    """The model directory's tokenizer (the byte tokenizer for a preset), with the spec's chat template and
+    added tokens."""
+    tokenizer: Tokenizer = load_tokenizer(model_dir.path, arch.vocab) if model_dir is not None else ByteTokenizer()
+    if spec.dataset.chat_template is not None:
+        use_chat_template(tokenizer, spec.dataset.chat_template)
+    if spec.model.added_tokens:
+        add_tokens(tokenizer, spec.model.added_tokens)
+    if model_dir is None and arch.vocab < ByteTokenizer.VOCAB:
+        raise RecipeError(f"spec.model: vocabulary of {arch.vocab} tokens is smaller than the byte tokenizer's "
+                          f"{ByteTokenizer.VOCAB}")
+    return tokenizer
 
 
 def hf_config(model_dir: ModelDir | None) -> Any:

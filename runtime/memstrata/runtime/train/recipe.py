@@ -34,11 +34,10 @@ from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
-from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data, load_tokenizer
+from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data
 from memstrata.runtime.train.best import Selection
 from memstrata.runtime.train.model.generate import engine_answer
 from memstrata.runtime.train.epochs import with_epoch_steps
-from memstrata.runtime.train.data.tokenizer import use_chat_template
 from memstrata.runtime.train.model.export import reclaim_partials
 from memstrata.runtime.train.observe.metrics import Phases, StepResult, TrainResult
 from memstrata.runtime.train.launch import world_sum
@@ -47,7 +46,7 @@ from memstrata.runtime.train.observe.device import PhaseClock, hbm_peak_bytes, s
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.preflight import (
     RecipeError, check_adapter, checkpoints, engine_of, hf_config, loss_chunk_tokens, on_gpu_for, rank_of, read_model,
-    read_output,
+    read_output, job_tokenizer,
 )
 from memstrata.runtime.train.building import build_engine, setup_distributed, torch_dtype
 from memstrata.runtime.swap.protocols import TrainingEngine
@@ -76,17 +75,14 @@ class FineTuneRecipe:
         self.engine_name = engine_of(spec, plan)
         self.ranks = rank_of(spec)
         self.model_dir = read_model(spec)
-        self.arch = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
+        base = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
+        self.arch = base.model_copy(update={"vocab": base.vocab + len(spec.model.added_tokens or [])})  # added rows
         self.hf_config = hf_config(self.model_dir)
+        if self.hf_config is not None:
+            self.hf_config.vocab_size = self.arch.vocab
         self.loss_chunk_tokens = loss_chunk_tokens(spec.training, self.hf_config)
         self.adapter = check_adapter(spec, self.hf_config, self.arch, preset=self.model_dir is None)
-        self.tokenizer = (load_tokenizer(self.model_dir.path, self.arch.vocab) if self.model_dir is not None
-                          else ByteTokenizer())
-        if spec.dataset.chat_template is not None:
-            use_chat_template(self.tokenizer, spec.dataset.chat_template)
-        if self.model_dir is None and self.arch.vocab < ByteTokenizer.VOCAB:
-            raise RecipeError(f"spec.model: vocabulary of {self.arch.vocab} tokens is smaller than the byte "
-                              f"tokenizer's {ByteTokenizer.VOCAB}")
+        self.tokenizer = job_tokenizer(spec, self.model_dir, self.arch)
         self.data: TrainData | None = None
         if spec.training.epochs is not None:  # the steps they take are known once the data is read
             self.load_data()

@@ -234,4 +234,7 @@ def _saved_parts(root: Path) -> list[Path]:
                                "point dataset.path at the split's directory")
         root = root / "train"
     state = json.loads((root / "state.json").read_text())
-    return [root / entry["filename"] for entry in state.get("_data_files", [])]
+    try:
+        return [root / entry["filename"] for entry in state["_data_files"]]
+    except (KeyError, TypeError):
+        raise DatasetError(f"{root / 'state.json'}: lists no data files: not a save_to_disk directory's") from None

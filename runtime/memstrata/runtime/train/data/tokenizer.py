@@ -15,7 +15,7 @@ from memstrata.runtime.train.data.records import DatasetError, RecordError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "TokenizerError", "load_tokenizer", "use_chat_template",
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "TokenizerError", "load_tokenizer", "use_chat_template", "add_tokens",
            "TOKENIZER_FILES"]
 
 # Any one of these makes a directory loadable by AutoTokenizer (fast, SentencePiece, BPE or WordPiece).
@@ -154,6 +154,14 @@ def use_chat_template(tokenizer: Tokenizer, template: str) -> None:
     if "ping" not in text or "pong" not in text:
         raise TokenizerError("dataset.chatTemplate: a user/assistant exchange renders without its messages' "
                              f"content ({text[:80]!r}): the template must write each message's content")
+
+
+def add_tokens(tokenizer: Tokenizer, tokens: list[str]) -> None:
+    """Add `tokens` to the tokenizer as special tokens (never split, kept when decoding); fails naming
+    model.addedTokens for a tokenizer that takes none."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise TokenizerError(f"model.addedTokens: {tokenizer.name} takes no tokens; use a model directory's")
+    tokenizer.hf.add_tokens(tokens, special_tokens=True)
 
 
 def load_tokenizer(model_dir: Path, vocab: int) -> HFTokenizer:

@@ -233,13 +233,16 @@ def _resolve(name: str, params: dict[str, Any], prefix: str) -> str | None:
 def load_weights(model: "PreTrainedModel", model_dir: ModelDir) -> None:
     """Copy every checkpoint tensor into its ZeRO-3 partitions, one module at a time. A parameter the
     checkpoint lacks, or a shape that differs, fails with both named; buffers (e.g. rotary frequencies)
-    are recomputed, not loaded; a shard cut short or gone while it is read fails naming it."""
+    are recomputed, not loaded; a shard cut short or gone while it is read fails naming it. A model built with
+    a larger vocabulary (model.addedTokens) takes the checkpoint's rows of its vocabulary-sized tensors, and
+    each new row starts at the mean of those (transformers' resize_token_embeddings does the same)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    vocab = model_dir.architecture.vocab
     for shard, names in model_dir.shards.items():
         try:
             with TensorFile(shard) as f:
-                loaded |= _load_shard(f, names, params, getattr(model, "base_model_prefix", ""))
+                loaded |= _load_shard(f, names, params, getattr(model, "base_model_prefix", ""), vocab)
         except TensorFileError as exc:
             raise ModelDirError(str(exc)) from None
     tied = {id(p) for n, p in params.items() if n in loaded}
@@ -249,8 +252,8 @@ def load_weights(model: "PreTrainedModel", model_dir: ModelDir) -> None:
                             f"the model: {', '.join(missing[:5])}")
 
 
-def _load_shard(f: TensorFile, names: list[str], params: dict[str, Any], prefix: str) -> set[str]:
-    """The model's parameters `f`'s tensors `names` were copied into."""
+def _load_shard(f: TensorFile, names: list[str], params: dict[str, Any], prefix: str, vocab: int) -> set[str]:
+    """The model's parameters `f`'s tensors `names` were copied into (`vocab`: the checkpoint's vocabulary)."""
     import deepspeed
     import torch
 
@@ -264,10 +267,19 @@ def _load_shard(f: TensorFile, names: list[str], params: dict[str, Any], prefix:
             for name, target in targets.items():
                 tensor = f.get_tensor(name)
                 param = params[target]
-                if tuple(tensor.shape) != tuple(param.shape):
+                if _grown(tensor.shape, param.shape, vocab):
+                    param[:vocab].copy_(tensor)
+                    param[vocab:].copy_(tensor.float().mean(0).expand_as(param[vocab:]))
+                elif tuple(tensor.shape) != tuple(param.shape):
                     raise ModelDirError(f"{f.path}: {name} has shape {tuple(tensor.shape)}, the model's "
                                         f"{target} is {tuple(param.shape)}")
-                param.copy_(tensor)  # converts the dtype in place: no second host copy
+                else:
+                    param.copy_(tensor)  # converts the dtype in place: no second host copy
                 loaded.add(target)
                 del tensor
     return loaded
+
+
+def _grown(stored: Any, built: Any, vocab: int) -> bool:
+    """Whether a stored vocabulary-sized tensor (`vocab` rows) fills the first rows of a grown parameter."""
+    return len(stored) >= 1 and stored[0] == vocab and built[0] > vocab and tuple(stored[1:]) == tuple(built[1:])
