@@ -33,6 +33,14 @@ def test_progress_lines_show_the_learning_rate_when_known() -> None:
     assert out.getvalue().strip() == "step 2/4  loss 2.5000  lr 1.50e-03  1,500 tok/s  ETA 4s"
 
 
+def test_progress_lines_carry_the_latest_validation_loss() -> None:
+    out = io.StringIO()
+    with ProgressBar(4, console=Console(file=out, width=200)) as bar:
+        bar.update(RuntimeReport(stage="training", step=3, total_steps=4, loss=2.5, validation_loss=2.25,
+                                 learning_rate=1.5e-3, tokens_per_second=1500.0, elapsed_seconds=3.0))
+    assert out.getvalue().strip() == "step 3/4  loss 2.5000  val 2.2500  lr 1.50e-03  1,500 tok/s  ETA 1s"
+
+
 def test_report_prints_loss_trend_bytes_and_phases() -> None:
     losses = [5.0, 4.8, 4.6, 4.4, 4.2, 3.0, 2.9, 2.8, 2.7, 2.6]
     report = RunReport(

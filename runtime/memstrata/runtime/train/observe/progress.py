@@ -36,25 +36,29 @@ class ProgressBar:
         if self.live:
             self._progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val]}"),
+                TextColumn("lr {task.fields[lr]}"),
                 TextColumn("{task.fields[rate]} tok/s"),
                 TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), console=self.console,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total, loss="-", lr="-", rate="-", eta="-")
+            self._task = self._progress.add_task("train", total=self.total, loss="-", val="-", lr="-", rate="-",
+                                                 eta="-")
         return self
 
     def update(self, report: RuntimeReport) -> None:
         loss = f"{report.loss:.4f}" if report.loss is not None else "-"
         rate = f"{report.tokens_per_second:,.0f}" if report.tokens_per_second else "-"
         lr = f"{report.learning_rate:.2e}" if report.learning_rate is not None else "-"
+        val = f"{report.validation_loss:.4f}" if report.validation_loss is not None else "-"
         eta = report.progress().eta or "-"
         if self.quiet:
             return
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=report.step, loss=loss, lr=lr, rate=rate, eta=eta)
-        else:
-            shown = f"  lr {lr}" if report.learning_rate is not None else ""
+            self._progress.update(self._task, completed=report.step, loss=loss, val=val, lr=lr, rate=rate, eta=eta)
+        else:  # the latest validation loss, once there is one
+            shown = (f"  val {val}" if report.validation_loss is not None else "") + (
+                f"  lr {lr}" if report.learning_rate is not None else "")
             self.console.print(f"step {report.step}/{report.total_steps}  loss {loss}{shown}  {rate} tok/s  "
                                f"ETA {eta}", highlight=False)
 
