@@ -67,6 +67,9 @@ def test_cel_rules_cover_cross_field_constraints() -> None:
     spec_rules = [r["message"] for r in spec["x-kubernetes-validations"]]
     assert any("immutable" in m for m in spec_rules)
     assert any("at most 512 for preset gpt-tiny" in m for m in spec_rules)
+    for rule in ("training.keepBest and training.earlyStopping compare validation losses",
+                 "training.epochs: a synthetic dataset is endless", "model.addedTokens with training.method lora"):
+        assert any(m.startswith(rule) for m in spec_rules), rule
     training = spec["properties"]["training"]
     assert "(has(self.steps) && self.steps > 0) != has(self.epochs)" in [
         r["rule"] for r in training["x-kubernetes-validations"]]

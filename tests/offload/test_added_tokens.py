@@ -62,3 +62,15 @@ def test_added_tokens_are_refused_where_they_cannot_train(cli: Any, tmp_path: Pa
     job.write_text(json.dumps(doc))
     proc = cli("plan", str(job))
     assert proc.returncode == 2 and "model.addedTokens with training.method lora" in proc.stderr, proc.stderr
+
+
+def test_a_token_the_tokenizer_has_or_a_padded_vocabulary_is_refused(smollm2_dir: Path) -> None:
+    """New tokens must land on the rows the model grows by: not a token the tokenizer has, and not a tokenizer
+    smaller than its model's vocabulary (its next ids are existing padding rows)."""
+    from memstrata.runtime.train.data.pipeline import DatasetError, load_tokenizer
+    from memstrata.runtime.train.data.tokenizer import add_tokens
+
+    with pytest.raises(DatasetError, match=r"model.addedTokens: <\|im_end\|> already in"):
+        add_tokens(load_tokenizer(smollm2_dir, VOCAB), ["<|new|>", "<|im_end|>"], rows=VOCAB)
+    with pytest.raises(DatasetError, match=r"has 49152 tokens and the model's vocabulary 49216 rows"):
+        add_tokens(load_tokenizer(smollm2_dir, VOCAB + 64), ["<|new|>"], rows=VOCAB + 64)

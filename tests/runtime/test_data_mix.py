@@ -92,6 +92,8 @@ def test_a_bad_record_in_a_mixed_set_names_its_file_and_field(tmp_path: Path) ->
     ({"mix": [{"path": "/a", "weight": 1}, {"path": "/b", "weight": 0}]}, "greater than 0"),
     ({"mix": [{"path": "/a", "weight": 1}, {"path": "/b", "weight": 1}], "validationPath": "/v"},
      "dataset.mix takes its validation records from each set by validationSplit"),
+    ({"mix": [{"path": "/a", "weight": 1}, {"path": "/b", "weight": 1}], "format": "alpaca"},
+     r"dataset.format: with dataset.mix, give each set's own in dataset.mix\[i\]"),
 ])
 def test_bad_mixes_are_refused(spec: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValidationError, match=problem):
@@ -153,3 +155,10 @@ def test_the_data_seed_moves_the_order_and_split_but_not_the_model_seed(tmp_path
     assert order(seed=2, dataset={"seed": 1}) == base  # the model seed alone does not move the data
     moved = order(seed=1, dataset={"seed": 9})
     assert moved[0] != base[0] and moved[1] != base[1]
+
+
+def test_a_small_set_of_a_mix_may_hold_out_nothing(tmp_path: Path) -> None:
+    """The split is drawn per record: a one-record set holds none out, and the mix still validates on the rest."""
+    a, b = two_sets(tmp_path, a=1, b=100)
+    data = mixed(a, b, 1, 1, validation_split=0.2)
+    assert data.train_records >= 1 and data.validation_records > 0

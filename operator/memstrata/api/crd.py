@@ -16,8 +16,10 @@ from pydantic.json_schema import JsonDict
 from memstrata.api.architecture import PRESETS
 from memstrata.api.base import cel
 from memstrata.api.families import FAMILIES
-from memstrata.api.finetunejob import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, FineTuneJobSpec
+from memstrata.api.finetunejob import (ADDED_TOKENS_LORA_RULE, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION,
+                                      FineTuneJobSpec)
 from memstrata.api.jobstatus import FineTuneJobStatus
+from memstrata.api.selection import EPOCHS_RULE, SELECTION_RULE
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
@@ -67,6 +69,7 @@ def spec_rules() -> list[JsonDict]:
             "self.checkpoint.path.startsWith(self.output.path + '/'))",
             "checkpoint.path must not be output.path or inside it: the model directory is created whole at the end",
             ".checkpoint.path"),
+        SELECTION_RULE, EPOCHS_RULE, ADDED_TOKENS_LORA_RULE,
     ]
     for name, arch in PRESETS.items():
         if arch.spec.learned_positions:

@@ -95,6 +95,9 @@ class Dataset(SourceShape):
                     "set at most one of dataset.validationSplit or dataset.validationPath"),
                 cel("!has(self.mix) || !has(self.validationPath)",
                     "dataset.mix takes its validation records from each set by validationSplit, not validationPath"),
+                cel("!has(self.mix) || ((!has(self.format) || self.format == 'auto') && (!has(self.textField) || "
+                    "self.textField == 'text') && !has(self.columns))",
+                    "dataset.format, textField and columns: with dataset.mix, give each set's own in dataset.mix[i]"),
             ]
         }
     )
@@ -108,6 +111,11 @@ class Dataset(SourceShape):
         if self.mix is not None and self.validation_path is not None:
             raise ValueError("dataset.mix takes its validation records from each set by validationSplit, "
                              "not validationPath")
+        shaped = [f"dataset.{name}" for name, set_ in (("format", self.format != "auto"),
+                                                        ("textField", self.text_field != "text"),
+                                                        ("columns", self.columns is not None)) if set_]
+        if self.mix is not None and shaped:
+            raise ValueError(f"{', '.join(shaped)}: with dataset.mix, give each set's own in dataset.mix[i]")
         return self
 
     def sources(self) -> list[MixSource]:

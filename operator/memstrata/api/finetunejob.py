@@ -20,7 +20,7 @@ from memstrata.api.dataset import Dataset
 from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, ModelSource, Output, Volume, VolumeMount, under
 from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.lora import Lora, check_targets
-from memstrata.api.selection import EPOCHS_RULE, SELECTION_RULE, EarlyStopping, selection_problem
+from memstrata.api.selection import EarlyStopping, selection_problem
 from memstrata.api.strataplan import Engine
 from memstrata.api.units import Bytes
 
@@ -219,14 +219,12 @@ class RunPolicy(ApiModel):
 
 ADDED_TOKENS_LORA = ("model.addedTokens with training.method lora: the new tokens' embedding rows would stay as "
                      "they start (LoRA freezes the embedding); use training.method full")
+# The spec-level CEL rules these validators mirror are in memstrata.api.crd.spec_rules (their one home).
+ADDED_TOKENS_LORA_RULE = cel("!has(self.model.addedTokens) || !has(self.training.method) || "
+                             "self.training.method != 'lora'", ADDED_TOKENS_LORA)
 
 
 class FineTuneJobSpec(ApiModel):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        SELECTION_RULE, EPOCHS_RULE,
-        cel("!has(self.model.addedTokens) || !has(self.training.method) || self.training.method != 'lora'",
-            ADDED_TOKENS_LORA)]})
-
     model: ModelSource
     dataset: Dataset
     training: Training

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from memstrata.api.architecture import Family, ModelArchitecture
-from memstrata.api.base import ApiModel
+from memstrata.api.base import ApiModel, cel
 from memstrata.api.families import Linear
 from memstrata.api.families import family as family_of
 
@@ -29,6 +29,10 @@ class Lora(ApiModel):
     no optimizer state) on whatever stratum the plan puts them. The output is the adapter in PEFT format
     (`adapter_config.json`, `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained(base, path)`
     loads over the base model."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "!has(self.targetModules) || !('all-linear' in self.targetModules) || size(self.targetModules) == 1",
+        "training.lora.targetModules: all-linear names every linear module; give it alone", ".targetModules")]})
 
     rank: int = Field(16, gt=0, le=4096, description="r: the adapters' inner width (A is rank x in, B out x rank).")
     alpha: float = Field(32.0, gt=0, le=1e6, description="lora_alpha: the update B x A is scaled by alpha / rank.")

@@ -72,7 +72,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if spec.model.path is not None and not Path(spec.model.path).is_dir():
         raise UserError(f"{args.file}: spec.model.path: {spec.model.path}: no such directory")
     for field, path in _dataset_paths(spec.dataset):
-        if not (glob.glob(path) if glob.has_magic(path) else Path(path).exists()):
+        if not (any(Path(p).is_file() for p in glob.glob(path, recursive=True)) if glob.has_magic(path)
+                else Path(path).exists()):  # as the runtime reads a glob: recursive, files only
             raise UserError(f"{args.file}: spec.{field}: {path}: "
                             + ("matches no file" if glob.has_magic(path) else "no such file or directory"))
     from memstrata.cli.modelshape import with_model_shape
@@ -112,7 +113,8 @@ def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJ
     wire = spec.wire()
     if getattr(args, "model", None) is not None:
         # A different directory: its own config.json says the shape, not the manifest.
-        wire["model"] = {"path": str(args.model.absolute())}
+        kept = {k: v for k, v in wire["model"].items() if k not in ("preset", "path", "architecture")}
+        wire["model"] = {**kept, "path": str(args.model.absolute())}  # e.g. addedTokens stay
     if getattr(args, "output", None) is not None:
         wire["output"] = {**wire.get("output", {}), "path": str(args.output.absolute())}
     if getattr(args, "steps", None) is not None:

@@ -41,6 +41,7 @@ class Selection:
         self.best: Best | None = None
         self.waiting = 0  # evaluations since the best
         self.stop_reason: str | None = None
+        self.published = False  # the output is the best model (publish renamed it there)
         if self.keep:
             self.best = self._adopt(resumed_step)
 
@@ -100,4 +101,5 @@ class Selection:
             mark_run_complete(self.best.path, run_steps)
             self.best.path.rename(self.output)
             fsync_dir(self.output.parent)
+        self.published = True
         return self.best

@@ -101,7 +101,7 @@ def job_tokenizer(spec: FineTuneJobSpec, model_dir: ModelDir | None, arch: Model
     if spec.dataset.chat_template is not None:
         use_chat_template(tokenizer, spec.dataset.chat_template)
     if spec.model.added_tokens:
-        add_tokens(tokenizer, spec.model.added_tokens)
+        add_tokens(tokenizer, spec.model.added_tokens, rows=arch.vocab - len(spec.model.added_tokens))
     if model_dir is None and arch.vocab < ByteTokenizer.VOCAB:
         raise RecipeError(f"spec.model: vocabulary of {arch.vocab} tokens is smaller than the byte tokenizer's "
                           f"{ByteTokenizer.VOCAB}")

@@ -310,7 +310,7 @@ class FineTuneRecipe:
         if record.validation_loss is not None:
             result.validation_losses[record.step] = record.validation_loss
             self.selection.observe(record.step, record.validation_loss,
-                                   lambda path, step, loss: self.save(step, loss, path=path))
+                                   lambda path, step, loss: self.save(step, loss, path=path, best=True))
 
     def _checkpoint(self, record: StepResult, micro_batches: int) -> None:
         """Save a checkpoint after `record`'s step when one is due."""
@@ -319,15 +319,18 @@ class FineTuneRecipe:
         try:
             record.checkpoint = self.checkpointer.save(self.engine, step=record.step, micro_batches=micro_batches,
                                                        loss=record.loss, validation_loss=record.validation_loss)
-            if self.checkpointer.spec.export_model:  # a model transformers loads while the run goes on
-                self.save(record.step, record.validation_loss, path=Path(record.checkpoint.path) / "model")
-        except (CheckpointWriteError, OSError) as exc:
+        except CheckpointWriteError as exc:
             # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
             # the partial write is gone, the previous checkpoint stays the latest, training goes on.
             record.checkpoint_error = f"{type(exc).__name__}: {exc}"
+            return
+        if self.checkpointer.spec.export_model:  # a model transformers loads while the run goes on (a failure
+            # here is the run's: the other ranks are in the export's gathers, as for the final model)
+            self.save(record.step, record.validation_loss, path=Path(record.checkpoint.path) / "model")
 
     # --- save ----------------------------------------------------------------------------------------
-    def save(self, step: int, validation_loss: float | None, path: Path | None = None) -> OutputStatus | None:
+    def save(self, step: int, validation_loss: float | None, path: Path | None = None,
+             best: bool = False) -> OutputStatus | None:
         """Write the fine-tuned model to spec.output.path, or `path` (None when the job has no output, and on every
         rank but 0, which only takes part in the gathers)."""
         from memstrata.runtime.train.model.card import model_card
@@ -342,7 +345,7 @@ class FineTuneRecipe:
         self.engine.empty_partition_cache()
         card = model_card(self.spec, job=self.job.metadata.name, step=step, losses=self.result.losses(),
                           validation={s: v for s, v in self.result.validation_losses.items() if s <= step},
-                          formats=[d.format for d in getattr(self.data, "sets", [])])
+                          formats=[d.format for d in getattr(self.data, "sets", [])], best=best)
         written = write_model(self.engine.module, path or Path(out.path if out else ""), adapter=self.adapter, card=card,
                               leader=self.ranks.leader, shard_size=out.shard_size if out else DEFAULT_SHARD,
                               tokenizer=None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer,

@@ -125,7 +125,7 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         model_bytes=recipe.model_dir.tensor_bytes if recipe.model_dir is not None else 0,
         validation_losses=result.validation_losses,
         output=recipe.output,
-        kept_best=spec.training.keep_best and recipe.output is not None,
+        kept_best=recipe.selection.published,
         stopped_early=result.stopped_early,
         epochs=recipe.data.epochs_done() if recipe.data is not None else {},
         parameters=plan.parameters,

@@ -125,6 +125,9 @@ class FileData(TrainData):
         for data in self.sets:
             if data.conversation:
                 check_chat_template(tokenizer, f"{data.field} {data.name}", data.format)
+        if dataset.validation_split and not sum(c.other for c in counts):
+            raise DatasetError(f"dataset.mix: validationSplit {dataset.validation_split} holds out none of the "
+                               f"{sum(c.kept for c in counts)} records of its sets: raise it")
         self.validation_set: DataSet | None = None
         self.train_records = sum(c.kept for c in counts)
         self.validation_records = sum(c.other for c in counts)
@@ -149,7 +152,7 @@ class FileData(TrainData):
         if not counts.kept:
             raise DatasetError(f"{data.name}: validationSplit {split} holds out all {counts.other} records, leaving "
                                "none to train on")
-        if split and not counts.other:
+        if split and not counts.other and len(self.sets) == 1:  # a mix needs held-out records in total only
             raise DatasetError(f"{data.name}: validationSplit {split} holds out none of the {counts.kept} records: "
                                "raise it, or give a validationPath")
         return counts

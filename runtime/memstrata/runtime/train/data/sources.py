@@ -95,6 +95,9 @@ def _kind(path: Path) -> Kind | None:
 
 
 def _data_file(path: Path, kind: Kind) -> DataFile:
+    if kind in ("parquet", "arrow") and path.suffix.lower() in COMPRESSIONS:
+        raise DatasetError(f"{path}: a compressed {kind} file cannot be read a batch at a time (its format "
+                           "compresses itself): decompress it")
     parts = sorted(p for p in path.rglob("*") if p.is_file()) if kind == "saved" else [path]
     return DataFile(path, kind, tuple((p, Stamp.of(p)) for p in parts))
 
@@ -197,11 +200,15 @@ def _batches(file: DataFile) -> Iterator[Any]:
     if file.kind == "parquet":
         yield from pq.ParquetFile(file.path).iter_batches(batch_size=BATCH_ROWS, use_threads=False)
     elif file.kind == "csv":
-        # Every column as text: a CSV cell is text, and inferring numbers would turn "1.50" into 1.5.
-        with pa.input_stream(str(file.path), compression="detect") as head:
-            names = next(csv.reader(io.TextIOWrapper(head, encoding="utf-8", newline="")), [])
+        import fsspec
+
+        # Every column as text: a CSV cell is text, and inferring numbers would turn "1.50" into 1.5. Decompressed
+        # as JSON is (fsspec, by the name), the header read past a byte-order mark.
+        with fsspec.open(str(file.path), "rt", compression="infer", encoding="utf-8-sig", newline="") as head:
+            names = next(csv.reader(head), [])
         options = pacsv.ConvertOptions(column_types={name: pa.string() for name in names})
-        yield from pacsv.open_csv(pa.input_stream(str(file.path), compression="detect"), convert_options=options)
+        with fsspec.open(str(file.path), "rb", compression="infer") as raw:
+            yield from pacsv.open_csv(raw, convert_options=options)
     elif file.kind == "arrow":
         yield from _ipc(file.path)
     else:

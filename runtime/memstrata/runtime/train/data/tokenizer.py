@@ -156,11 +156,22 @@ def use_chat_template(tokenizer: Tokenizer, template: str) -> None:
                              f"content ({text[:80]!r}): the template must write each message's content")
 
 
-def add_tokens(tokenizer: Tokenizer, tokens: list[str]) -> None:
-    """Add `tokens` to the tokenizer as special tokens (never split, kept when decoding); fails naming
-    model.addedTokens for a tokenizer that takes none."""
+def add_tokens(tokenizer: Tokenizer, tokens: list[str], rows: int) -> None:
+    """Add `tokens` to the tokenizer as special tokens (never split, kept when decoding), ids `rows`, `rows` + 1,
+    ...: the embedding rows the model grows by (`rows`: its vocabulary before). Fails naming model.addedTokens
+    for a tokenizer that takes none, a token it has already, or a tokenizer whose size is not the vocabulary
+    (a padded one: the new ids would land on existing padding rows, not on the new ones)."""
     if not isinstance(tokenizer, HFTokenizer):
         raise TokenizerError(f"model.addedTokens: {tokenizer.name} takes no tokens; use a model directory's")
+    known = tokenizer.hf.get_vocab()
+    present = [t for t in tokens if t in known]
+    if present:
+        raise TokenizerError(f"model.addedTokens: {', '.join(present)} already in {tokenizer.name} (id "
+                             f"{known[present[0]]}); remove them from the list")
+    if len(tokenizer.hf) != rows:
+        raise TokenizerError(f"model.addedTokens: {tokenizer.name} has {len(tokenizer.hf)} tokens and the model's "
+                             f"vocabulary {rows} rows: new tokens would take ids from {len(tokenizer.hf)} on, rows "
+                             "that exist, not the ones added; memstrata adds tokens only where the two are equal")
     tokenizer.hf.add_tokens(tokens, special_tokens=True)
 
 

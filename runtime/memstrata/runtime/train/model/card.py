@@ -32,10 +32,10 @@ def _method(spec: FineTuneJobSpec) -> str:
 
 
 def model_card(spec: FineTuneJobSpec, *, job: str, step: int, losses: Sequence[float],
-               validation: Mapping[int, float], formats: Sequence[str] = ()) -> str:
+               validation: Mapping[int, float], formats: Sequence[str] = (), best: bool = False) -> str:
     """The card of the model of `step` of `job`; `losses`: the training loss of each step trained in this
     attempt; `validation`: validation loss by step (0: before training); `formats`: each dataset's format as
-    read (the spec may say auto)."""
+    read (the spec may say auto); `best`: it is the model of the lowest validation loss (keepBest)."""
     t = spec.training
     base = spec.model.preset or str(spec.model.path)
     meta = {"base_model": base, "library_name": "peft" if t.adapter() else "transformers",
@@ -54,7 +54,7 @@ def model_card(spec: FineTuneJobSpec, *, job: str, step: int, losses: Sequence[f
         lines.append(f"- Training loss: {losses[0]:.4f} at the first step of this run, {losses[-1]:.4f} at the last")
     if validation:
         lines.append("- Validation loss: " + ", ".join(f"{v:.4f} at step {s}" for s, v in sorted(validation.items())))
-    if t.keep_best:
+    if best:
         lines.append("- This is the model of the lowest validation loss (training.keepBest).")
     return f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n" + "\n".join(lines) + "\n"
 
