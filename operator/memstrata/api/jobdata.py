@@ -61,9 +61,10 @@ class ModelSource(ApiModel):
             raise ValueError("model.architecture is only for model.path; a preset has a fixed shape")
         return self
 
-    def trained_shape(self) -> ModelArchitecture:
-        """The shape that trains: `shape()` with a row of the vocabulary per added token."""
-        shape = self.shape()
+    def trained_shape(self, shape: ModelArchitecture | None = None) -> ModelArchitecture:
+        """The shape that trains: `shape` (default `shape()`; the runtime passes the model directory's) with a row
+        of the vocabulary per added token."""
+        shape = shape if shape is not None else self.shape()
         return shape.model_copy(update={"vocab": shape.vocab + len(self.added_tokens or [])})
 
     def known_shape(self) -> ModelArchitecture | None:

@@ -75,8 +75,8 @@ class FineTuneRecipe:
         self.engine_name = engine_of(spec, plan)
         self.ranks = rank_of(spec)
         self.model_dir = read_model(spec)
-        base = self.model_dir.architecture if self.model_dir is not None else spec.model.shape()
-        self.arch = base.model_copy(update={"vocab": base.vocab + len(spec.model.added_tokens or [])})  # added rows
+        # The planner's shape: a vocabulary row per added token.
+        self.arch = spec.model.trained_shape(self.model_dir.architecture if self.model_dir is not None else None)
         self.hf_config = hf_config(self.model_dir)
         if self.hf_config is not None:
             self.hf_config.vocab_size = self.arch.vocab
