@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -131,6 +132,11 @@ class OperatorProcess:
         self.kubeconfig, self.log, self.name, self.extra = kubeconfig, log, name, extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.metrics_port = free_port()  # kept across restarts, as a pod's port is
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     @property
     def identity(self) -> str:
@@ -142,7 +148,8 @@ class OperatorProcess:
             [str(REPO / "operator"), str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "memstrata.cli", "operator", "--kubeconfig", str(self.kubeconfig),
                "--lease", LEASE, "--lease-namespace", "default", "--identity", f"{self.name}-{self.starts + 1}",
-               *LEASE_TIMING, "--backoff-base-seconds", "1", "--unschedulable-retry-seconds", "5", *self.extra]
+               *LEASE_TIMING, "--backoff-base-seconds", "1", "--unschedulable-retry-seconds", "5",
+               "--metrics-bind-address", f"127.0.0.1:{self.metrics_port}", *self.extra]
         self.starts += 1
         with open(self.log, "ab") as out:
             out.write(f"\n===== start {self.starts}: {' '.join(cmd)}\n".encode())
@@ -184,6 +191,12 @@ class OperatorProcess:
     def tail(self, lines: int = 40) -> str:
         text = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
         return "\n".join(text[-lines:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def lease_holder(cluster: Any) -> str:

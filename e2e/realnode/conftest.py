@@ -22,6 +22,8 @@ import pytest
 
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env, cache_root
 from e2e.conftest import _say
+from e2e.scrape import Samples, parse
+from memstrata.api.serving import METRICS_PORT
 from e2e.realnode.images import ImageSet
 from e2e.realnode.jobs import JobStorage
 from e2e.realnode.node import NodeBins, RealNode, host_address
@@ -52,6 +54,11 @@ class RealCluster:
 
     def node_json(self) -> dict[str, Any]:
         return self.cp.get_json("node", self.node.name)
+
+    def metrics(self, kind: str, name: str, port: int = METRICS_PORT) -> Samples:
+        """A pod's (`kind` pods) or a Service's (`kind` services) /metrics, fetched through the API server's
+        proxy as `kubectl get --raw` does, parsed as Prometheus parses it."""
+        return parse(self.kubectl("get", "--raw", f"/api/v1/namespaces/{RELEASE_NS}/{kind}/{name}:{port}/proxy/metrics"))
 
     def agent_pod(self) -> dict[str, Any] | None:
         pods = self.cp.get_json("pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=node-agent")["items"]

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from e2e.realnode.conftest import RELEASE_NS, RealCluster
+from e2e.scrape import Samples
 
 pytestmark = [pytest.mark.realnode, pytest.mark.cluster, pytest.mark.slow]
 
@@ -49,3 +50,32 @@ def test_the_node_shows_the_device_plugins_capacity_and_labels(real_cluster: Rea
     # The kubelet, not a stub, took the registration.
     log = (rc.node.workdir / "kubelet.log").read_text(errors="replace")
     assert "memstrata.dev/nvme-ns" in log, "the kubelet never logged the device plugin's registration"
+
+
+def test_the_charts_metrics_services_reach_the_operator_and_node_agent(real_cluster: RealCluster) -> None:
+    """What a Prometheus (or a ServiceMonitor) finds through the chart's Services: the node agent's devices as
+    the kubelet was told of them, and the operator replica holding the Lease saying so."""
+    rc = real_cluster
+
+    seen: list[Samples] = []
+
+    def listed() -> bool:
+        seen.append(rc.metrics("services", "memstrata-node-agent-metrics"))
+        return seen[-1].value("memstrata_nodeagent_devices", resource="memstrata.dev/nvme-ns", kind="loop",
+                              health="Healthy") == len(rc.loops)
+
+    rc.cp.wait_for("the node agent's metrics to list the loop namespaces healthy", listed, timeout=60)
+    m = seen[-1]
+    assert m.value("memstrata_nodeagent_kubelet_registrations_total", resource="memstrata.dev/nvme-ns",
+                   result="ok") >= 1
+    assert m.value("memstrata_nodeagent_discovery_scans_total", result="ok") >= 1
+    assert not m.has("memstrata_nodeagent_devices", kind="nvme")  # loop devices are never counted as NVMe
+
+    holder = rc.cp.get_json("lease", "memstrata-operator", "-n", RELEASE_NS)["spec"]["holderIdentity"]
+    leading = {}
+    for pod in rc.cp.get_json("pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=operator")["items"]:
+        (labels, value), = rc.metrics("pods", pod["metadata"]["name"]).series("memstrata_operator_leader")
+        leading[labels["identity"]] = value
+    assert leading.get(holder) == 1.0 and sum(leading.values()) == 1.0, (holder, leading)
+    # The Service reaches the operators too.
+    assert rc.metrics("services", "memstrata-operator-metrics").has("memstrata_operator_leader")

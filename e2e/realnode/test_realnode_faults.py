@@ -62,6 +62,10 @@ def test_kubelet_agent_and_containerd_restarts_leave_a_training_job_running(
     # 1. The kubelet restarts: the plugin must register with the new kubelet.sock.
     log = rc.node.workdir / "kubelet.log"
     offset = log.stat().st_size
+    agent = rc.agent_pod()
+    assert agent is not None
+    registered = rc.metrics("pods", agent["metadata"]["name"]).value(
+        "memstrata_nodeagent_kubelet_registrations_total", resource=REGISTERED, result="ok")
     rc.node.restart_kubelet()
     back = time.monotonic()
     rc.cp.wait_for("the device plugin to register with the restarted kubelet and list its devices",
@@ -69,6 +73,11 @@ def test_kubelet_agent_and_containerd_restarts_leave_a_training_job_running(
     seconds = time.monotonic() - back
     _say(request, f"[realnode] kubelet restart at step {step}/{STEPS}: the device plugin registered again "
                   f"{seconds:.1f} s after the kubelet came back")
+    # The agent's metrics count the registration the restart caused (at least one: a try may have met the
+    # kubelet still starting).
+    again = rc.metrics("pods", agent["metadata"]["name"]).value(
+        "memstrata_nodeagent_kubelet_registrations_total", resource=REGISTERED, result="ok")
+    assert again >= registered + 1, (registered, again)
     rc.node.wait_ready(60)
     assert container_identity(training_pod(rc.cp, ns, rc.images.runtime)) == identity
     assert allocated_devices(uid) == devices

@@ -23,6 +23,8 @@ import pytest
 from memstrata.api.inventory import RESOURCE_NVME, NodeInventory
 from memstrata.node.header import State
 from memstrata.nodeagent.devices import merge, nvme_devices
+from e2e.operator.harness import free_port
+from e2e.scrape import Samples, scrape
 from kubelet_stub import REPO, KubeletStub
 from sysfs_cases import memstrata_head
 
@@ -66,11 +68,13 @@ class Node:
             [str(REPO / "operator"), str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
         env.pop("NODE_NAME", None)
         self.log = root / "agent.log"
+        self.metrics_port = free_port()
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "memstrata.cli", "nodeagent", "--", "--sysfs-root", str(root / "sys"),
              "--dev-root", str(root / "dev"), "--mountinfo", str(root / "proc" / "mounts"),
              "--swaps", str(root / "proc" / "swaps"), "--plugin-dir", str(self.plugin_dir),
-             "--rescan-seconds", str(rescan), "--nfd-dir", str(root / "nfd"), "--log-level", "DEBUG"],
+             "--rescan-seconds", str(rescan), "--nfd-dir", str(root / "nfd"), "--log-level", "DEBUG",
+             "--metrics-bind-address", f"127.0.0.1:{self.metrics_port}"],
             stdout=subprocess.DEVNULL, stderr=open(self.log, "w"), env=env, cwd=REPO)
         self.stub = KubeletStub(stub_bin, self.plugin_dir).start()
 
@@ -78,6 +82,10 @@ class Node:
         """The next NVMe device list ListAndWatch sent: ID -> (health, NUMA nodes)."""
         event = self.stub.wait_for("devices", timeout=timeout, resource=RESOURCE_NVME)
         return {d["id"]: (d["health"], d["numa"]) for d in event["devices"]}
+
+    def metrics(self) -> Samples:
+        """The agent's /metrics, as Prometheus scrapes it."""
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     def stop(self) -> str:
         self.stub.stop()
@@ -120,6 +128,18 @@ def test_allocate_refuses_a_namespace_a_job_left_dirty_since_the_last_scan(node)
     assert n.nvme(timeout=5) == {**HEALTHY, N2: ("Unhealthy", [1])}
     granted = n.stub.allocate(RESOURCE_NVME, [N1])
     assert "error" not in granted, granted
+    # What Prometheus sees: one Allocate refused, one granted; the dirty namespace counted Unhealthy, as the
+    # kubelet was told; both resources registered; the scans that found it.
+    m = n.metrics()
+    nvme = {"resource": RESOURCE_NVME}
+    assert m.value("memstrata_nodeagent_allocations_total", **nvme, result="refused") == 1
+    assert m.value("memstrata_nodeagent_allocations_total", **nvme, result="granted") == 1
+    assert m.value("memstrata_nodeagent_devices", **nvme, kind="nvme", health="Unhealthy") == 1
+    assert m.value("memstrata_nodeagent_devices", **nvme, kind="nvme", health="Healthy") == 2
+    assert m.value("memstrata_nodeagent_kubelet_registrations_total", **nvme, result="ok") == 1
+    assert m.value("memstrata_nodeagent_discovery_scans_total", result="ok") >= 2  # at start, and on the refusal
+    assert m.value("memstrata_nodeagent_discovery_duration_seconds_count") == m.value(
+        "memstrata_nodeagent_discovery_scans_total")
 
 
 def test_once_lists_a_dirty_namespace_unhealthy(cli, case_copy) -> None:
@@ -173,6 +193,12 @@ def test_a_killed_jobs_namespace_is_unhealthy_until_scrubbed_then_healthy(node, 
     assert f"{root}/dev/nvme1n2: a job left it OPEN without scrubbing it; no process holds it any more: " \
            "scrubbing it now, Unhealthy until done" in log
     assert f"{root}/dev/nvme1n2: 64.0 MiB zeroed by punch-hole; offering it again" in log
+    m = n.metrics()
+    assert m.value("memstrata_nodeagent_scrubs_total", result="clean") == 1
+    assert m.value("memstrata_nodeagent_scrubs_total", result="failed") == 0
+    assert m.value("memstrata_nodeagent_scrub_duration_seconds_count") == 1
+    assert m.value("memstrata_nodeagent_scrubs_running") == 0
+    assert m.value("memstrata_nodeagent_devices", resource=RESOURCE_NVME, health="Healthy") == 3
 
 
 @pytest.mark.loopdev

@@ -41,6 +41,23 @@ def test_progress_lines_carry_the_latest_validation_loss() -> None:
     assert out.getvalue().strip() == "step 3/4  loss 2.5000  val 2.2500  lr 1.50e-03  1,500 tok/s  ETA 1s"
 
 
+def test_progress_lines_show_nvme_traffic_between_steps_while_it_moves() -> None:
+    out = io.StringIO()
+
+    def at(step: int, elapsed: float, read: int, written: int) -> RuntimeReport:
+        return RuntimeReport(stage="training", step=step, total_steps=4, loss=2.5, tokens_per_second=1500.0,
+                             elapsed_seconds=elapsed, strata={"nvme": StratumCounters(bytes_read=read,
+                                                                                      bytes_written=written)})
+
+    with ProgressBar(4, console=Console(file=out, width=200)) as bar:
+        bar.update(at(1, 2.0, 10**9, 10**9))  # the first step: nothing to compare with
+        bar.update(at(2, 4.0, 10**9 + 600 * 10**6, 10**9 + 200 * 10**6))  # 600 MB read, 200 MB written in 2 s
+        bar.update(at(3, 5.0, 10**9 + 600 * 10**6, 10**9 + 200 * 10**6))  # nothing moved
+    assert out.getvalue().splitlines() == ["step 1/4  loss 2.5000  1,500 tok/s  ETA 6s",
+                                           "step 2/4  loss 2.5000  1,500 tok/s  nvme r 300 MB/s w 100 MB/s  ETA 4s",
+                                           "step 3/4  loss 2.5000  1,500 tok/s  ETA 2s"]
+
+
 def test_report_prints_loss_trend_bytes_and_phases() -> None:
     losses = [5.0, 4.8, 4.6, 4.4, 4.2, 3.0, 2.9, 2.8, 2.7, 2.6]
     report = RunReport(

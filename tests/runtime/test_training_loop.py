@@ -152,3 +152,54 @@ def test_the_jobs_status_carries_the_rate_the_latest_validation_and_the_result(
     assert final["stage"] == "finished"
     assert final["result"] == pytest.approx({"steps": STEPS, "trainLoss": lines[STEPS]["loss"],
                                              "validationLoss": lines[STEPS]["validation_loss"]})
+
+
+def _scalars(acc: Any, prefix: str) -> dict[str, dict[int, float]]:
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"] if tag.startswith(prefix)}
+
+
+@pytest.mark.parametrize("name", ["plain", "memstrata"])
+def test_tensorboard_shows_each_steps_strata_io_phases_and_the_plan(runs: dict[str, dict[str, Any]], name: str) -> None:
+    """Read back with TensorBoard's own reader: per step, what DRAM and NVMe hold, the bytes moved each way and
+    their bandwidth, the forward/backward/update times (adding up to the report's phases), and on memstrata's
+    engine its prefetch hits and I/O-token waits; the plan's table as text at step 0."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = runs[name]
+    acc = EventAccumulator(str(run["metrics"]), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    steps = list(range(1, STEPS + 1))
+    held, io, times, swap = (_scalars(acc, p) for p in ("strata/", "io/", "time/", "swap/"))
+    assert sorted(held) == ["strata/dram_held_bytes", "strata/nvme_held_bytes"]  # no GPU: no hbm; no CXL here
+    assert all(sorted(v) == steps for v in [*held.values(), *io.values(), *times.values()])
+    assert all(v > 50 * 2**20 for v in held["strata/dram_held_bytes"].values())  # at least the interpreter and torch
+    report = run["report"]
+    # Each phase's per-step times add up to the report's total for it.
+    for phase, tag in (("forward", "forward"), ("backward", "backward"), ("step", "update")):
+        assert sum(times[f"time/{tag}_seconds"].values()) == pytest.approx(report["phases"][phase], rel=1e-4)
+    for k in steps:
+        assert sum(times[f"time/{t}_seconds"][k] for t in ("forward", "backward", "update")) \
+            <= times["time/step_seconds"][k] * 1.001
+    # The bytes moved each step add up to at most the run's total (setup and the export move some too); a step's
+    # bandwidth is its bytes over its time.
+    nvme = report["strata"]["nvme"]
+    for direction, total in (("written", nvme["bytes_written"]), ("read", nvme["bytes_read"])):
+        moved = io[f"io/nvme_{direction}_bytes"]
+        assert 0 <= sum(moved.values()) <= total
+        rate = io[f"io/nvme_{direction}_bytes_per_second"]
+        assert all(rate[k] == pytest.approx(moved[k] / times["time/step_seconds"][k], rel=1e-4) for k in steps)
+    if name == "memstrata":  # an 8 MiB DRAM budget: every step reads and writes its state on NVMe
+        assert all(v > 0 for v in io["io/nvme_read_bytes"].values()), io["io/nvme_read_bytes"]
+        assert all(v > 0 for v in io["io/nvme_written_bytes"].values()), io["io/nvme_written_bytes"]
+        assert all(v > 0 for v in held["strata/nvme_held_bytes"].values())
+        assert {"swap/prefetch_hits", "swap/io_token_wait_seconds", "swap/forward_wait_seconds"} <= set(swap)
+        assert sum(swap["swap/prefetch_hits"].values()) <= report["memstrata"]["dram"]["prefetchHits"]
+    else:
+        assert swap == {}  # the stock engine has no swap layer of memstrata's
+    # The JSON lines carry the same numbers.
+    line = next(m for m in _metrics(run) if m.get("step") == STEPS and "loss" in m)
+    assert line["strata"]["io/nvme_read_bytes"] == pytest.approx(io["io/nvme_read_bytes"][STEPS])
+    plan = acc.Tensors("plan/text_summary")
+    assert [e.step for e in plan] == [0]
+    text = plan[0].tensor_proto.string_val[0].decode()
+    assert "verdict: fits" in text and "capacity" in text, text

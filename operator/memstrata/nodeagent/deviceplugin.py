@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from memstrata.nodeagent.devices import AllocationError, PluginDevice, Resource, checked, merge
+from memstrata.nodeagent.metrics import AgentMetrics
 from memstrata.nodeagent.proto import deviceplugin_pb2 as pb
 from memstrata.nodeagent.proto import deviceplugin_pb2_grpc as pb_grpc
 
@@ -53,8 +54,10 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
     may be older than what happened since (a job killed a moment ago left its data on a namespace
     the last scan still saw in use), and a device it refuses is never handed to a container."""
 
-    def __init__(self, manager: Resource, plugin_dir: Path, vet: Vet | None = None) -> None:
+    def __init__(self, manager: Resource, plugin_dir: Path, vet: Vet | None = None,
+                 metrics: AgentMetrics | None = None) -> None:
         self.manager = manager
+        self.metrics = metrics or AgentMetrics()
         self.resource = manager.name
         self.plugin_dir = Path(plugin_dir)
         self._vet = vet
@@ -95,8 +98,10 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
             with grpc.insecure_channel(f"unix:{kubelet}") as channel:
                 pb_grpc.RegistrationStub(channel).Register(request, timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as exc:
+            self.metrics.registrations.labels(self.resource, "error").inc()
             raise RegistrationError(f"{self.resource}: registration with {kubelet} failed: "
                                     f"{exc.code().name}: {exc.details()}") from exc
+        self.metrics.registrations.labels(self.resource, "ok").inc()
         log.info("%s: registered with %s", self.resource, kubelet)
 
     def stop(self) -> None:
@@ -157,11 +162,13 @@ class DevicePluginServer(pb_grpc.DevicePluginServicer):
                 self._check(list(container.devices_ids), devices)
             except AllocationError as exc:
                 log.warning("refusing Allocate: %s", exc)
+                self.metrics.allocations.labels(self.resource, "refused").inc()
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             responses.append(pb.ContainerAllocateResponse(
                 envs=given.envs,
                 devices=[pb.DeviceSpec(container_path=p, host_path=p, permissions="rw") for p in given.device_paths],
             ))
+        self.metrics.allocations.labels(self.resource, "granted").inc()
         return pb.AllocateResponse(container_responses=responses)
 
     def _check(self, ids: list[str], devices: list[PluginDevice]) -> None:

@@ -3,6 +3,7 @@
     memstrata nodeagent                 # the DaemonSet's command (NODE_NAME from the downward API)
     memstrata nodeagent --once          # print the inventory, labels and plugin devices as JSON, exit
     memstrata nodeagent --loop-namespaces loop3,loop4   # test clusters: these loop devices as namespaces
+    memstrata nodeagent --metrics-bind-address :9090    # Prometheus metrics on http://<node>:9090/metrics
 
 The DaemonSet pod needs the host's /sys, /dev (hostPath) and mount table
 (hostPID, so /proc/1/mountinfo is the host's), and
@@ -26,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from memstrata.api.inventory import NodeInventory, render_node
 from memstrata.api.podidentity import DISK_GID, TrainingIdentity, parse_device_gid
+from memstrata.api.serving import METRICS_PORT, parse_bind_address
 from memstrata.node.access import dev_ownership, vet_access
 from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
 from memstrata.node.loopscan import LOOP_NAME
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
+from memstrata.nodeagent.metrics import AgentMetrics
 from memstrata.nodeagent.scrubber import Scrubber
 
 if TYPE_CHECKING:
@@ -65,6 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "namespace whose device node that group (with the runtime's uid) cannot open read-write is "
                         "not offered, and the inventory says why. none: the node's containerd hands devices to the "
                         f"pod's user, nothing to check. Default: {DISK_GID}")
+    p.add_argument("--metrics-bind-address", type=bind_address, default=None, metavar="HOST:PORT",
+                   help=f"serve Prometheus metrics on http://HOST:PORT/metrics, e.g. :{METRICS_PORT} (default: off)")
     p.add_argument("--once", action="store_true", help="discover, print JSON and exit")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -82,6 +87,13 @@ def loop_names(text: str) -> tuple[str, ...]:
             f"{', '.join(map(repr, bad))}: not {'a loop device name' if len(bad) == 1 else 'loop device names'}; "
             "give block device names like loop3 (no /dev/), comma-separated")
     return names
+
+
+def bind_address(text: str) -> tuple[str, int] | None:
+    try:
+        return parse_bind_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def device_gid(text: str) -> int | None:
@@ -107,10 +119,11 @@ def read_inventory(args: argparse.Namespace) -> NodeInventory:
     return vet_access(found, dev_ownership(args.dev_root), TrainingIdentity(device_gid=args.training_device_gid))
 
 
-def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: None) -> Scrubber:
+def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: None,
+             metrics: AgentMetrics | None = None) -> Scrubber:
     """The scrubber over the same device nodes, sysfs, mount table and swaps discovery reads."""
     return Scrubber(args.dev_root, sysfs_root=args.sysfs_root, mountinfo=args.mountinfo, swaps=args.swaps,
-                    on_done=on_done)
+                    on_done=on_done, metrics=metrics)
 
 
 def once(args: argparse.Namespace) -> int:
@@ -159,8 +172,11 @@ class Agent:
         self.args = args
         # SimpleQueue.put is reentrant: safe to call from the signal handlers below and the scrub threads.
         self.events: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"))
-        self.servers = [DevicePluginServer(r, args.plugin_dir, vet=self.vet) for r in resources()]
+        self.metrics = AgentMetrics()
+        self.metrics.devices.offered = lambda: [(s.resource, d) for s in self.servers for d in s.devices]
+        self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"), metrics=self.metrics)
+        self.servers = [DevicePluginServer(r, args.plugin_dir, vet=self.vet, metrics=self.metrics)
+                        for r in resources()]
         self.patcher = NodePatcher(args.node_name, args.kubeconfig)
         self.inventory: NodeInventory | None = None
         self.scrubbing: frozenset[str] = frozenset()  # free namespaces holding a finished job's data
@@ -179,11 +195,16 @@ class Agent:
 
     def rescan(self) -> None:
         """Re-discover; health changes reach ListAndWatch, label changes the Node."""
+        started = time.monotonic()
         try:
             self.inventory = read_inventory(self.args)
         except SysfsError as exc:  # a device mid-removal can leave a half-read tree; next scan retries
             log.warning("discovery failed, keeping the previous inventory: %s", exc)
+            self.metrics.scans.labels("error").inc()
             return
+        finally:
+            self.metrics.scan_seconds.observe(time.monotonic() - started)
+        self.metrics.scans.labels("ok").inc()
         # Before publishing: a namespace a killed job left dirty must turn Unhealthy in this very scan.
         self.scrubbing = self.scrubber.update(self.inventory)
         for server in self.servers:
@@ -201,12 +222,28 @@ class Agent:
             server.stop()
         from memstrata.nodeagent.deviceplugin import DevicePluginServer
 
-        self.servers = [DevicePluginServer(s.manager, self.args.plugin_dir, vet=self.vet) for s in self.servers]
+        self.servers = [DevicePluginServer(s.manager, self.args.plugin_dir, vet=self.vet, metrics=self.metrics)
+                        for s in self.servers]
         for server in self.servers:
             server.start()
             if self.inventory is not None:
                 server.publish(self.offer(server.manager))
             server.register()
+
+    def serve_metrics(self) -> Any:
+        """Start serving /metrics when asked to (the server, or None); a port taken ends the agent, saying so."""
+        if self.args.metrics_bind_address is None:
+            return None
+        from prometheus_client import start_http_server
+
+        host, port = self.args.metrics_bind_address
+        try:
+            server, _ = start_http_server(port, host, self.metrics.registry)
+        except OSError as exc:
+            raise SystemExit(f"memstrata nodeagent: --metrics-bind-address {host}:{port}: "
+                             f"{exc.strerror or exc}") from None
+        log.info("serving metrics on http://%s:%d/metrics", host, port)
+        return server
 
     def run(self) -> int:
         from memstrata.nodeagent.deviceplugin import KUBELET_SOCKET, RegistrationError, socket_identity
@@ -215,6 +252,7 @@ class Agent:
             signal.signal(sig, lambda *_, n=name: self.events.put(n))
         kubelet_sock = self.args.plugin_dir / KUBELET_SOCKET
         self.inventory = read_inventory(self.args)  # a tree that cannot be read at start is fatal
+        metrics_server = self.serve_metrics()
         restart_due = 0.0  # when to (re)start the plugins; inf while they run
         next_scan = 0.0
         registered_with = None
@@ -256,6 +294,8 @@ class Agent:
         for server in self.servers:
             server.stop()
         self.scrubber.stop()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         log.info("stopped")
         return 0
 

@@ -78,6 +78,7 @@ class Kube:
         self._auth: str | None = None
         self._auth_at = 0.0
         self.requests = 0
+        self.observe: Callable[[str, int, float], None] | None = None  # (verb, status or 0, seconds) per request
         # Checked right before every write is sent: one place that keeps a replica which lost its
         # Lease (or never had it) from writing, whichever code path the write comes from.
         self.write_gate: Callable[[], bool] | None = None
@@ -151,17 +152,23 @@ class Kube:
         data = json.dumps(body) if body is not None else None
         session = await self._session_()
         self.requests += 1
-        async with session.request(method, self.host + path, data=data, params=params, headers=headers) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                try:
-                    status = json.loads(text)
-                    reason, message = status.get("reason", ""), status.get("message", text)
-                except ValueError:
-                    reason, message = resp.reason or "", text
-                kind = NotFound if resp.status == 404 else Conflict if resp.status == 409 else KubeError
-                raise kind(resp.status, reason, message, method, path)
-            return json.loads(text) if text else {}
+        started, code = time.perf_counter(), 0
+        try:
+            async with session.request(method, self.host + path, data=data, params=params, headers=headers) as resp:
+                code = resp.status
+                text = await resp.text()
+        finally:
+            if self.observe is not None:
+                self.observe(method, code, time.perf_counter() - started)
+        if code >= 400:
+            try:
+                status = json.loads(text)
+                reason, message = status.get("reason", ""), status.get("message", text)
+            except ValueError:
+                reason, message = resp.reason or "", text
+            kind = NotFound if code == 404 else Conflict if code == 409 else KubeError
+            raise kind(code, reason, message, method, path)
+        return json.loads(text) if text else {}
 
     async def watch(self, path: str, params: Mapping[str, str],
                     opened: asyncio.Event | None = None) -> AsyncIterator[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
     memstrata operator [--kubeconfig FILE] [--namespace NS ...] [--standalone | --lease NAME]
                        [--lease-namespace NS] [--identity ID] [--liveness http://0.0.0.0:8080/healthz]
+                       [--metrics-bind-address :9090]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from memstrata.operator.jobpolicy import RUNTIME_IMAGES, SAFE_VOLUME_TYPES, JobP
 from memstrata.operator.leadership import LeaseTiming
 from memstrata.operator.lifecycle import LifecyclePolicy
 from memstrata.api.podidentity import DISK_GID, parse_device_gid
+from memstrata.api.serving import METRICS_PORT, parse_bind_address
 from memstrata.operator.render import PodSecurity
 from memstrata.operator.settings import OperatorConfig
 
@@ -42,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-period-seconds", type=float, default=2.0,
                    help="how often the Lease is renewed or tried (default: %(default)s)")
     p.add_argument("--liveness", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--metrics-bind-address", default="0", metavar="HOST:PORT",
+                   help=f"serve Prometheus metrics on http://HOST:PORT/metrics, e.g. :{METRICS_PORT} "
+                        "(default: %(default)s, off)")
     p.add_argument("--workers", type=int, default=16, help="concurrent reconciles (default: %(default)s)")
     p.add_argument("--backoff-base-seconds", type=float, default=10.0,
                    help="delay before the 2nd attempt, doubling per failure (default: %(default)s)")
@@ -86,6 +91,10 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
                          custom_commands=args.allow_custom_commands)
     except ValueError as exc:
         raise SystemExit(f"memstrata operator: --allowed-volume-type/--allowed-image: {exc}") from None
+    try:
+        metrics_address = parse_bind_address(args.metrics_bind_address)
+    except ValueError as exc:
+        raise SystemExit(f"memstrata operator: --metrics-bind-address: {exc}") from None
     identity = args.identity or f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
     return OperatorConfig(
         kubeconfig=args.kubeconfig,
@@ -95,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         identity=identity,
         lease_timing=timing,
         liveness=args.liveness,
+        metrics_address=metrics_address,
         workers=args.workers,
         policy=LifecyclePolicy(backoff_base_seconds=args.backoff_base_seconds,
                                backoff_max_seconds=args.backoff_max_seconds,
@@ -112,6 +122,9 @@ def main(argv: list[str]) -> int:
     from memstrata.operator.handlers import build_registry
     from memstrata.operator.kube import Kube
     from memstrata.operator.leadership import AlwaysLeading, Elector
+    from prometheus_client import start_http_server
+
+    from memstrata.operator.metrics import OperatorMetrics
     from memstrata.operator.reconciler import Reconciler
 
     kopf.configure(verbose=args.verbose)
@@ -123,18 +136,30 @@ def main(argv: list[str]) -> int:
     # are not subject to the gate they decide.
     elector = (Elector(Kube.from_config(config.kubeconfig), config.lease_namespace, config.lease, config.identity,
                        config.lease_timing) if config.lease else None)
+    metrics = OperatorMetrics()
+    metrics.live.lease, metrics.live.identity = config.lease or "", config.identity
     reconciler = Reconciler(kube, config.policy, workers=config.workers,
                             report_interval_seconds=config.report_interval_seconds,
                             cleanup_tries=config.cleanup_tries, gate=elector or AlwaysLeading(),
-                            pod_security=config.pod_security)
+                            pod_security=config.pod_security, metrics=metrics)
     if elector is not None:
         elector.on_started = reconciler.resume
     registry = build_registry(reconciler, config, elector)
-    asyncio.run(kopf.operator(
-        registry=registry,
-        clusterwide=not config.namespaces,
-        namespaces=list(config.namespaces),
-        standalone=True,
-        liveness_endpoint=config.liveness,
-    ))
+    try:  # before Kopf starts: a port taken is the operator's start-up error, not a silent gap in the graphs
+        server = (start_http_server(config.metrics_address[1], config.metrics_address[0], metrics.registry)[0]
+                  if config.metrics_address else None)
+    except OSError as exc:
+        raise SystemExit(f"memstrata operator: --metrics-bind-address {args.metrics_bind_address}: "
+                         f"{exc.strerror or exc}") from None
+    try:
+        asyncio.run(kopf.operator(
+            registry=registry,
+            clusterwide=not config.namespaces,
+            namespaces=list(config.namespaces),
+            standalone=True,
+            liveness_endpoint=config.liveness,
+        ))
+    finally:
+        if server is not None:
+            server.shutdown()
     return 0

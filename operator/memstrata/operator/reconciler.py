@@ -28,6 +28,7 @@ from memstrata.operator.actions import (
 from memstrata.operator.kube import Kube, KubeError, NotFound, api_path, gather_ok
 from memstrata.operator.leadership import AlwaysLeading
 from memstrata.operator.lifecycle import LifecyclePolicy, decide, fail
+from memstrata.operator.metrics import OperatorMetrics, phase_of
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
 from memstrata.operator.observe import JobView, format_time, job_view, pod_view
 from memstrata.operator.scheduling import PlanCache, Placement, place
@@ -51,10 +52,14 @@ def _rv_str(body: Mapping[str, Any] | None) -> str:
 class Reconciler(WorkQueue):
     def __init__(self, kube: Kube, policy: LifecyclePolicy = LifecyclePolicy(), workers: int = 16,
                  report_interval_seconds: float = 10.0, cleanup_tries: int = 60,
-                 gate: Gate | None = None, pod_security: render.PodSecurity = render.PodSecurity()) -> None:
-        super().__init__(gate or AlwaysLeading(), workers)
+                 gate: Gate | None = None, pod_security: render.PodSecurity = render.PodSecurity(),
+                 metrics: OperatorMetrics | None = None) -> None:
+        super().__init__(gate or AlwaysLeading(), workers, metrics)
         self.kube = kube
         kube.write_gate = self.gate.leading  # every write, whichever path it comes from
+        kube.observe = self.metrics.api_seconds_observer()
+        self._phases: dict[JobKey, str] = {}  # every live job's phase, as last seen: the jobs gauge
+        self.metrics.live.phases = self._phases.values
         self.pod_security = pod_security
         self.cleanup_tries = cleanup_tries
         self._cleanups: dict[JobKey, int] = {}
@@ -76,7 +81,9 @@ class Reconciler(WorkQueue):
         key = (meta.get("namespace", "default"), meta.get("name", ""))
         if deleted:
             self.forget(key)
+            self._phases.pop(key, None)
             return
+        self._phases[key] = phase_of(body)
         known = self._bodies.get(key)
         if known is None or _rv(body) >= _rv(known) or (known.get("metadata") or {}).get("uid") != meta.get("uid"):
             self._bodies[key] = dict(body)
@@ -213,6 +220,9 @@ class Reconciler(WorkQueue):
                     try:
                         await children.create_attempt(self.kube, job, action, self.report_interval_seconds,
                                                       self.pod_security)
+                        if action.attempt == 0 and not action.ranks and job.created is not None:
+                            self.metrics.create_to_pod.observe(
+                                (datetime.now(timezone.utc) - job.created).total_seconds())
                     except (children.PartlyCreated, children.NothingCreated) as exc:
                         if finalizer is not None:  # the record's fresh read must see our finalizer write
                             await asyncio.wait([finalizer])
@@ -284,6 +294,7 @@ class Reconciler(WorkQueue):
         known = self._bodies.get(key)
         if known is None or _rv(body) >= _rv(known):
             self._bodies[key] = dict(body)
+            self._phases[key] = phase_of(body)
 
     async def post_event(self, job: JobView, event: Event) -> None:
         now = format_time(datetime.now(timezone.utc))
@@ -296,6 +307,7 @@ class Reconciler(WorkQueue):
             "source": {"component": names.COMPONENT}, "reportingComponent": names.COMPONENT,
             "reportingInstance": names.COMPONENT, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
+        self.metrics.events.labels(event.type, event.reason).inc()
         try:
             await self.kube.create(body)
         except KubeError as exc:  # an event lost is a log line, never a failed reconcile

@@ -36,6 +36,8 @@ class OperatorConfig:
     lease_timing: LeaseTiming = LeaseTiming()
     liveness: str | None = None
     """e.g. http://0.0.0.0:8080/healthz — Kopf answers it while its watches are healthy."""
+    metrics_address: tuple[str, int] | None = None
+    """(host, port) to serve Prometheus metrics on; None: not served."""
     workers: int = 16
     """Concurrent reconciles (each is a few API calls; the work is I/O-bound)."""
     policy: LifecyclePolicy = LifecyclePolicy()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Protocol
 
-from memstrata.operator.kube import Conflict, NotLeading
+from memstrata.operator.kube import Conflict, KubeError, NotLeading
+from memstrata.operator.metrics import OperatorMetrics
 
 log = logging.getLogger("memstrata.operator")
 JobKey = tuple[str, str]
@@ -28,8 +30,12 @@ class WorkQueue:
     """The queue, its workers and its timers; a subclass says what reconciling a key is (`reconcile`), what to
     drop when its copy of the key's object may be stale, and what to tell when a reconcile fails."""
 
-    def __init__(self, gate: Gate, workers: int) -> None:
+    def __init__(self, gate: Gate, workers: int, metrics: OperatorMetrics | None = None) -> None:
         self.gate = gate
+        self.metrics = metrics or OperatorMetrics()
+        self.metrics.live.queue_depth = lambda: len(self._queued)
+        self.metrics.live.reconciling = lambda: len(self._running)
+        self.metrics.live.leading = gate.leading
         self._workers_n = workers
         self._workers: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[JobKey] = asyncio.Queue()
@@ -100,6 +106,8 @@ class WorkQueue:
                 continue
             self._queued.discard(key)
             self._running.add(key)
+            started = time.perf_counter()
+            result = "success"
             try:
                 await self.reconcile(key)
                 self._errors.pop(key, None)
@@ -107,21 +115,27 @@ class WorkQueue:
                 raise
             except NotLeading:
                 # Keep the key: whoever leads next (this replica included) reconciles it afresh.
+                result = "not_leading"
                 self.drop_cached(key)
                 self._dirty.add(key)
             except Conflict as exc:
                 # Someone wrote the job since we read it: what we decided may be stale. Forget our copy
                 # and decide again on a fresh read, at once; a conflict is not an error to back off from.
+                result = "conflict"
                 log.info("reconcile %s/%s: conflict (%s); again on a fresh read", *key, exc)
                 self.drop_cached(key)
                 self.enqueue(key)
             except Exception as exc:  # noqa: BLE001 — one job's error must not stop the others
+                result = "error"
+                self.metrics.reconcile_errors.labels(_reason(exc)).inc()
                 n = self._errors[key] = self._errors.get(key, 0) + 1
                 delay = min(0.5 * 2 ** (n - 1), 60.0)
                 log.warning("reconcile %s/%s failed (try %d), again in %.1fs: %s", *key, n, delay, exc)
                 self.enqueue(key, delay)
                 self.on_error(key, n, delay, exc)
             finally:
+                self.metrics.reconciles.labels(result).inc()
+                self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
                 self._running.discard(key)
                 if key in self._dirty:
                     self._dirty.discard(key)
@@ -132,3 +146,14 @@ class WorkQueue:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _reason(exc: BaseException) -> str:
+    """A failed reconcile's reason as a label: the API server's (Forbidden, Invalid, ...) where an API request
+    failed, even under the error that reports it (a pod not created), else the error's type."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, KubeError):
+            return cause.reason or f"HTTP{cause.status}"
+        cause = cause.__cause__
+    return type(exc).__name__

@@ -28,6 +28,7 @@ from memstrata.api.jobstatus import ResultStatus, WorkerStatus
 from memstrata.api.inventory import Gpu
 from memstrata.api.report import RuntimeReport
 from memstrata.api.strataplan import Plan
+from memstrata.plan.table import render_plan
 from memstrata.runtime.train.data.pipeline import DatasetError
 from memstrata.runtime.train.model.export import describe_output, mark_run_complete
 from memstrata.runtime.train.model.hfmodel import ModelDirError
@@ -38,7 +39,7 @@ from memstrata.runtime.train.observe.metrics import MetricsError, MetricsWriter,
 from memstrata.runtime.train.observe.progress import ProgressBar, Sample, render_report
 from memstrata.runtime.train.preflight import RecipeError
 from memstrata.runtime.train.recipe import FineTuneRecipe
-from memstrata.runtime.train.runreport import NodeReport, build_report, close_all, step_status
+from memstrata.runtime.train.runreport import NodeReport, StepTrack, build_report, close_all, step_status
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -162,6 +163,7 @@ class LocalRun:
         self.who = f"rank {ranks.rank}: " if ranks.world > 1 else ""
         self.said: list[str] = []
         self.metrics: MetricsWriter | None = None
+        self.track: StepTrack | None = None  # the leader's per-step strata scalars, for the metrics
         self.validation: float | None = None  # the latest validation loss measured
         self.resumed_from: int | None = None
         self.started = 0.0  # when training (not initialization) started: the ETA extrapolates training steps
@@ -230,6 +232,9 @@ class LocalRun:
         output = self.job.spec.output
         if output is not None and self.ranks.leader:  # cut back to the resumed step: those after it are replayed
             self.metrics = MetricsWriter(Path(output.metrics_dir()), resume_step=self.resumed_from).open()
+            if self.resumed_from is None:  # step 0's text is there already in a resumed run's event files
+                self.metrics.write_text("plan", render_plan(self.plan, f"{self.job.metadata.name}: the plan"))
+            self.track = StepTrack(self.watch, recipe)
         self.watch.sample()
         self.after_init, self.load_peak = self.watch.peak_swap.files, self.watch.peak_rss
         self.started = time.perf_counter()
@@ -248,9 +253,10 @@ class LocalRun:
         recipe = self.recipe
         self.validation = s.validation_loss if s.validation_loss is not None else self.validation
         self._said_sample(s.step, s.sample)
-        if self.metrics is not None:
-            self.metrics.write_step(s)  # flushed: a killed run keeps every step it finished
-        self.last = self.node.fill(step_status(self.watch, recipe.memstrata_status(), s, self.job.spec.training.steps,
+        swap = recipe.memstrata_status()
+        if self.metrics is not None:  # flushed: a killed run keeps every step it finished
+            self.metrics.write_step(s, self.track.step(s, swap) if self.track is not None else None)
+        self.last = self.node.fill(step_status(self.watch, swap, s, self.job.spec.training.steps,
                                                time.perf_counter() - self.started, self.validation,
                                                recipe.hbm_peak_bytes), s)
         self.last.resumed_from = self.resumed_from

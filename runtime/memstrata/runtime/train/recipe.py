@@ -195,7 +195,7 @@ class FineTuneRecipe:
     def _built(self, model: Any) -> None:
         self.model = model  # the transformers model inside the engine, kept for cleanup even if initialize fails
 
-    def _device(self) -> "torch.device":
+    def device(self) -> "torch.device":
         import torch
 
         return torch.device("cuda", self.ranks.local_rank) if self.on_gpu else torch.device("cpu")
@@ -239,7 +239,7 @@ class FineTuneRecipe:
                     self._loss(batches[0])  # not counted: keeps this rank in step with the others' gathers
             t = self.spec.training
             self.sample = (engine_answer(self.engine.module, self.tokenizer, t.eval_sample_prompt,
-                                         t.eval_sample_tokens, self._device()) if t.eval_sample_prompt else None)
+                                         t.eval_sample_tokens, self.device()) if t.eval_sample_prompt else None)
         finally:
             self.engine.train()
         total, count = world_sum(self.ranks, self.engine.device, sum(losses), len(losses))
@@ -268,7 +268,7 @@ class FineTuneRecipe:
             result.validation_losses[0] = before
             if on_validation is not None:
                 on_validation(0, before)
-        clock = PhaseClock(synchronizer(self._device()))
+        clock = PhaseClock(synchronizer(self.device()))
         for step in range(done + 1, t.steps + 1):
             started, losses = clock.start(), []
             rate = self.engine.get_lr()[0]  # the scheduler set it after the previous update
@@ -289,7 +289,7 @@ class FineTuneRecipe:
                 raise FloatingPointError(f"loss became {value} at step {step}")
             norm = self.engine.get_global_grad_norm()
             if self.on_gpu:
-                self.hbm_peak_bytes = max(self.hbm_peak_bytes, hbm_peak_bytes(self._device()))
+                self.hbm_peak_bytes = max(self.hbm_peak_bytes, hbm_peak_bytes(self.device()))
             record = StepResult(step=step, loss=value, seconds=time.perf_counter() - started,
                                 tokens=t.micro_batch * t.gradient_accumulation * t.sequence_length * world,
                                 learning_rate=float(rate), grad_norm=float(norm) if norm is not None else None)

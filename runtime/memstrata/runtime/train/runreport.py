@@ -10,13 +10,15 @@ from memstrata.api.report import RuntimeReport, StratumCounters
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.train.launch import node_sums
-from memstrata.runtime.train.observe.memwatch import MemWatch
+from memstrata.runtime.train.observe.device import hbm_in_use
+from memstrata.runtime.train.observe.memwatch import MemWatch, dir_usage, tree_rss
 from memstrata.runtime.train.observe.metrics import StepResult, TrainResult
 from memstrata.runtime.train.observe.progress import LossSummary, RunReport
+from memstrata.runtime.train.observe.strata import StepStrata, held_bytes, read_counters
 from memstrata.runtime.train.recipe import FineTuneRecipe
 from memstrata.runtime.train.schedule import describe
 
-__all__ = ["NodeReport", "build_report", "close_all", "step_status"]
+__all__ = ["NodeReport", "StepTrack", "build_report", "close_all", "step_status"]
 
 
 def close_all(fail: Callable[[str], None], *steps: tuple[str, Callable[[], None] | None]) -> str | None:
@@ -107,6 +109,24 @@ def step_status(watch: MemWatch, swap: SwapStatus | None, s: StepResult, total: 
                          learning_rate=s.learning_rate, validation_loss=validation_loss,
                          tokens_per_second=s.tokens / s.seconds if s.seconds else None,
                          elapsed_seconds=elapsed, strata=_strata(watch, swap, hbm))
+
+
+class StepTrack:
+    """Each step's scalars for TensorBoard (memstrata.runtime.train.observe.strata): from the same per-stratum
+    counters the job's status carries, read when training starts (setup's loading I/O is not a step's) and after
+    every step."""
+
+    def __init__(self, watch: MemWatch, recipe: FineTuneRecipe) -> None:
+        self.watch, self.recipe = watch, recipe
+        swap = recipe.memstrata_status()
+        self.steps = StepStrata(read_counters(_strata(watch, swap), recipe.phases, swap))
+
+    def step(self, s: StepResult, swap: SwapStatus | None) -> dict[str, float]:
+        r = self.recipe
+        swap_dir = r.ds_swap_dir
+        held = held_bytes(tree_rss(self.watch.root_pid), hbm_in_use(r.device()), swap,
+                          dir_usage(swap_dir).bytes if swap is None and swap_dir is not None else 0)
+        return self.steps.step(read_counters(_strata(self.watch, swap), r.phases, swap), s.seconds, held)
 
 
 def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: TrainResult, watch: MemWatch,

@@ -60,3 +60,11 @@ def hbm_peak_bytes(device: Any) -> int:
     free, total = torch.cuda.mem_get_info(device)
     outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
     return int(torch.cuda.max_memory_reserved(device) + outside)
+
+
+def hbm_in_use(device: Any) -> int | None:
+    """Device memory torch holds for tensors now (None on the CPU: there is no HBM stratum)."""
+    import torch
+
+    device = torch.device(device)
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None

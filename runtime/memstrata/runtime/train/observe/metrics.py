@@ -71,6 +71,9 @@ class MetricsRecord(BaseModel):
     seconds: float | None = None
     grad_norm: float | None = None
     sample: str | None = None
+    # Per step: what each stratum holds, the bytes moved each way and their bandwidth, the phase times, the swap
+    # layer's prefetch hits and I/O-token waits (memstrata.runtime.train.observe.strata), by TensorBoard tag.
+    strata: dict[str, float] | None = None
     wall_time: float
 
 
@@ -154,18 +157,28 @@ class MetricsWriter:
             value = getattr(record, name)
             if value is not None:
                 self._tb.add_scalar(tag, value, global_step=record.step, walltime=record.wall_time)
+        for tag, value in (record.strata or {}).items():
+            self._tb.add_scalar(tag, value, global_step=record.step, walltime=record.wall_time)
         if record.sample is not None:
             self._tb.add_text("validation/sample", record.sample, global_step=record.step, walltime=record.wall_time)
         self._tb.flush()
 
-    def write_step(self, s: StepResult) -> None:
-        """One optimizer step's record, stamped with the wall time now."""
+    def write_text(self, tag: str, text: str, step: int = 0) -> None:
+        """Preformatted text (the plan's table) in TensorBoard's Text tab; not in metrics.jsonl."""
+        if self._tb is None:
+            raise RuntimeError("MetricsWriter.write_text() before open()")
+        # TensorBoard renders markdown: indented by four spaces, the table keeps its columns.
+        self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), global_step=step)
+        self._tb.flush()
+
+    def write_step(self, s: StepResult, strata: dict[str, float] | None = None) -> None:
+        """One optimizer step's record (with its strata scalars), stamped with the wall time now."""
         self.write(MetricsRecord(step=s.step, loss=s.loss, validation_loss=s.validation_loss,
                                  learning_rate=s.learning_rate, tokens=s.tokens,
                                  tokens_per_second=s.tokens / s.seconds if s.seconds else None, seconds=s.seconds,
                                  # an fp16 overflow step has an infinite norm, which JSON cannot hold
                                  grad_norm=s.grad_norm if s.grad_norm is not None and math.isfinite(s.grad_norm)
-                                 else None, sample=s.sample, wall_time=time.time()))
+                                 else None, sample=s.sample, strata=strata, wall_time=time.time()))
 
     def write_validation(self, step: int, loss: float, sample: str | None = None) -> None:
         """A validation loss (and sample) measured outside a step (before the first one)."""

@@ -31,6 +31,18 @@ class ProgressBar:
         self.live = self.console.is_terminal and not quiet
         self._progress: Progress | None = None
         self._task: TaskID | None = None
+        self._io: tuple[float, int, int] | None = None  # the last report's (elapsed, NVMe read, NVMe written)
+
+    def _nvme_rates(self, report: RuntimeReport) -> str:
+        """"nvme r 120 MB/s w 80 MB/s": what the NVMe stratum moved since the previous report, per second of it;
+        "-" before there is a previous report or while nothing moves."""
+        nvme = report.strata.get("nvme")
+        now = (report.elapsed_seconds, nvme.bytes_read, nvme.bytes_written) if nvme is not None else None
+        last, self._io = self._io, now
+        if now is None or last is None or now[0] <= last[0] or (now[1] == last[1] and now[2] == last[2]):
+            return "-"
+        seconds = now[0] - last[0]
+        return f"r {(now[1] - last[1]) / seconds / 1e6:,.0f} MB/s w {(now[2] - last[2]) / seconds / 1e6:,.0f} MB/s"
 
     def __enter__(self) -> "ProgressBar":
         if self.live:
@@ -38,12 +50,12 @@ class ProgressBar:
                 TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val]}"),
                 TextColumn("lr {task.fields[lr]}"),
-                TextColumn("{task.fields[rate]} tok/s"),
+                TextColumn("{task.fields[rate]} tok/s"), TextColumn("nvme {task.fields[io]}"),
                 TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), console=self.console,
             )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total, loss="-", val="-", lr="-", rate="-",
-                                                 eta="-")
+                                                 io="-", eta="-")
         return self
 
     def update(self, report: RuntimeReport) -> None:
@@ -52,14 +64,17 @@ class ProgressBar:
         lr = f"{report.learning_rate:.2e}" if report.learning_rate is not None else "-"
         val = f"{report.validation_loss:.4f}" if report.validation_loss is not None else "-"
         eta = report.progress().eta or "-"
+        io = self._nvme_rates(report)
         if self.quiet:
             return
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=report.step, loss=loss, val=val, lr=lr, rate=rate, eta=eta)
-        else:  # the latest validation loss, once there is one
+            self._progress.update(self._task, completed=report.step, loss=loss, val=val, lr=lr, rate=rate, io=io,
+                                  eta=eta)
+        else:  # the latest validation loss, once there is one; NVMe's traffic, while it moves
             shown = (f"  val {val}" if report.validation_loss is not None else "") + (
                 f"  lr {lr}" if report.learning_rate is not None else "")
-            self.console.print(f"step {report.step}/{report.total_steps}  loss {loss}{shown}  {rate} tok/s  "
+            moved = f"  nvme {io}" if io != "-" else ""
+            self.console.print(f"step {report.step}/{report.total_steps}  loss {loss}{shown}  {rate} tok/s{moved}  "
                                f"ETA {eta}", highlight=False)
 
     def message(self, text: str) -> None:
