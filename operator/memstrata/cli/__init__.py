@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 if TYPE_CHECKING:
     from memstrata.api.dataset import Dataset
     from memstrata.api.finetunejob import FineTuneJobSpec
+    from memstrata.api.strataplan import Plan
 
 EXIT_USAGE = 2
 DEFAULT_NVME_PATH = Path(os.environ.get("MEMSTRATA_NVME_PATH", Path.home() / ".cache/memstrata/nvme-scratch"))
@@ -48,11 +49,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         node, where = local_inventory(args.nvme_path), "this machine"
     plan = plan_job(job.spec, node)
+    title = f"{job.metadata.name} on {node.hostname or where}"
+    if args.svg is not None:
+        _write_svg(args.svg, plan, title)
     if args.json:
         print(json.dumps(plan.model_dump(mode="json"), indent=2))
     else:
-        print(render_plan(plan, f"{job.metadata.name} on {node.hostname or where}"))
+        print(render_plan(plan, title))
     return 0 if plan.feasible else EXIT_USAGE
+
+
+def _write_svg(path: Path, plan: "Plan", title: str) -> None:
+    """The plan's picture at `path` (a plan that does not fit is drawn too: that is when it helps most)."""
+    from memstrata.plan.svg import render_svg
+
+    if path.is_dir():
+        raise UserError(f"--svg {path}: is a directory; give a file name, e.g. {path / 'plan.svg'}")
+    try:
+        path.write_text(render_svg(plan, title))
+    except OSError as exc:
+        raise UserError(f"--svg {path}: cannot write it: {exc.strerror or exc}") from None
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def _dataset_paths(dataset: "Dataset") -> list[tuple[str, str]]:
@@ -108,6 +125,7 @@ def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJ
 
     from memstrata.api.dataset import Dataset
     from memstrata.api.finetunejob import FineTuneJobSpec
+    from memstrata.api.strataplan import Plan
     from memstrata.api.validation import describe_validation_error
 
     wire = spec.wire()
@@ -192,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nvme-path", type=Path, default=DEFAULT_NVME_PATH,
                    help="scratch directory standing in for NVMe on this machine (default: %(default)s)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--svg", type=Path, metavar="FILE", help="also draw the plan: where the bytes go, per category "
+                                                          "and stratum, against each stratum's capacity")
     s.add_argument("--model", type=Path, help="override spec.model: a Hugging Face model directory (its "
                                              "config.json gives the shape)")
     s.set_defaults(func=_cmd_plan)
