@@ -38,3 +38,13 @@ def test_the_runtime_reports_the_saved_model_as_status_output() -> None:
     assert patch["output"] == {"path": "/output/m", "step": 2000, "files": 4, "bytes": 16 << 30, "validationLoss": 1.25}
     assert "output" in RUNTIME_STATUS_FIELDS and "modelArchitecture" not in RUNTIME_STATUS_FIELDS
     assert "output" not in RuntimeReport(stage="training", step=1, total_steps=2).status_patch()["status"]
+
+
+def test_the_progress_points_to_the_metrics_only_as_a_plain_path() -> None:
+    """status.progress.metricsPath is written by the job's pod, whose token the job's own code holds: a path, never
+    free text. One the pattern refuses is left out rather than failing the whole status patch."""
+    plain = RuntimeReport(stage="training", step=1, total_steps=2, metrics_path="/output/run-1-metrics")
+    assert plain.status_patch()["status"]["progress"]["metricsPath"] == "/output/run-1-metrics"
+    for odd in ("/output/my run-metrics", "relative/metrics", "/x/<b>bold</b>", "/" + "a" * 4096):
+        progress = RuntimeReport(stage="training", step=1, total_steps=2, metrics_path=odd).status_patch()["status"]
+        assert progress["progress"].get("metricsPath") is None, odd

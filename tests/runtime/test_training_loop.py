@@ -144,6 +144,12 @@ def test_the_jobs_status_carries_the_rate_the_latest_validation_and_the_result(
     training = [r for r in run["statuses"] if r["stage"] == "training" and r["output"] is None]
     assert [r["step"] for r in training] == list(range(1, STEPS + 1))
     assert [r["learningRate"] for r in training] == pytest.approx(_expected_rates(), rel=1e-6)
+    # Every report points to the metrics: what status.progress.metricsPath shows `kubectl get ftj -o yaml` users.
+    assert {r["metricsPath"] for r in run["statuses"]} == {str(run["metrics"])}
+    from memstrata.api.report import RuntimeReport
+
+    progress = RuntimeReport.model_validate(training[-1]).status_patch()["status"]["progress"]
+    assert progress["metricsPath"] == str(run["metrics"])
     # The validation loss shown is the latest measured: step 0's until step 3 measures again, then step 6's.
     shown = [r["validationLoss"] for r in training]
     assert shown == pytest.approx([lines[0]["validation_loss"]] * 2 + [lines[3]["validation_loss"]] * 3

@@ -9,6 +9,8 @@ do not read as declared, so that the operator treats each as absent instead of a
 """
 from __future__ import annotations
 
+import re
+
 from datetime import datetime
 from typing import Any, Literal, Mapping
 
@@ -97,6 +99,13 @@ ConditionType = Literal["Inspected", "Created", "Scheduled", "Running", "Restart
 # job may run its own code: so none of it is free text. Strings have a fixed form, maps fixed keys; what is left
 # is numbers and the job's own paths.
 DNS_NAME = r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# An absolute path without blanks or markup, for the status fields a pod writes that name a directory.
+STATUS_PATH = r"^/[-A-Za-z0-9._/+=@,:~]*$"
+
+
+def status_path(path: str) -> str | None:
+    """`path` as a pod may write it into the job's status, or None where it has characters STATUS_PATH refuses."""
+    return path if len(path) <= 4096 and re.fullmatch(STATUS_PATH, path) else None
 
 
 def strata_keys(schema: JsonDict) -> None:
@@ -133,6 +142,9 @@ class Progress(ApiModel):
                             description="The ETA for `kubectl get ftj`, e.g. 12m30s.")
     summary: str | None = Field(None, max_length=40, pattern=r"^[0-9]{1,15}/[0-9]{1,15} \([0-9]{1,3}%\)$",
                                 description="step/total (percent), for `kubectl get ftj`.")
+    metrics_path: str | None = Field(None, max_length=4096, pattern=STATUS_PATH,
+                                     description="Where the run's metrics.jsonl and TensorBoard event files are "
+                                                 "(spec.output.metricsPath): `tensorboard --logdir` it.")
 
 
 class OutputStatus(ApiModel):

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from memstrata.api.base import ApiModel
-from memstrata.api.jobstatus import CheckpointStatus, OutputStatus, Progress, ResultStatus, WorkerStatus
+from memstrata.api.jobstatus import CheckpointStatus, OutputStatus, Progress, ResultStatus, WorkerStatus, status_path
 
 RuntimeStage = Literal["initializing", "training", "finished", "failed"]
 
@@ -42,6 +42,7 @@ class RuntimeReport(ApiModel):
                                                         "entrypoint, absent in a local run.")
     tokens_per_second: float | None = None
     elapsed_seconds: float = Field(0, ge=0)
+    metrics_path: str | None = Field(None, description="Where the metrics are written (the leader's).")
     strata: dict[str, StratumCounters] = Field(default_factory=dict, description="Keyed by hbm/dram/cxl/nvme.")
     message: str | None = None
     output: OutputStatus | None = Field(None, description="The fine-tuned model, once saved.")
@@ -76,6 +77,7 @@ class RuntimeReport(ApiModel):
             eta_seconds=eta,
             eta=format_duration(eta) if eta is not None else None,
             summary=f"{self.step}/{self.total_steps} ({min(percent, 100)}%)",
+            metrics_path=status_path(self.metrics_path) if self.metrics_path else None,
         )
 
     def status_patch(self, *, job: bool = True) -> dict[str, object]:

@@ -198,7 +198,10 @@ class LocalRun:
                               else None, cgroup=worker is not None).start()  # a pod's node: its container's peak
         self.bar = ProgressBar(self.job.spec.training.steps, quiet=not self.ranks.leader)
         self.node = NodeReport(recipe, self.watch, worker, node_rank)
-        self.last = self.node.fill(RuntimeReport(stage="initializing", total_steps=self.job.spec.training.steps))
+        output = self.job.spec.output
+        self.metrics_path = output.metrics_dir() if output is not None else None
+        self.last = self.node.fill(RuntimeReport(stage="initializing", total_steps=self.job.spec.training.steps,
+                                                 metrics_path=self.metrics_path))
         self.report_to(self.last)
 
     def train(self) -> TrainResult:
@@ -260,6 +263,7 @@ class LocalRun:
                                                time.perf_counter() - self.started, self.validation,
                                                recipe.hbm_peak_bytes), s)
         self.last.resumed_from = self.resumed_from
+        self.last.metrics_path = self.metrics_path
         latest = recipe.checkpointer.latest if recipe.checkpointer is not None else None
         self.last.checkpoint = latest
         if s.checkpoint_error is not None:
