@@ -18,6 +18,7 @@ from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.api.finetunejob import Training  # noqa: E402
 from memstrata.runtime.train.data.pipeline import DatasetError, HFTokenizer, build_data, load_tokenizer  # noqa: E402
 from memstrata.runtime.train.data.tokenizer import use_chat_template  # noqa: E402
+from data_helpers import jsonl
 
 VOCAB = 49152  # SmolLM2's config.json
 END = "<|im_end|>"
@@ -32,10 +33,6 @@ SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 def smol(smollm2_dir: Path) -> HFTokenizer:
     return load_tokenizer(smollm2_dir, VOCAB)
 
-
-def jsonl(path: Path, records: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def one_row(tokenizer: Any, **dataset: Any) -> tuple[list[int], list[int]]:

@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="transformers is not installed: run `
 from memstrata.api.finetunejob import Training  # noqa: E402
 from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.runtime.train.data.pipeline import DatasetError, HFTokenizer, build_data, load_tokenizer  # noqa: E402
+from data_helpers import jsonl as write
 
 VOCAB = 49152  # SmolLM2's config.json
 
@@ -24,10 +25,6 @@ VOCAB = 49152  # SmolLM2's config.json
 def smol(smollm2_dir: Path) -> HFTokenizer:
     return load_tokenizer(smollm2_dir, VOCAB)
 
-
-def write(path: Path, records: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def one_row(path: Path, tokenizer: Any, length: int = 256) -> tuple[list[int], list[int]]:

@@ -18,13 +18,10 @@ datasets = pytest.importorskip("datasets", reason="datasets is not installed: ru
 from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.api.finetunejob import Training  # noqa: E402
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, DatasetError, build_data  # noqa: E402
+from data_helpers import jsonl
 
 BYTES = ByteTokenizer()
 
-
-def jsonl(path: Path, records: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def two_sets(tmp: Path, a: int = 50, b: int = 50) -> tuple[Path, Path]:

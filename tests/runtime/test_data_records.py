@@ -12,6 +12,7 @@ pytest.importorskip("torch", reason="torch is not installed: run `make install` 
 from memstrata.api.finetunejob import Training  # noqa: E402
 from memstrata.api.dataset import Dataset  # noqa: E402
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, DatasetError, build_data  # noqa: E402
+from data_helpers import jsonl as write
 
 TRAINING = Training(steps=1, sequence_length=32, micro_batch=2)
 GOOD = {
@@ -20,10 +21,6 @@ GOOD = {
     "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
 }
 
-
-def write(path: Path, records: list[Any]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
 
 
 def build(path: Path, tokenizer: Any = None, **dataset: Any) -> Any:

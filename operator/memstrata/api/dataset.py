@@ -2,6 +2,8 @@
 sets mixed by weight, or a built-in synthetic set; and how examples become sequences."""
 from __future__ import annotations
 
+import glob
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -13,6 +15,14 @@ from memstrata.api.bounds import MAX_SEED
 # read as messages (ShareGPT's `conversations` of `from`/`value`; Alpaca's `instruction`/`input`/`output`).
 DatasetFormat = Literal["auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca"]
 MAX_MIX = 32
+
+
+def glob_files(pattern: str) -> list[Path] | None:
+    """The files a dataset path with glob characters names (recursive `**`, files only, sorted), as the runtime
+    reads them and `memstrata run` checks them; None when `pattern` is a plain path, not a glob."""
+    if not glob.has_magic(pattern):
+        return None
+    return sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
 
 
 class Columns(ApiModel):

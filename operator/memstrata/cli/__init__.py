@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import os
 import sys
@@ -81,6 +80,7 @@ def _dataset_paths(dataset: "Dataset") -> list[tuple[str, str]]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from memstrata.api import load_job
+    from memstrata.api.dataset import glob_files
     from memstrata.plan import plan_job
     from memstrata.node.local import local_inventory
 
@@ -89,10 +89,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if spec.model.path is not None and not Path(spec.model.path).is_dir():
         raise UserError(f"{args.file}: spec.model.path: {spec.model.path}: no such directory")
     for field, path in _dataset_paths(spec.dataset):
-        if not (any(Path(p).is_file() for p in glob.glob(path, recursive=True)) if glob.has_magic(path)
-                else Path(path).exists()):  # as the runtime reads a glob: recursive, files only
+        matched = glob_files(path)
+        if not (matched if matched is not None else Path(path).exists()):
             raise UserError(f"{args.file}: spec.{field}: {path}: "
-                            + ("matches no file" if glob.has_magic(path) else "no such file or directory"))
+                            + ("matches no file" if matched is not None else "no such file or directory"))
     from memstrata.cli.modelshape import with_model_shape
 
     spec = job.spec = _with_shape(args.file, spec, with_model_shape)

@@ -19,7 +19,6 @@ is opened and when its end is reached, so a file emptied or edited under a run f
 from __future__ import annotations
 
 import csv
-import glob
 import io
 import json
 import os
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from memstrata.api.dataset import glob_files
 from memstrata.runtime.train.data.records import DatasetError
 
 __all__ = ["DataFile", "Row", "Stamp", "data_files", "rows"]
@@ -104,11 +104,11 @@ def _data_file(path: Path, kind: Kind) -> DataFile:
 
 def data_files(path: str) -> list[DataFile]:
     """The files `path` names, in the order they are read; fails naming the path when it names none."""
-    if glob.has_magic(path):
-        found = sorted(Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file())
-        if not found:
+    matched = glob_files(path)
+    if matched is not None:
+        if not matched:
             raise DatasetError(f"{path}: matches no file")
-        return [_data_file(p, _kind(p) or "json") for p in found]
+        return [_data_file(p, _kind(p) or "json") for p in matched]
     root = Path(path)
     if not root.is_dir():
         Stamp.of(root)  # a missing or unreadable file fails here, naming it
