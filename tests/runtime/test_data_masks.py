@@ -2,7 +2,6 @@
 tokenizer checks that run before training."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path

@@ -1,7 +1,6 @@
 """Dataset files are validated before training: every bad record fails with `file:line: problem`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
