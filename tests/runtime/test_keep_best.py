@@ -105,3 +105,43 @@ def test_each_checkpoint_carries_a_model_transformers_loads_and_the_run_resumes_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr and "step 6 of 8" in " ".join((proc.stdout + proc.stderr).split())
     assert (tmp_path / "ckpt" / "step-00000008" / "model" / "config.json").is_file()
+    # Each checkpoint records where the choice of the best model stood: the lowest loss measured up to its step.
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000006" / "checkpoint.json").read_text())
+    after = {s: v for s, v in measured.items() if 0 < s <= 6}
+    best = min(after, key=after.__getitem__)
+    assert manifest["selection"]["bestStep"] == best and manifest["selection"]["bestLoss"] == pytest.approx(after[best])
+
+
+def _selection(**training: Any) -> Any:
+    from memstrata.runtime.train.best import Selection
+
+    return Selection(Training(steps=40, **training), None, leader=True)
+
+
+@pytest.mark.parametrize("stop_after", [2, 3, 4])
+def test_early_stopping_resumed_from_a_checkpoint_stops_where_an_uninterrupted_run_does(stop_after: int) -> None:
+    """The patience count and the best so far travel in the checkpoint's manifest (Selection.state): a run resumed
+    after any evaluation stops at the same evaluation as one never interrupted."""
+    from memstrata.api.checkpoint import SelectionState
+    from memstrata.runtime.train.best import Selection
+
+    losses = [3.0, 2.0, 1.5, 1.6, 1.7, 1.55, 1.8, 1.9]  # best at the 3rd evaluation; patience 3 ends it at the 6th
+    early = {"patience": 3, "minDelta": 0.01}
+
+    def run(selection: Any, evaluations: list[tuple[int, float]]) -> int | None:
+        for step, loss in evaluations:
+            selection.observe(step, loss, lambda *_: None)
+            if selection.stop_reason is not None:
+                return step
+        return None
+
+    evaluations = [(2 * (i + 1), loss) for i, loss in enumerate(losses)]
+    whole = run(_selection(early_stopping=early), evaluations)
+    assert whole == 12
+    first = _selection(early_stopping=early)
+    assert run(first, evaluations[:stop_after]) is None
+    saved = SelectionState.model_validate_json(first.state().model_dump_json(by_alias=True))  # as the manifest holds it
+    resumed = Selection(Training(steps=40, early_stopping=early), None, leader=True,
+                        resumed_step=evaluations[stop_after - 1][0], resumed=saved)
+    assert run(resumed, evaluations[stop_after:]) == whole
+    assert resumed.stop_reason is not None and "on 1.5000 (step 6) for 3 evaluations" in resumed.stop_reason

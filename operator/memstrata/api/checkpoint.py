@@ -77,6 +77,15 @@ class Identity(ApiModel):
                                                                        "step count): run_fingerprint.")
 
 
+class SelectionState(ApiModel):
+    """Where the choice of the best model stood at a checkpoint (memstrata.runtime.train.best), so that a resumed
+    run stops early exactly where an uninterrupted one would."""
+
+    best_step: int | None = Field(None, ge=1, description="The step of the lowest validation loss so far.")
+    best_loss: float | None = None
+    waiting: int = Field(0, ge=0, description="Evaluations since that best (earlyStopping.patience counts them).")
+
+
 class Manifest(ApiModel):
     format: int = FORMAT
     identity: Identity
@@ -89,6 +98,8 @@ class Manifest(ApiModel):
     counters: dict[str, int] = Field(default_factory=dict, description="DeepSpeed engine counters.")
     loss: float | None = Field(None, description="The training loss of the step.")
     validation_loss: float | None = None
+    selection: SelectionState | None = Field(None, description="The best model's choice at this step; absent in "
+                                                               "checkpoints written before it was recorded.")
     files: dict[str, FileDigest]
 
     @property

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from memstrata.api.checkpoint import SelectionState
 from memstrata.api.finetunejob import Training
 from memstrata.runtime.train.model.export import RUN_FILE, check_output_path, fsync_dir, mark_run_complete
 
@@ -34,7 +35,8 @@ class Best:
 class Selection:
     """Follows the validation losses of a run; `stop_reason` says when early stopping ends it."""
 
-    def __init__(self, training: Training, output: Path | None, *, leader: bool, resumed_step: int = 0) -> None:
+    def __init__(self, training: Training, output: Path | None, *, leader: bool, resumed_step: int = 0,
+                 resumed: SelectionState | None = None) -> None:
         self.keep = training.keep_best and output is not None
         self.early = training.early_stopping
         self.output, self.leader = output, leader
@@ -44,6 +46,16 @@ class Selection:
         self.published = False  # the output is the best model (publish renamed it there)
         if self.keep:
             self.best = self._adopt(resumed_step)
+        if resumed is not None:  # the checkpoint's count: patience goes on from where it stood
+            self.waiting = resumed.waiting
+            if self.best is None and resumed.best_step is not None and resumed.best_loss is not None:
+                self.best = Best(resumed.best_step, resumed.best_loss, None)
+
+    def state(self) -> SelectionState:
+        """What a checkpoint records of the choice so far."""
+        best = self.best
+        return SelectionState(best_step=best.step if best else None, best_loss=best.loss if best else None,
+                              waiting=self.waiting)
 
     def _staged(self) -> list[tuple[int, Path]]:
         assert self.output is not None

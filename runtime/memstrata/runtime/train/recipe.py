@@ -262,7 +262,8 @@ class FineTuneRecipe:
                                     rank=self.ranks.rank, world=world)
         result = self.result = TrainResult(phases=self.phases)
         out = self.spec.output
-        self.selection = Selection(t, Path(out.path) if out else None, leader=self.ranks.leader, resumed_step=done)
+        self.selection = Selection(t, Path(out.path) if out else None, leader=self.ranks.leader, resumed_step=done,
+                                   resumed=self.resumed.manifest.selection if self.resumed is not None else None)
         before = self.evaluate() if self.resumed is None else None
         if before is not None:
             result.validation_losses[0] = before
@@ -318,7 +319,8 @@ class FineTuneRecipe:
             return
         try:
             record.checkpoint = self.checkpointer.save(self.engine, step=record.step, micro_batches=micro_batches,
-                                                       loss=record.loss, validation_loss=record.validation_loss)
+                                                       loss=record.loss, validation_loss=record.validation_loss,
+                                                       selection=self.selection.state())
         except CheckpointWriteError as exc:
             # A full or failing checkpoint volume costs this checkpoint, not the training done so far:
             # the partial write is gone, the previous checkpoint stays the latest, training goes on.

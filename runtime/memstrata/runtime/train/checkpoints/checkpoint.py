@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from memstrata.api.architecture import ModelArchitecture
-from memstrata.api.checkpoint import (FORMAT, FileDigest, Identity, Manifest, group_file, identity_mismatches,
-                                      rank_file)
+from memstrata.api.checkpoint import (FORMAT, FileDigest, Identity, Manifest, SelectionState, group_file,
+                                      identity_mismatches, rank_file)
 from memstrata.api.jobdata import Checkpoint
 from memstrata.api.jobstatus import CheckpointStatus
 from memstrata.runtime.train.checkpoints import ckptstore
@@ -161,7 +161,7 @@ class Checkpointer:
         return Group().broadcast(due)
 
     def save(self, engine: Any, *, step: int, micro_batches: int, loss: float | None,
-             validation_loss: float | None) -> CheckpointStatus:
+             validation_loss: float | None, selection: SelectionState | None = None) -> CheckpointStatus:
         """Write the checkpoint of `step`, on every rank together. CheckpointWriteError, the same on every rank,
         when the volume refused any rank's write: then nothing of it is left and training may go on; any other
         error (reading the state) is the run's."""
@@ -187,7 +187,8 @@ class Checkpointer:
                     engine=self.engine_name, micro_batches=micro_batches,
                     scheduler=scheduler.state_dict() if scheduler is not None else None,
                     counters={k: int(getattr(engine, k)) for k in _COUNTERS if hasattr(engine, k)},
-                    loss=loss, validation_loss=validation_loss, files={k: v for f, _ in written for k, v in f.items()})
+                    loss=loss, validation_loss=validation_loss, selection=selection,
+                    files={k: v for f, _ in written for k, v in f.items()})
                 final, error = outcome(lambda: self._written(partial, ckptstore.finish, manifest))
                 if final is not None:
                     ckptstore.prune(self.root, self.spec.keep, final)  # only now: the new one is complete
