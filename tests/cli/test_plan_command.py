@@ -16,6 +16,9 @@ def test_plan_table_for_the_cxl_node(cli, repo) -> None:
     assert moments.split()[-5:] == ["-", "59.8", "GiB", "-", "-"]   # DRAM column only
     assert "verdict: fits" in out.stdout
     assert "requests: memstrata.dev/cxl-gib=23, nvidia.com/gpu=1" in out.stdout
+    # The plan counts the job's tensors, and says what it leaves out: the rank process itself.
+    assert "note: not counted above: each rank process's own DRAM beyond the job's tensors" in out.stdout
+    assert "up to 2.0 GiB a rank; a job's pod asks for it on top of the plan" in out.stdout
 
 
 def test_plan_json(cli) -> None:

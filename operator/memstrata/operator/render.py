@@ -32,16 +32,11 @@ from memstrata.api.runtimeconfig import (
     CONFIGMAP_KEY, ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_NAME, ENV_NODE_RANK, ENV_POD_NAME,
     ENV_RUNTIME_CONFIG, RENDEZVOUS_PORT, JobRef, RuntimeConfig,
 )
-from memstrata.api.units import GiB
 from memstrata.operator import names
 from memstrata.operator.observe import JobView
 from memstrata.api.strataplan import Plan
+from memstrata.plan.accounting import RUNTIME_PROCESS_BYTES
 
-# DRAM of one rank process that the plan does not count, because it is not the job's tensors:
-# the interpreter with torch and DeepSpeed imported (0.52 GiB), their allocator arenas, the swap
-# layer's locked pool growing in whole chunks, and on a GPU the CUDA runtime's host side (about
-# 1 GiB more). Measured on the CPU: the tiny example peaks at 0.83 GiB RSS for a 17 MiB plan.
-RUNTIME_PROCESS_BYTES = 2 * GiB
 MiB = 1 << 20
 
 

@@ -31,6 +31,13 @@ CPU_WORKING_SET = "CPU working set (gathered layers, live activations, logits)" 
 
 # The CUDA context, cuBLAS workspaces and the allocator's slack on each GPU.
 GPU_RUNTIME_OVERHEAD = 1 << 30
+# DRAM of one rank process that the plan does not count, because it is not the job's tensors: the interpreter
+# with torch, DeepSpeed and transformers imported (0.52 GiB with torch and DeepSpeed; 0.71 GiB with transformers and
+# PEFT too), their allocator arenas, the swap layer's locked pool growing in whole chunks, and on a GPU the CUDA
+# runtime's host side (about 1 GiB more). Measured on the CPU: the tiny example peaks at 0.83 GiB RSS for a 17 MiB
+# plan, a LoRA job of SmolLM2-135M at 2.7 GiB for a 1.2 GiB plan. A job's pod asks for it on top of the plan.
+RUNTIME_PROCESS_BYTES = 2 << 30
+RUNTIME_NOTE = "not counted above"
 # DeepSpeed's default reduce_bucket_size (elements).
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 # memstrata streams optimizer state in sub-groups of one layer's slice of the flat

@@ -15,8 +15,9 @@ from memstrata.api.inventory import NodeInventory
 from memstrata.api.strata import names, preferred_strata, registry, stratum, titles
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
 from memstrata.api.units import format_bytes
-from memstrata.plan.accounting import (CPU_WORKING_SET, DESCRIPTIONS, STATE_BYTES_PER_ELEMENT, JobShape,
-                                      build_transient, category_bytes, subgroup_sizes, subgroup_unit, trained_parameters, working_set)
+from memstrata.plan.accounting import (CPU_WORKING_SET, DESCRIPTIONS, RUNTIME_NOTE, RUNTIME_PROCESS_BYTES,
+                                      STATE_BYTES_PER_ELEMENT, JobShape, build_transient, category_bytes,
+                                      subgroup_sizes, subgroup_unit, trained_parameters, working_set)
 from memstrata.plan.buffers import pinned_buffers, streamed_subgroup_bytes
 from memstrata.plan.capacity import NVME_NOTE, Ledger, capacities
 
@@ -242,7 +243,10 @@ def _assemble(job: JobShape, node: NodeInventory, ledger: Ledger, read_ahead: in
         global_batch=job.global_batch,
         rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in names()},
         # A note on the namespaces is moot where nothing went to NVMe.
-        notes=ledger.notes if nvme_bytes else [n for n in ledger.notes if not n.startswith(NVME_NOTE)],
+        notes=(ledger.notes if nvme_bytes else [n for n in ledger.notes if not n.startswith(NVME_NOTE)]) + [
+            f"{RUNTIME_NOTE}: each rank process's own DRAM beyond the job's tensors (Python with torch, DeepSpeed "
+            f"and transformers, their allocators): up to {format_bytes(RUNTIME_PROCESS_BYTES)} a rank; a job's pod "
+            f"asks for it on top of the plan"],
     )
 
 
