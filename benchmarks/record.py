@@ -1,4 +1,4 @@
-"""What every benchmark records: the machine it ran on, and its results written as JSON and Markdown."""
+"""What every benchmark records: the machine it ran on, and its results written as JSON, Markdown and a plot."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,11 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
+
+# Draws results as a PNG at a path: None when written, else why it drew nothing.
+Plot = Callable[[dict[str, Any], Path], str | None]
 
 
 def machine(scratch: Path) -> dict[str, Any]:
@@ -24,10 +28,31 @@ def machine(scratch: Path) -> dict[str, Any]:
             "scratch": str(scratch), "scratch_fs": fs}
 
 
+def pyplot() -> ModuleType | str:
+    """matplotlib.pyplot drawing to files (the Agg backend, no display needed), or why not ("no plot: ...")
+    where matplotlib does not import: it is no dependency of the benchmarks."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"no plot: {exc}"
+    return plt
+
+
+def draw(plot: Plot, results: dict[str, Any], path: Path) -> str | None:
+    """`plot(results, path)`; a plot that fails says why instead of ending the benchmark that measured them."""
+    try:
+        return plot(results, path)
+    except Exception as exc:  # noqa: BLE001 — the JSON and the table are written already; the plot is extra
+        return f"no plot: {type(exc).__name__}: {exc}"
+
+
 def write_results(results: dict[str, Any], directory: Path, name: str, render: Callable[[dict[str, Any]], str],
-                  started: float) -> None:
+                  started: float, *, plot: Plot | None = None) -> None:
     """Close `results` (load average, total time), write `<name>.json` and `<name>.md` under `directory`, print
-    the table."""
+    the table; with `plot`, draw `<name>.png` beside them (or print why it did not)."""
     results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results["total_seconds"] = time.perf_counter() - started
     directory.mkdir(exist_ok=True)
@@ -36,6 +61,9 @@ def write_results(results: dict[str, Any], directory: Path, name: str, render: C
     (directory / f"{name}.md").write_text(table)
     print(table, end="")
     print(f"wrote {directory / (name + '.json')} and .md in {results['total_seconds'] / 60:.1f} min")
+    if plot is not None:
+        png = directory / f"{name}.png"
+        print(draw(plot, results, png) or f"wrote {png}")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ the steps vs during the checkpoint write (exact per phase: the worker resets the
 phase change); the time to resume. The check issue 14 asks for: a checkpoint must not raise the job's peak
 by more than its staging buffers, one optimizer sub-group (fp32 master weights and both Adam moments):
 peak(checkpoint) - peak(training steps) <= the largest sub-group's bytes.
-Writes benchmarks/results/checkpoint.json and checkpoint.md.
+Writes benchmarks/results/checkpoint.json, checkpoint.md and checkpoint.png (checkpoint_plot.py, where matplotlib
+imports).
 """
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ import shutil
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "benchmarks" / "checkpoint" / "worker.py"
 RESULTS = REPO / "benchmarks" / "results"
-sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
+sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks"), str(WORKER.parent)]
 from record import machine, run_watched, write_results  # noqa: E402
+from checkpoint_plot import plot  # noqa: E402
 
 # The DRAM budgets of benchmarks/plan/memory.py: the weights and the optimizer state go to the NVMe stratum
 # (memstrata keeps part of the fp32 master weights in its DRAM cache), as a job that needs offloading has.
@@ -225,10 +228,12 @@ def _ok(v: Any) -> str:
     return "-" if v is None else ("yes" if v else "**no**")
 
 
-def render(results: dict[str, Any]) -> str:
+def render(results: dict[str, Any], png: str | None = None) -> str:
+    """The Markdown tables; `png`, the plot's file name beside it, is linked above them."""
     a = results["args"]
     lines = [f"# Checkpoints: memstrata vs stock ZeRO-Infinity (seq {a['seq']}, micro-batch 1, {a['steps']} steps, "
              f"a checkpoint after step {a['every']}, bf16, CPU)", "",
+             *([f"![checkpoint time, throughput and peak RSS: memstrata vs stock]({png})", ""] if png else []),
              "Writing and resuming:", "",
              "| model | engine | sub-groups (on NVMe) | ckpt s | ckpt GiB | MB/s | files | swap-in s | file write s | "
              "step s | resume s | resume MB/s | resumed losses bit-identical |",
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             for engine in ENGINES:
                 if engine in m.get("runs", {}):
                     m[engine] = summarize(m["runs"][engine], results["args"]["steps"])
-        print(render(results), end="")
+        print(render(results, png=f"{args.from_json.stem}.png"), end="")
         return 0
     if args.every > args.steps - 1:
         raise SystemExit("--every must leave at least one step after the checkpoint (to resume into)")
@@ -336,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if m["memstrata"].get("ok") and m["deepspeed"].get("ok"):
             m["ratios"] = ratios(m["memstrata"], m["deepspeed"])
         results["models"][preset] = m
-    write_results(results, RESULTS, args.name, render, t0)
+    write_results(results, RESULTS, args.name, partial(render, png=f"{args.name}.png"), t0, plot=plot)
     return 0
 
 

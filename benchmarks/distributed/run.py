@@ -19,7 +19,8 @@ The DRAM budget is per engine (--budget): memstrata's swap layer is measured wit
 optimizer state on the (file-backed) NVMe stratum, as a job that needs offloading has; stock DeepSpeed's
 page-locked pools for gpt-125m alone exceed any budget small enough to spill (its plan would not fit), so it
 runs with its state in DRAM (ZeRO-Offload to the CPU). Compare 1 vs 2 ranks within an engine, not engines.
-Writes benchmarks/results/distributed.json and distributed.md.
+Writes benchmarks/results/distributed.json, distributed.md and distributed.png (distributed_plot.py, where
+matplotlib imports).
 """
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ import shutil
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks")]
+sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "benchmarks"),
+                str(Path(__file__).resolve().parent)]
 from record import machine, run_watched, write_results  # noqa: E402
+from distributed_plot import plot  # noqa: E402
 
 ENGINES = ("memstrata", "deepspeed")
 LAYOUTS = ((1, 2), (2, 1))  # (ranks per node, gradient accumulation): the same global batch of 2 sequences
@@ -145,10 +149,12 @@ def _f(v: Any, scale: float = GIB, fmt: str = "{:.2f}") -> str:
     return fmt.format(v / scale) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
-def render(results: dict[str, Any]) -> str:
+def render(results: dict[str, Any], png: str | None = None) -> str:
+    """The Markdown tables; `png`, the plot's file name beside it, is linked above them."""
     a = results["args"]
     lines = [f"# Ranks on one node: 1 rank vs 2 ranks, same global batch ({a['model']}, seq {a['seq']}, "
              f"global batch 2, {a['steps']} steps, bf16, CPU)", "",
+             *([f"![tokens/s and peak DRAM against ranks, per engine]({png})", ""] if png else []),
              "| engine | DRAM budget | ranks x GA | tokens/s | step s | process tree peak GiB | runtime DRAM peak GiB "
              "| plan DRAM GiB | plan NVMe GiB | losses |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", type=Path, help="rebuild the table from an earlier run's JSON, running nothing")
     args = ap.parse_args(argv)
     if args.from_json:
-        print(render(json.loads(args.from_json.read_text())), end="")
+        print(render(json.loads(args.from_json.read_text()), png=f"{args.from_json.stem}.png"), end="")
         return 0
     args.scratch.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if (e.get("1") or {}).get("ok") and (e.get("2") or {}).get("ok"):
             e["ratio"] = compare(e["1"], e["2"])
         results["engines"][engine] = e
-    write_results(results, RESULTS, args.name, render, t0)
+    write_results(results, RESULTS, args.name, partial(render, png=f"{args.name}.png"), t0, plot=plot)
     return 0
 
 

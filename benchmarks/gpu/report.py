@@ -21,6 +21,7 @@ def _losses(r: dict[str, Any]) -> str:
 
 def table(results: dict[str, Any]) -> list[str]:
     lines = [f"# memstrata GPU check ({results['profile']}: {results.get('gpu') or 'no GPU'})", "",
+             f"![memstrata vs stock ZeRO-Infinity on the GPU]({results.get('name', 'gpu-check')}.png)", "",
              "| item | engine | DRAM budget | status | tok/s | peak RSS | plan DRAM | HBM peak | "
              "loss first -> last | s | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["items"].items():
@@ -89,18 +90,17 @@ def write(results: dict[str, Any], out: Path, profile: Any) -> None:
     plot(results, out / f"{name}.png")
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    """Tokens/s and peak host memory per run, beside each other; skipped where matplotlib is not installed."""
-    try:
-        import matplotlib
+def plot(results: dict[str, Any], path: Path) -> str | None:
+    """Tokens/s and peak host memory per run, beside each other; skipped (saying why) where matplotlib is not
+    installed or nothing ran."""
+    from record import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     runs = [(n, r) for n, r in results["items"].items() if r.get("tokens_per_second")]
     if not runs:
-        return
+        return "no plot: no run measured tokens/s"
     names = [n for n, _ in runs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.5 * len(runs) + 2))
     colors = ["tab:blue" if r.get("engine") == "memstrata" else "tab:gray" for _, r in runs]
@@ -113,7 +113,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     right.legend(loc="lower right")
     for ax in (left, right):
         ax.invert_yaxis()
-    fig.suptitle(f"memstrata (blue) vs stock ZeRO-Infinity (grey): {results.get('gpu') or results['profile']}")
+    cores = (results.get("machine") or {}).get("cores")
+    fig.suptitle(f"memstrata (blue) vs stock ZeRO-Infinity (grey): {results.get('gpu') or results['profile']}"
+                 + (f", {cores} cores" if cores else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return None

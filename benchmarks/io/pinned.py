@@ -44,7 +44,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "runtime"), str(REPO / "operator")]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO / "benchmarks")]
 
 from memstrata.api.architecture import PRESETS  # noqa: E402
 from memstrata.plan.stock import param_buffer_count, sub_group_size  # noqa: E402

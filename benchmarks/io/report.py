@@ -1,13 +1,17 @@
-"""Renders benchmarks/results/io.md from io.json (throughput table and pinned-memory table).
+"""Renders benchmarks/results/io.md from io.json (throughput table and pinned-memory table), and io.png beside it
+(io_plot).
 
 Both benchmark scripts write their half of io.json and then call render(), so the
-Markdown always shows whatever the JSON holds, never a stale copy of one half.
+Markdown and the plot always show whatever the JSON holds, never a stale copy of one half.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from io_plot import plot
+from record import draw
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -62,11 +66,14 @@ def _pinned(p: dict[str, Any]) -> list[str]:
 
 def render(res_dir: Path) -> str:
     out = json.loads((res_dir / "io.json").read_text())
-    lines = ["# benchmarks/io", ""]
+    lines = ["# benchmarks/io", "", "![I/O throughput against fio, and pinned host memory against DeepSpeed](io.png)",
+             ""]
     if "cases" in out:
         lines += _throughput(out) + [""]
     if "pinned" in out:
         lines += _pinned(out["pinned"]) + [""]
     text = "\n".join(lines)
     (res_dir / "io.md").write_text(text)
+    png = res_dir / "io.png"
+    print(draw(plot, out, png) or f"wrote {png}")
     return text

@@ -34,7 +34,7 @@ from memstrata.runtime import _native  # noqa: E402
 from memstrata.node.header import DATA_OFFSET  # noqa: E402
 from memstrata.runtime.strata.nvme import NvmeEngine  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO / "benchmarks")]
 from report import render  # noqa: E402
 
 MiB = 1 << 20

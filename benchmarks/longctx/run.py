@@ -13,7 +13,8 @@ during training) as a second copy of the trainer. CPU seconds per step are besid
 may be shared: they move far less with other load than wall time does. A run the OOM killer ends under the cap is
 run again without it, so every length still has a throughput and a peak for every contender; at longer lengths
 that contender is not tried under the cap again. The contenders and the ratios: benchmarks/longctx/sweep.py.
-Writes benchmarks/results/<--name>.json and .md (default longctx; --quick: longctx-quick; --gpu: longctx-gpu).
+Writes benchmarks/results/<--name>.json, .md and .png (default longctx; --quick: longctx-quick; --gpu: longctx-gpu;
+the plot: longctx_plot.py, where matplotlib imports).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "offload"), str(R
                 str(REPO / "operator")]
 
 import sweep  # noqa: E402
+from longctx_plot import plot  # noqa: E402
 from memcap import DramCap  # noqa: E402
 from record import machine, run_watched, write_results  # noqa: E402
 from sweep_md import markdown  # noqa: E402
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if args.from_json:
         old = sweep.summarize(json.loads(args.from_json.read_text()))
-        write_results(old, RESULTS, old.get("name", args.name), markdown, started - old.get("total_seconds", 0.0))
+        write_results(old, RESULTS, old.get("name", args.name), markdown, started - old.get("total_seconds", 0.0),
+                      plot=plot)
         return 0
     if args.gpu:
         import torch
@@ -244,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:  # after every run, so a later failure or timeout keeps what was measured; quietly
         with contextlib.redirect_stdout(io.StringIO()):
-            write_results(sweep.summarize(results), RESULTS, args.name, markdown, started)
+            write_results(sweep.summarize(results), RESULTS, args.name, markdown, started, plot=plot)
 
     runner = Runner(args, cap, numa["cxl_nodes"], scratch)
     sweep_lengths(results, runner, [c for c in wanted if c.name not in skipped], save)
-    write_results(sweep.summarize(results), RESULTS, args.name, markdown, started)
+    write_results(sweep.summarize(results), RESULTS, args.name, markdown, started, plot=plot)
     return 0
 
 

@@ -49,7 +49,7 @@ def markdown(results: dict[str, Any]) -> str:
     names = [c for c in results["contenders"] if c not in results["skipped_contenders"]]
     lines = [f"# Long context: memstrata vs stock ZeRO-3 ({results['model']}, micro-batch {results['micro_batch']}, "
              f"{results['precision']}, {results['steps']} steps per run, {results['device']}, {mach['cores']} cores)",
-             "",
+             "", f"![tokens/s and peak memory against sequence length]({results.get('name', 'longctx')}.png)", "",
              f"DRAM cap per run: {cap['bytes'] / 2**30:.2f} GiB, "
              + (f"enforced by {cap['mechanism']}." if cap.get("enforced") else f"not enforced: {cap.get('why_not')}.")
              + f" {results['statistic']}. memstrata's loss chunk: {results['loss_chunk_tokens']} tokens. Load "

@@ -79,6 +79,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"{results['batch']}, {results['precision']}, {results['warmup']} warm-up + "
              f"{results['measured']} measured "
              f"steps, CPU, {mach['cores']} cores)", "",
+             f"![step time and peak host memory against the cap, each engine's floor dotted]"
+             f"({results.get('name', 'offload-budget')}.png)", "",
              f"Caps: {results['base_formula']}. Idle interpreter RSS: {_g(results['idle_interpreter_rss_bytes'])} GiB "
              f"(charged to a fresh cgroup: {_g(results.get('idle_interpreter_cgroup_peak_bytes'))} GiB). "
              + (f"Enforced by {cap['mechanism']}." if cap.get("enforced") else f"NOT enforced: {cap.get('why_not')}."),

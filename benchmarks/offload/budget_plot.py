@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from budget import host_peak
+from record import pyplot
 
 
 def series(model: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]:
@@ -22,13 +23,9 @@ def series(model: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]
 
 def plot(results: dict[str, Any], path: Path) -> str | None:
     """Write the PNG at `path`; None when written, else why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        return f"no plot: {exc}"
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     models = results["models"]
     if not models:
         return "no plot: no model"
@@ -46,6 +43,10 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
         step_ax.set(title=f"{name}: step time (dotted: each engine's floor)", ylabel="median step s")
         mem_ax.set(xlabel="k = (cap - base) / parameters, B/param", ylabel="peak host GiB (cgroup)")
         step_ax.legend(fontsize="small")
+    mach = results.get("machine") or {}
+    fig.suptitle(f"Offload at every DRAM budget: memstrata vs stock ZeRO-Infinity (seq {results.get('seq')}, batch "
+                 f"{results.get('batch')}, {'GPU' if results.get('gpu') else 'CPU'}); {mach.get('cpu', '?')}, "
+                 f"{mach.get('cores', '?')} cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

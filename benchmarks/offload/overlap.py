@@ -31,7 +31,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "runtime"), s
 
 import budget  # noqa: E402
 import contenders  # noqa: E402
-from record import machine, write_results  # noqa: E402
+from record import machine, pyplot, write_results  # noqa: E402
 
 RESULTS = HERE.parents[1] / "benchmarks" / "results"
 PAIR = (contenders.BESIDE, contenders.IN_PLACE)
@@ -66,6 +66,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# The update beside the next forward vs in place (memstrata)", "",
+             f"![the update beside the forward vs in place]({results.get('name', 'offload-overlap')}.png)", "",
              f"seq {results['seq']}, batch {results['batch']}, bf16, {results['statistic']}; "
              f"{results['machine']['cores']} cores; bound: {budget.BOUND_FORMULA}", "",
              "| model | k (B/param) | cap GiB | weights | step beside s | step in place s | beside / in place | "
@@ -91,15 +92,12 @@ def _step(run: dict[str, Any]) -> str:
     return f"{run['step']['median']:.3f}" if run.get("ok") else (run.get("error") or "-")[:60]
 
 
-def draw(results: dict[str, Any], name: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        print(f"no plot: {exc}")
-        return
+def plot(results: dict[str, Any], path: Path) -> str | None:
+    """Per model, the median step beside and in place against k, with the overlapped bound; None when written,
+    else why not."""
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     models = results["models"]
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6 * max(1, len(models)), 4.5), squeeze=False)
     for ax, (model, m) in zip(axes[0], models.items()):
@@ -114,9 +112,17 @@ def draw(results: dict[str, Any], name: str) -> None:
             ax.plot([k for k, _ in bounds], [s for _, s in bounds], "k--", label="bound max(compute, I/O)")
         ax.set(title=model, xlabel="DRAM cap: base + k bytes/param", ylabel="median step (s)")
         ax.legend()
+    mach = results.get("machine") or {}
+    fig.suptitle(f"memstrata: optimizer update beside the next forward vs in place (seq {results.get('seq')}, batch "
+                 f"{results.get('batch')}); {mach.get('cpu', '?')}, {mach.get('cores', '?')} cores")
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=110)
-    print(f"wrote {RESULTS / (name + '.png')}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def draw(results: dict[str, Any], name: str) -> None:
+    print(plot(results, RESULTS / f"{name}.png") or f"wrote {RESULTS / (name + '.png')}")
 
 
 def parse_args() -> argparse.Namespace:

@@ -7,7 +7,8 @@ once; kube-controller-manager's Job controller makes their pods. Phase 2: 500 Fi
 at once; `memstrata operator` (a real subprocess) makes theirs. For each object the clock is the
 client's monotonic clock: from the create response to the watch event of its pod's creation, and
 (FineTuneJobs) to the first event with a non-empty status.phase. The operator's peak RSS is the
-kernel's VmHWM of its process.
+kernel's VmHWM of its process. Writes the JSON, a Markdown table beside it (.md) and a plot (.png, where
+matplotlib imports: operator_plot.py).
 """
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "runtime")]
+sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "runtime"), str(REPO / "benchmarks"),
+                str(Path(__file__).resolve().parent)]
 
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env  # noqa: E402
 from e2e.operator.harness import (  # noqa: E402
     CRD, OperatorProcess, inventory, job, lease_holder, memstrata_node,
 )
 from memstrata.operator.kube import Conflict, Kube, api_path  # noqa: E402
+from operator_plot import plot  # noqa: E402
+from record import draw  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 TARGETS = {"p99_to_pod_created_s": 2.0, "ratio_vs_job_controller": 1.5, "operator_peak_rss_mb": 200.0}
@@ -252,7 +256,7 @@ async def measure(cp: ControlPlane, jobs: int, nodes: int, workdir: Path) -> dic
     }
 
 
-def table(r: dict[str, Any]) -> str:
+def table(r: dict[str, Any], png: str | None = None) -> str:
     m, j = r["memstrata"], r["job_controller"]
     rows = [
         ("create -> pod created, p50 (s)", m["to_pod_created"]["p50_s"], j["to_pod_created"]["p50_s"]),
@@ -262,8 +266,9 @@ def table(r: dict[str, Any]) -> str:
         ("burst wall time (s)", m["burst_wall_s"], j["burst_wall_s"]),
         ("controller peak RSS (MB)", r["operator_peak_rss_mb"], "-"),
     ]
-    lines = [f"{r['jobs']} objects at once, {r['nodes']} kwok nodes",
-             "| metric | memstrata operator | Job controller |", "|---|---|---|"]
+    lines = [f"![create-to-pod latency: memstrata operator vs Job controller]({png})", ""] if png else []
+    lines += [f"{r['jobs']} objects at once, {r['nodes']} kwok nodes",
+              "| metric | memstrata operator | Job controller |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     lines.append(f"p99 ratio memstrata / Job controller: {r['ratio_vs_job_controller']} (target <= 1.5); "
                  f"p99 target < 2 s; RSS target < 200 MB")
@@ -285,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(measure(cp, args.jobs, args.nodes, workdir))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    text = table(result)
+    png = args.out.with_suffix(".png")
+    text = table(result, png.name)
     args.out.with_suffix(".md").write_text(text + "\n")
     print(text)
+    print(draw(plot, result, png) or f"written: {png}")
     print(f"written: {args.out} (operator log: {workdir / 'operator.log'})")
     return 0
 
