@@ -41,6 +41,16 @@ def pyplot() -> ModuleType | str:
     return plt
 
 
+def save_figure(fig: Any, path: Path, rect: tuple[float, float, float, float] | None = None) -> None:
+    """Lay `fig` out (within `rect`, leaving room for a tall title), write it to `path` as every benchmark's
+    PNGs are written, and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(rect=rect) if rect is not None else fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw(plot: Plot, results: dict[str, Any], path: Path) -> str | None:
     """`plot(results, path)`; a plot that fails says why instead of ending the benchmark that measured them."""
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from record import pyplot
+from record import pyplot, save_figure
 
 GiB = 1 << 30
 ENGINES = {"memstrata": ("memstrata", "tab:blue"), "deepspeed": ("stock ZeRO-Infinity (DeepSpeed)", "tab:orange")}
@@ -69,7 +69,5 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     fig.suptitle(f"Checkpoints: memstrata vs stock ZeRO-Infinity, one run each per model\nseq {a['seq']}, "
                  f"{a['steps']} steps, a checkpoint after step {a['every']}, {a.get('precision', 'bf16')}, CPU; "
                  f"{m['cpu']}, {m['cores']} cores, {m['dram_bytes'] / GiB:.1f} GiB")
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, rect=(0, 0, 1, 0.9))
     return None

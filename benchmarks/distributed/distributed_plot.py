@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from record import pyplot
+from record import pyplot, save_figure
 
 GiB = 1 << 30
 COLORS = {"memstrata": "tab:blue", "deepspeed": "tab:orange"}
@@ -67,7 +67,5 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     fig.suptitle(f"Ranks on one node, same global batch {a.get('global_batch', 2)}: 1 rank vs 2, per engine (compare "
                  f"within an engine: the DRAM budgets differ)\n{a['model']}, seq {a['seq']}, {a['steps']} steps, "
                  f"{a.get('precision', 'bf16')}, CPU; {m['cpu']}, {m['cores']} cores, {m['dram_bytes'] / GiB:.1f} GiB")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return None

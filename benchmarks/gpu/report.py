@@ -93,7 +93,7 @@ def write(results: dict[str, Any], out: Path, profile: Any) -> None:
 def plot(results: dict[str, Any], path: Path) -> str | None:
     """Tokens/s and peak host memory per run, beside each other; skipped (saying why) where matplotlib is not
     installed or nothing ran."""
-    from record import pyplot
+    from record import pyplot, save_figure
 
     plt = pyplot()
     if isinstance(plt, str):
@@ -116,7 +116,5 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     cores = (results.get("machine") or {}).get("cores")
     fig.suptitle(f"memstrata (blue) vs stock ZeRO-Infinity (grey): {results.get('gpu') or results['profile']}"
                  + (f", {cores} cores" if cores else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return None

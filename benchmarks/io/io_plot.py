@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from record import pyplot
+from record import pyplot, save_figure
 
 MiB, GiB = 1 << 20, 1 << 30
 # fio last and grey: the reference the others are held to.
@@ -81,7 +81,5 @@ def plot(out: dict[str, Any], path: Path) -> str | None:
     where = (f"{m['cpu']}, {m['cores']} cores, {m.get('memory_gib', '?')} GiB, kernel {m.get('kernel', '?')}"
              if m else "machine not recorded")
     fig.suptitle(f"benchmarks/io: memstrata vs DeepSpeed aio vs fio, on {where}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import sweep
-from record import pyplot
+from record import pyplot, save_figure
 
 GiB = 1 << 30
 COLORS = {"memstrata": "tab:blue", "memstrata-cxl": "tab:cyan", "stock": "tab:orange",
@@ -109,7 +109,5 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
                         textcoords="offset points", xytext=(0, 3), color="red", fontsize="small")
     _legend(row[0], results)
     fig.suptitle(_title(results))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return None

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from budget import host_peak
-from record import pyplot
+from record import pyplot, save_figure
 
 
 def series(model: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]:
@@ -47,7 +47,5 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     fig.suptitle(f"Offload at every DRAM budget: memstrata vs stock ZeRO-Infinity (seq {results.get('seq')}, batch "
                  f"{results.get('batch')}, {'GPU' if results.get('gpu') else 'CPU'}); {mach.get('cpu', '?')}, "
                  f"{mach.get('cores', '?')} cores")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return None

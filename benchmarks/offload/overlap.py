@@ -31,7 +31,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "runtime"), s
 
 import budget  # noqa: E402
 import contenders  # noqa: E402
-from record import machine, pyplot, write_results  # noqa: E402
+from record import machine, pyplot, save_figure, write_results  # noqa: E402
 
 RESULTS = HERE.parents[1] / "benchmarks" / "results"
 PAIR = (contenders.BESIDE, contenders.IN_PLACE)
@@ -115,9 +115,7 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     mach = results.get("machine") or {}
     fig.suptitle(f"memstrata: optimizer update beside the next forward vs in place (seq {results.get('seq')}, batch "
                  f"{results.get('batch')}); {mach.get('cpu', '?')}, {mach.get('cores', '?')} cores")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return None
 
 

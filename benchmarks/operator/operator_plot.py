@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from record import pyplot
+from record import pyplot, save_figure
 
 STATS = (("p50_s", "p50"), ("mean_s", "mean"), ("p99_s", "p99"), ("max_s", "max"))
 
@@ -63,7 +63,5 @@ def plot(r: dict[str, Any], path: Path) -> str | None:
     cpus = (r.get("machine") or {}).get("cpus", "?")
     fig.suptitle(f"memstrata operator vs Kubernetes Job controller: {r['jobs']} objects created at once, "
                  f"{r['nodes']} kwok nodes, one control plane on {cpus} CPUs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return None
