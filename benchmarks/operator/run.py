@@ -173,10 +173,12 @@ def latencies(clock: Clock, seen: dict[str, float]) -> tuple[list[float], int]:
     return out, len(clock.created) - len(out)
 
 
-def summary(values: list[float], missing: int) -> dict[str, float | int]:
+def summary(values: list[float], missing: int) -> dict[str, Any]:
+    """The statistics, and every object's latency (sorted) for the distribution the plot draws."""
     return {"p50_s": round(pct(values, 50), 3), "p99_s": round(pct(values, 99), 3),
             "max_s": round(max(values), 3) if values else float("nan"),
-            "mean_s": round(statistics.fmean(values), 3) if values else float("nan"), "missing": missing}
+            "mean_s": round(statistics.fmean(values), 3) if values else float("nan"), "missing": missing,
+            "samples_s": [round(v, 3) for v in sorted(values)]}
 
 
 def batch_job(name: str) -> dict[str, Any]:

@@ -67,6 +67,14 @@ def test_adapter_tensors_are_rank_times_in_plus_out_per_targeted_module() -> Non
     assert gpt[:4] == [8 * 768, 768 * 8, 8 * 3072, 768 * 8] and len(gpt) == 4 * 12
 
 
+def test_dora_adds_one_trained_magnitude_per_output_feature_of_each_targeted_module() -> None:
+    # Llama-3-8B, r 16 on q_proj (out 4096) and v_proj (out 1024): 5,120 magnitudes a layer more, after each
+    # module's A and B, as PEFT orders its parameters.
+    sizes = adapter_tensor_sizes(PRESETS["llama3-8b"], Lora(use_dora=True))
+    assert sizes[:6] == [16 * 4096, 4096 * 16, 4096, 16 * 4096, 1024 * 16, 1024]
+    assert sum(sizes) == 6_815_744 + 32 * (4096 + 1024)
+
+
 def test_the_crd_carries_the_rules() -> None:
     training = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
         "properties"]["training"]
@@ -99,6 +107,10 @@ def test_a_checkpoint_of_one_method_never_resumes_the_other() -> None:
     assert [w.split(":")[0] for w in identity_mismatches(_identity(lora), _identity(ranked))] == ["training.lora"]
     merged = run_fingerprint(spec(method="lora", lora={"mergeOnSave": True}).training, dataset)
     assert identity_mismatches(_identity(lora), _identity(merged)) == []
+    # DoRA trains magnitudes a LoRA checkpoint does not hold; a LoRA fingerprint is what it was before the field.
+    dora = run_fingerprint(spec(method="lora", lora={"useDora": True}).training, dataset)
+    assert [w.split(":")[0] for w in identity_mismatches(_identity(lora), _identity(dora))] == ["training.lora"]
+    assert "useDora" not in lora["training.lora"] and dora["training.lora"]["useDora"] is True
     # A checkpoint written before the method was recorded was a full fine-tune's.
     old = {k: v for k, v in full.items() if k not in ("training.method", "training.lora")}
     assert identity_mismatches(_identity(old), _identity(full)) == []

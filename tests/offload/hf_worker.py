@@ -40,6 +40,7 @@ def main() -> int:
     recipe = FineTuneRecipe(job, plan, nvme)
     recipe.load_data()
     recipe.setup()
+    built = status_param_bytes(recipe)  # what building and loading wrote, before any step
     try:
         result = recipe.train(lambda s: None)
         after = result.validation_losses.get(job.spec.training.steps)
@@ -56,6 +57,7 @@ def main() -> int:
             "output": status.model_dump(mode="json") if status else None,
             # What memstrata's NVMe engine moved for parameters (0 on the stock engine).
             "param_bytes_written": status_param_bytes(recipe),
+            "param_bytes_written_at_setup": built,
         }))
     finally:
         recipe.cleanup()

@@ -1,8 +1,10 @@
 """LoRA (`training.method: lora`) on a real pretrained model: SmolLM2-135M-Instruct fine-tuned through memstrata's
-swap layer, with the frozen base weights partly on the NVMe stratum. The validation loss falls; the adapter the run
-wrote loads with `peft` over the untouched base model and gives the trained engine's logits; the merged model
-loads with plain `transformers` and gives them too; every tensor no adapter touches is the base's, bit for bit,
-and every targeted weight is the base's plus exactly scaling·B·A."""
+swap layer, with the frozen base weights partly on the NVMe stratum, as plain LoRA and as DoRA (`useDora`, whose
+magnitude module reads the partitioned base weight in its own forward). The validation loss falls; the steps are
+plain PEFT's; the adapter the run wrote loads with `peft` over the untouched base model and gives the trained
+engine's logits; the merged model loads with plain `transformers` and gives them too; every tensor no adapter
+touches is the base's, bit for bit, and every targeted weight is the base's plus exactly scaling·B·A (LoRA) or
+what PEFT's own merge makes of the saved adapter (DoRA)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +28,7 @@ RANK, ALPHA, STEPS = 8, 16.0, 3
 pytestmark = pytest.mark.usefixtures("deepspeed_ready")
 
 
-def job_yaml(model: Path, out: Path, validation: Path) -> str:
+def job_yaml(model: Path, out: Path, validation: Path, dora: bool = False) -> str:
     # fp32, so the reloaded logits can be held to the engine's within 1e-4; a budget below the 538 MB of fp32
     # weights puts part of the frozen base on NVMe.
     return f"""apiVersion: memstrata.dev/v1alpha1
@@ -38,7 +40,7 @@ spec:
   training:
     method: lora
     lora: {{rank: {RANK}, alpha: {ALPHA}, targetModules: [q_proj, v_proj, down_proj], dropout: 0.0, useRslora: true,
-            mergeOnSave: true}}
+            useDora: {str(dora).lower()}, mergeOnSave: true}}
     sequenceLength: 64
     microBatch: 2
     steps: {STEPS}
@@ -51,16 +53,18 @@ spec:
 """
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Any]:
-    """One LoRA run (about a minute on 2 cores), shared by the checks below."""
-    tmp = tmp_path_factory.mktemp("lora")
+@pytest.fixture(scope="module", params=["lora", "dora"])
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            smollm2_dir: Path) -> dict[str, Any]:
+    """One LoRA run (about a minute on 2 cores) of each variant, shared by the checks below."""
+    dora = request.param == "dora"
+    tmp = tmp_path_factory.mktemp(request.param)
     work, nvme, out = tmp / "work", tmp / "nvme", tmp / "output"
     work.mkdir()
     nvme.mkdir()
     validation = tmp / "validation.jsonl"  # 8 conversations: every evaluation streams the whole model
     validation.write_text("".join(VALIDATION.read_text().splitlines(keepends=True)[:8]))
-    (work / "job.yaml").write_text(job_yaml(smollm2_dir, out, validation))
+    (work / "job.yaml").write_text(job_yaml(smollm2_dir, out, validation, dora))
     probe = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
     torch.save(probe, work / "probe.pt")
     proc = subprocess.run([sys.executable, str(WORKER), str(work / "job.yaml"), str(nvme), str(work)],
@@ -69,7 +73,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((work / "result.json").read_text())
     return {"result": result, "logits": torch.load(work / "logits.pt"), "probe": probe, "out": out,
-            "base": smollm2_dir, "validation": validation}
+            "base": smollm2_dir, "validation": validation, "dora": dora}
 
 
 def _logits(model: Any, probe: torch.Tensor) -> torch.Tensor:
@@ -82,13 +86,16 @@ def test_lora_lowers_the_validation_loss(trained: dict[str, Any]) -> None:
     before, after = result["validation"]["0"], result["validation"][str(STEPS)]
     assert after < before - 0.05, f"validation loss did not fall: {before:.4f} -> {after:.4f}"
     # The base weights streamed through memstrata's NVMe stratum (the budget is below the fp32 model), written
-    # when the model was built and again when its weights were loaded, and never after: nothing updates them.
-    # (A full fine-tune writes its spilled weights back at every step.)
-    written = result["param_bytes_written"]
-    assert 0 < written <= 2 * 134_515_008 * 4, f"{written} bytes of parameters written: frozen weights were written"
+    # when the model was built and again when its weights were loaded (DoRA: once more for the targeted ones, as
+    # PEFT gathers each to take its norm), and never after: nothing updates them. (A full fine-tune writes its
+    # spilled weights back at every step.)
+    built, written = result["param_bytes_written_at_setup"], result["param_bytes_written"]
+    targeted = 30 * 4 * (576 * 576 + 576 * 192 + 1536 * 576)  # fp32 q_proj, v_proj and down_proj of 30 layers
+    assert 0 < built <= 2 * 134_515_008 * 4 + (targeted if trained["dora"] else 0), f"{built} bytes written to build"
+    assert written == built, f"{written - built} bytes of frozen weights written by the steps, evaluations or save"
 
 
-def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+def reference_run(base: Path, validation: Path, probe: torch.Tensor, dora: bool) -> tuple[list[float], torch.Tensor]:
     """The same LoRA fine-tune in plain PyTorch + PEFT, no DeepSpeed: memstrata's data pipeline, torch's AdamW with
     the job's hyperparameters and clipping; (step losses, logits on `probe` after the last step)."""
     from peft import LoraConfig, get_peft_model
@@ -104,7 +111,8 @@ def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[li
     torch.manual_seed(7)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                            LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                      target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True))
+                                      target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
+                                      use_dora=dora))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     batches, losses = data.batches(2, start=0, rank=0, world=1), []
@@ -120,7 +128,7 @@ def reference_run(base: Path, validation: Path, probe: torch.Tensor) -> tuple[li
 
 def test_the_steps_are_those_of_plain_peft_training(trained: dict[str, Any]) -> None:
     # Only the adapters train, from the same initial A (seeded) and B (zero): the losses are the reference's.
-    losses, logits = reference_run(trained["base"], trained["validation"], trained["probe"])
+    losses, logits = reference_run(trained["base"], trained["validation"], trained["probe"], trained["dora"])
     assert trained["result"]["losses"] == pytest.approx(losses, rel=1e-4)
     print(f"largest logit difference from the reference: {(logits - trained['logits']).abs().max():.2e}")
     assert torch.allclose(logits, trained["logits"], atol=1e-3, rtol=1e-4), "the last update differs"
@@ -136,13 +144,15 @@ def test_the_adapter_loads_with_peft_and_reproduces_the_trained_logits(trained: 
             "merged"} <= names, names
     assert not list(out.parent.glob(f".{out.name}.partial*")), "the temporary directory was left behind"
     config = json.loads((out / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["peft_type"], config["use_rslora"]) == (RANK, ALPHA, "LORA", True)
+    assert (config["r"], config["lora_alpha"], config["peft_type"], config["use_rslora"], config["use_dora"]) == (
+        RANK, ALPHA, "LORA", True, trained["dora"])
     assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(out / "README.md")
     assert (card.data.base_model, card.data.library_name) == (str(trained["base"]), "peft")
-    assert f"LoRA, rank {RANK}, alpha {ALPHA:g} (alpha / sqrt(rank), rsLoRA)" in card.text
+    method = "DoRA" if trained["dora"] else "LoRA"
+    assert f"{method}, rank {RANK}, alpha {ALPHA:g} (alpha / sqrt(rank), rsLoRA)" in card.text
     assert config["base_model_name_or_path"] == str(trained["base"])
     status = trained["result"]["output"]
     assert status["path"] == str(out) and status["step"] == STEPS
@@ -166,6 +176,11 @@ def test_the_merged_model_is_the_base_plus_exactly_the_adapter(trained: dict[str
         "the merged model does not reproduce the trained engine's logits"
     base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32).state_dict()
     adapter = load_file(out / "adapter_model.safetensors")
+    if trained["dora"]:  # PEFT's own merge of the saved adapter, with DoRA's magnitudes, is the merged model
+        from peft import PeftModel
+
+        peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            trained["base"], dtype=torch.float32), out).merge_and_unload().state_dict()
     scaling = ALPHA / math.sqrt(RANK)  # rank-stabilized
     targeted = 0
     for name, weight in merged.state_dict().items():
@@ -176,6 +191,11 @@ def test_the_merged_model_is_the_base_plus_exactly_the_adapter(trained: dict[str
             assert torch.equal(weight, base[name]), f"{name} changed although nothing trains it"
             continue
         b = adapter[f"base_model.model.{module}.lora_B.weight"]
-        assert torch.allclose(weight, base[name] + scaling * b @ a, atol=1e-6), name
+        if trained["dora"]:
+            m = adapter[f"base_model.model.{module}.lora_magnitude_vector"]
+            assert torch.allclose(weight, peft_merged[name], atol=1e-6), name
+            assert torch.allclose(weight.norm(dim=1), m, rtol=1e-5), f"{name}: the merged rows' norms are not DoRA's m"
+        else:
+            assert torch.allclose(weight, base[name] + scaling * b @ a, atol=1e-6), name
         targeted += 1
     assert targeted == 30 * 3  # every layer's q_proj, v_proj and down_proj

@@ -260,6 +260,8 @@ def _scan(path: Path, uses: _Uses) -> None:
     keys = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript) and not (
         isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) and n.value.func.id == "vars"
         or isinstance(n.value, ast.Attribute) and n.value.attr == "__dict__")}
+    # A piece of an f-string (`f"strata/{k}_held_bytes"`) is no whole name: what it names is known only when it runs.
+    keys |= {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):  # each sub-chain too: `a.b.c` is checked as `a.b` and `a.b.c`
             chain = _chain(node)

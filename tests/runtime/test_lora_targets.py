@@ -70,10 +70,12 @@ def test_an_adapter_of_a_presets_random_weights_alone_is_refused(cli, tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gpt"])
-def test_all_linear_adapters_are_those_the_planner_counts(family: str) -> None:
+def test_all_linear_adapters_are_those_the_planner_counts(family: str, dora: bool) -> None:
     """`targetModules: [all-linear]` on a real transformers model through PEFT: the trainable tensors, in order,
-    are exactly the sizes the planner counts (every linear module of every layer, not the LM head)."""
+    are exactly the sizes the planner counts (every linear module of every layer, not the LM head; with DoRA each
+    module's magnitude vector too, one value per output feature)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from memstrata.api.hfconfig import architecture_from_config
@@ -88,8 +90,10 @@ def test_all_linear_adapters_are_those_the_planner_counts(family: str) -> None:
         config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256)
         model = GPT2LMHeadModel(config)
     arch = architecture_from_config(config.to_dict())
-    lora = Lora(rank=4, target_modules=["all-linear"])
+    lora = Lora(rank=4, target_modules=["all-linear"], use_dora=dora)
     peft = add_adapters(model, lora, arch, seed=0)
+    magnitudes = [n for n, p in peft.named_parameters() if p.requires_grad and "lora_magnitude_vector" in n]
+    assert len(magnitudes) == (len(lora.targets(arch)) + (family == "gpt")) * 2 * dora  # GPT-2: two c_proj
     trained = [p.numel() for p in peft.parameters() if p.requires_grad]
     assert trained == adapter_tensor_sizes(arch, lora)
     assert not any("lm_head" in n for n, p in peft.named_parameters() if p.requires_grad)

@@ -46,6 +46,10 @@ class Lora(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "set"})
     use_rslora: bool = Field(False, description="Rank-stabilized LoRA: the update is scaled by alpha / sqrt(rank) "
                                                 "instead of alpha / rank (PEFT's use_rslora).")
+    use_dora: bool = Field(False, description="DoRA (Liu et al., 2024; PEFT's use_dora): each targeted weight is "
+                                              "learnt as a magnitude (one trained value per output feature, starting "
+                                              "at the weight's column norms) times the direction W + scaling x B x A; "
+                                              "the magnitudes train with the adapters and are counted by the planner.")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapters' input while training.")
     merge_on_save: bool = Field(
         False, description="Also write the base model with the adapters merged in (W + alpha / rank x B x A), a plain "
@@ -97,9 +101,11 @@ def check_targets(lora: Lora, arch: ModelArchitecture) -> None:
 
 
 def adapter_tensor_sizes(arch: ModelArchitecture, lora: Lora) -> list[int]:
-    """Elements of every adapter tensor, in `model.parameters()` order (A before B in each module): what trains
-    under LoRA. A module with in and out features gets rank·in + out·rank."""
+    """Elements of every adapter tensor, in `model.parameters()` order (A, B, then DoRA's magnitude in each
+    module): what trains under LoRA. A module with in and out features gets rank·in + out·rank, and out more with
+    DoRA."""
     check_targets(lora, arch)
     wanted, r = set(lora.targets(arch)), lora.rank
-    layer = [n for name, fan_in, fan_out in layer_linears(arch) if name in wanted for n in (r * fan_in, fan_out * r)]
+    layer = [n for name, fan_in, fan_out in layer_linears(arch) if name in wanted
+             for n in (r * fan_in, fan_out * r, *((fan_out,) if lora.use_dora else ()))]
     return layer * arch.layers

@@ -32,11 +32,11 @@ from memstrata.node.access import dev_ownership, vet_access
 from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
 from memstrata.node.loopscan import LOOP_NAME
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
-from memstrata.nodeagent.metrics import AgentMetrics
 from memstrata.nodeagent.scrubber import Scrubber
 
 if TYPE_CHECKING:
     from memstrata.nodeagent.devices import PluginDevice, Resource
+    from memstrata.nodeagent.metrics import AgentMetrics
 
 log = logging.getLogger("memstrata.nodeagent")
 PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -120,7 +120,7 @@ def read_inventory(args: argparse.Namespace) -> NodeInventory:
 
 
 def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: None,
-             metrics: AgentMetrics | None = None) -> Scrubber:
+             metrics: "AgentMetrics | None" = None) -> Scrubber:
     """The scrubber over the same device nodes, sysfs, mount table and swaps discovery reads."""
     return Scrubber(args.dev_root, sysfs_root=args.sysfs_root, mountinfo=args.mountinfo, swaps=args.swaps,
                     on_done=on_done, metrics=metrics)
@@ -168,6 +168,7 @@ class Agent:
     def __init__(self, args: argparse.Namespace) -> None:
         from memstrata.nodeagent.deviceplugin import DevicePluginServer
         from memstrata.nodeagent.devices import resources
+        from memstrata.nodeagent.metrics import AgentMetrics
 
         self.args = args
         # SimpleQueue.put is reentrant: safe to call from the signal handlers below and the scrub threads.

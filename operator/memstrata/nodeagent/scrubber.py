@@ -24,13 +24,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from memstrata.api.inventory import NodeInventory
 from memstrata.node.discovery import dev_heads
 from memstrata.node.header import HEADER_BYTES
 from memstrata.node.safety import DeviceUnsafeError
 from memstrata.node.scrub import ScrubError, hold, pending_reason, scrub_held
-from memstrata.nodeagent.metrics import AgentMetrics
+
+if TYPE_CHECKING:
+    from memstrata.nodeagent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,9 @@ class Scrubber:
                  on_done: Callable[[], None] = lambda: None, retry_s: float = RETRY_S,
                  metrics: AgentMetrics | None = None) -> None:
         self.dev_root = Path(dev_root)
-        self.metrics = metrics or AgentMetrics()
-        self.metrics.devices.scrubbing = lambda: len(self._running)
+        self.metrics = metrics  # None: not counted (`--once`, which needs no metrics library)
+        if metrics is not None:
+            metrics.devices.scrubbing = lambda: len(self._running)
         self._heads = dev_heads(self.dev_root, HEADER_BYTES)
         self._where = {"sysfs_root": str(sysfs_root), "mountinfo": str(mountinfo), "swaps": str(swaps)}
         self._on_done = on_done
@@ -114,8 +118,9 @@ class Scrubber:
         try:
             done = scrub_held(fd, path, stop=self._stopping.is_set, **self._where)
             log.info("%s: %s; offering it again", path, done or "already scrubbed")
-            self.metrics.scrubs.labels("clean").inc()
-            self.metrics.scrub_seconds.observe(time.monotonic() - started)
+            if self.metrics is not None:
+                self.metrics.scrubs.labels("clean").inc()
+                self.metrics.scrub_seconds.observe(time.monotonic() - started)
             with self._lock:
                 self._retry_at.pop(name, None)
         except (ScrubError, DeviceUnsafeError) as exc:
@@ -130,7 +135,8 @@ class Scrubber:
             self._on_done()
 
     def _failed(self, name: str, exc: Exception) -> None:
-        self.metrics.scrubs.labels("failed").inc()
+        if self.metrics is not None:
+            self.metrics.scrubs.labels("failed").inc()
         with self._lock:
             self._retry_at[name] = time.monotonic() + self._retry_s
         log.warning("%s; it stays Unhealthy, retrying in %.0f s", exc, self._retry_s)

@@ -100,7 +100,12 @@ def build_engine(ds: DsConfig, training: Training, arch: ModelArchitecture, *, d
             install_neftune(model, t.neftune_noise_alpha)
         built(model)
         handed = layer is not None  # from here on, initialize closes the layer if it fails
-        return _initialize(model, ds, t, layer)
+        engine = _initialize(model, ds, t, layer)
+        if adapter is not None and adapter.use_dora:
+            from memstrata.runtime.train.model.lora import gather_for_dora
+
+            gather_for_dora(engine.module)
+        return engine
     except BaseException:
         if layer is not None and not handed:
             layer.close()

@@ -28,7 +28,7 @@ def _method(spec: FineTuneJobSpec) -> str:
         return "full fine-tune (every parameter trained)"
     scale = "alpha / sqrt(rank), rsLoRA" if lora.use_rslora else "alpha / rank"
     targets = ", ".join(lora.target_modules or ["the family's default modules"])
-    return f"LoRA, rank {lora.rank}, alpha {lora.alpha:g} ({scale}), on {targets}"
+    return f"{'DoRA' if lora.use_dora else 'LoRA'}, rank {lora.rank}, alpha {lora.alpha:g} ({scale}), on {targets}"
 
 
 def model_card(spec: FineTuneJobSpec, *, job: str, step: int, losses: Sequence[float],

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "MERGED", "LoraError", "add_adapters", "check_lora", "check_target_modules",
-           "join_save", "save_adapter", "trainable"]
+           "gather_for_dora", "join_save", "save_adapter", "trainable"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER = "adapter_model.safetensors"
@@ -103,7 +103,7 @@ def add_adapters(model: "PreTrainedModel", lora: Lora, arch: ModelArchitecture, 
 
     # PEFT annotates lora_alpha as an int but scales by alpha / r in floating point: a fractional alpha works.
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
-                        lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
+                        lora_dropout=lora.dropout, use_rslora=lora.use_rslora, use_dora=lora.use_dora,
                         target_modules=lora.targets(arch), task_type="CAUSAL_LM",
                         # GPT-2's Conv1D stores its weight transposed: its family says so.
                         fan_in_fan_out=family_of(arch.family).lora_fan_in_fan_out)
@@ -112,6 +112,24 @@ def add_adapters(model: "PreTrainedModel", lora: Lora, arch: ModelArchitecture, 
     torch.manual_seed(seed)
     # The adapters in the base weights' dtype: ZeRO-3 trains one precision, and keeps its own fp32 master copy.
     return get_peft_model(model, config, autocast_adapter_dtype=False)
+
+
+def gather_for_dora(model: Any) -> int:
+    """After `deepspeed.initialize`: DoRA's magnitude module reads its layer's base weight and the A and B weights
+    in its own forward, outside the modules that own them, where ZeRO-3 holds them partitioned; registered as its
+    external parameters, ZeRO-3 gathers them for it (and releases them after). The number of modules registered."""
+    import deepspeed
+
+    done = 0
+    for module in model.modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if not magnitudes or ADAPTER_NAME not in magnitudes:
+            continue
+        dora = magnitudes[ADAPTER_NAME]
+        for owner in (module.get_base_layer(), module.lora_A[ADAPTER_NAME], module.lora_B[ADAPTER_NAME]):
+            deepspeed.zero.register_external_parameter(dora, owner.weight)
+        done += 1
+    return done
 
 
 def trainable(model: Any) -> list["torch.nn.Parameter"]:
@@ -161,7 +179,7 @@ def _merged(model: Any) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
                 base = layer.get_base_layer()
                 seen.update(id(p) for p in layer.parameters())
-                own = [(f"{prefix}.weight", base.weight + layer.get_delta_weight(ADAPTER_NAME))]
+                own = [(f"{prefix}.weight", _merged_weight(layer, base))]
                 if getattr(base, "bias", None) is not None:
                     own.append((f"{prefix}.bias", base.bias))
                 yield own
@@ -171,6 +189,16 @@ def _merged(model: Any) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
             with deepspeed.zero.GatheredParameters([t for _, t in own if hasattr(t, "ds_id")],
                                                    modifier_rank=None), torch.no_grad():
                 yield own
+
+
+def _merged_weight(layer: Any, base: Any) -> "torch.Tensor":
+    """`layer`'s weight with its adapter merged in, by PEFT's own rule for its variant: W + scaling·B·A for LoRA,
+    DoRA's magnitude / ||W + scaling·B·A|| (per output feature) times that for DoRA; the layer is not changed."""
+    variant = getattr(layer, "lora_variant", {}).get(ADAPTER_NAME)
+    if variant is None:
+        return base.weight + layer.get_delta_weight(ADAPTER_NAME)
+    # (merge_safe keeps the weight norm for an unmerge that never comes: one vector per layer, replaced each export)
+    return variant.merge_safe(layer, ADAPTER_NAME, base.weight.detach().clone())
 
 
 def join_save(model: Any, lora: Lora) -> None:
