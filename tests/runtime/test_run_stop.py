@@ -82,7 +82,8 @@ def test_sigterm_stops_in_order_and_a_killed_runs_leftovers_are_reclaimed(tmp_pa
     left = {n for n in _names(scratch) if not n.endswith(".owner")}
     assert len(left) == 1 and sum(f.stat().st_size for n in left for f in (scratch / n).rglob("*") if f.is_file())
     # A partial output of a process killed while saving, and a live process's scratch directory and partial output.
-    dead = _Run("-c", HOLDER, str(tmp_path / ".out.partial-dead"))
+    dead = _Run("-c", HOLDER, str(tmp_path / ".out.partial-dead"),
+                str(tmp_path / "..out.best-step-00000004.partial-dead"))  # a best model's export, keepBest
     dead.wait_for("held")
     dead.proc.kill()
     dead.end()
@@ -94,6 +95,8 @@ def test_sigterm_stops_in_order_and_a_killed_runs_leftovers_are_reclaimed(tmp_pa
         for name in left:
             assert f"removed {scratch / name}, left by a run that was killed" in run.output, run.output[-3000:]
         assert not (tmp_path / ".out.partial-dead").exists() and not (tmp_path / ".out.partial-dead.owner").exists()
+        assert not (tmp_path / "..out.best-step-00000004.partial-dead").exists()
+        assert f"removed {tmp_path / '..out.best-step-00000004.partial-dead'}, left by a run" in run.output
         assert (scratch / "memstrata-run-live-1-1" / "state").exists()
         assert (tmp_path / ".out.partial-live" / "state").exists()
         run.proc.send_signal(signal.SIGTERM)  # mid-run: it printed step 2 of 200

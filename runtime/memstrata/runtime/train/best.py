@@ -18,11 +18,22 @@ from pathlib import Path
 
 from memstrata.api.checkpoint import SelectionState
 from memstrata.api.finetunejob import Training
-from memstrata.runtime.train.model.export import RUN_FILE, check_output_path, fsync_dir, mark_run_complete
+from memstrata.runtime.train.model.export import (RUN_FILE, check_output_path, fsync_dir, mark_run_complete,
+                                                  reclaim_partials)
 
-__all__ = ["Selection", "Best"]
+__all__ = ["Selection", "Best", "reclaim_best_partials"]
 
 Save = Callable[[Path, int, float], object]  # (directory, step, validation loss): export the model there
+
+
+def _best_prefix(output: Path) -> Path:
+    """Where the best models of `output` are staged, less their step: `.<name>.best-step-`."""
+    return output.parent / f".{output.name}.best-step-"
+
+
+def reclaim_best_partials(output: Path) -> list[Path]:
+    """The partial exports of a best model that runs killed mid-export left beside `output`, removed."""
+    return reclaim_partials(_best_prefix(output), any_suffix=True)
 
 
 @dataclass(frozen=True)
@@ -60,7 +71,8 @@ class Selection:
     def _staged(self) -> list[tuple[int, Path]]:
         assert self.output is not None
         found = []
-        for path in self.output.parent.glob(f".{self.output.name}.best-step-*"):
+        prefix = _best_prefix(self.output)
+        for path in prefix.parent.glob(f"{prefix.name}*"):
             try:
                 found.append((int(path.name.rsplit("-", 1)[1]), path))
             except ValueError:
@@ -96,7 +108,7 @@ class Selection:
         path = None
         if self.keep:
             assert self.output is not None
-            path = self.output.parent / f".{self.output.name}.best-step-{step:08d}"
+            path = Path(f"{_best_prefix(self.output)}{step:08d}")
             save(path, step, loss)
             if self.leader and previous is not None and previous.path is not None:
                 shutil.rmtree(previous.path, ignore_errors=True)

@@ -35,7 +35,7 @@ from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data
-from memstrata.runtime.train.best import Selection
+from memstrata.runtime.train.best import Selection, reclaim_best_partials
 from memstrata.runtime.train.model.generate import engine_answer
 from memstrata.runtime.train.epochs import with_epoch_steps
 from memstrata.runtime.train.model.export import reclaim_partials
@@ -124,7 +124,8 @@ class FineTuneRecipe:
         """Remove the scratch directories and partial outputs of runs that died without cleaning up (never a
         live run's: memstrata.runtime.train.model.owner)."""
         out = self.spec.output
-        left = reclaim(self.swap_dir.parent, SWAP_DIR_PREFIX) + (reclaim_partials(Path(out.path)) if out else [])
+        left = reclaim(self.swap_dir.parent, SWAP_DIR_PREFIX) + (
+            reclaim_partials(Path(out.path)) + reclaim_best_partials(Path(out.path)) if out else [])
         for path in left:
             logging.getLogger(__name__).warning("memstrata: removed %s, left by a run that was killed", path)
 

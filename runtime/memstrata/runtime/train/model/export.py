@@ -247,9 +247,11 @@ def _partial_prefix(path: Path) -> str:
     return f".{path.name}.partial-"
 
 
-def reclaim_partials(path: Path) -> list[Path]:
-    """Remove the partial outputs for `path` that runs killed while saving left (never a live run's)."""
-    return reclaim(path.parent, _partial_prefix(path))
+def reclaim_partials(path: Path, *, any_suffix: bool = False) -> list[Path]:
+    """Remove the partial outputs for `path` that runs killed while saving left (never a live run's); with
+    `any_suffix`, those of every output whose name begins with `path`'s (the best models' `.<name>.best-step-N`)."""
+    prefix = _partial_prefix(path)
+    return reclaim(path.parent, prefix.removesuffix(".partial-") if any_suffix else prefix)
 
 
 def write_run_file(into: Path, *, job: str, job_uid: str, step: int, validation_loss: float | None) -> None:
