@@ -53,13 +53,10 @@ demo: install model
 demo-tiny: install
 	@$(TIMED) demo-tiny $(MEMSTRATA) run examples/finetune-tiny.yaml
 
-# Side by side (conftest.py says what shares a worker): most tests wait on a peer, so 3 workers on 2 cores. Each
-# process (the workers, the runs they start) computes on one OpenMP thread: three workers' training runs each
-# spinning two threads on two cores spent more CPU than they saved (4 workers: 2718 s of CPU against 2097 s for 3).
+# Side by side (conftest.py says what shares a worker): most tests wait on a peer, so 3 workers on 2 cores.
 TEST_WORKERS ?= 3
-TEST_THREADS ?= 1
 test: install $(TEST_PREREQS)
-	@OMP_NUM_THREADS=$(TEST_THREADS) $(TIMED) tests $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	@$(TIMED) tests $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: install
 	@$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
