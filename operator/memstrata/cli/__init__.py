@@ -125,7 +125,6 @@ def _overridden(args: argparse.Namespace, spec: "FineTuneJobSpec") -> "FineTuneJ
 
     from memstrata.api.dataset import Dataset
     from memstrata.api.finetunejob import FineTuneJobSpec
-    from memstrata.api.strataplan import Plan
     from memstrata.api.validation import describe_validation_error
 
     wire = spec.wire()

@@ -59,7 +59,8 @@ class Reconciler(WorkQueue):
         kube.write_gate = self.gate.leading  # every write, whichever path it comes from
         kube.observe = self.metrics.api_seconds_observer()
         self._phases: dict[JobKey, str] = {}  # every live job's phase, as last seen: the jobs gauge
-        self.metrics.live.phases = self._phases.values
+        # A copy: the scrape runs on prometheus-client's thread while the event loop changes the dict.
+        self.metrics.live.phases = lambda: tuple(self._phases.copy().values())
         self.pod_security = pod_security
         self.cleanup_tries = cleanup_tries
         self._cleanups: dict[JobKey, int] = {}
@@ -221,8 +222,8 @@ class Reconciler(WorkQueue):
                         await children.create_attempt(self.kube, job, action, self.report_interval_seconds,
                                                       self.pod_security)
                         if action.attempt == 0 and not action.ranks and job.created is not None:
-                            self.metrics.create_to_pod.observe(
-                                (datetime.now(timezone.utc) - job.created).total_seconds())
+                            self.metrics.create_to_pod.observe(  # never below 0, whatever the clocks' skew
+                                max(0.0, (datetime.now(timezone.utc) - job.created).total_seconds()))
                     except (children.PartlyCreated, children.NothingCreated) as exc:
                         if finalizer is not None:  # the record's fresh read must see our finalizer write
                             await asyncio.wait([finalizer])

@@ -112,6 +112,7 @@ class WorkQueue:
                 await self.reconcile(key)
                 self._errors.pop(key, None)
             except asyncio.CancelledError:
+                result = "cancelled"  # stopped mid-reconcile (the operator stopping): not counted as done
                 raise
             except NotLeading:
                 # Keep the key: whoever leads next (this replica included) reconciles it afresh.

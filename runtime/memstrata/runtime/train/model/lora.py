@@ -115,7 +115,7 @@ def add_adapters(model: "PreTrainedModel", lora: Lora, arch: ModelArchitecture, 
 
 
 def gather_for_dora(model: Any) -> int:
-    """After `deepspeed.initialize`: DoRA's magnitude module reads its layer's base weight and the A and B weights
+    """After `deepspeed.initialize`: DoRA's magnitude module reads its layer's base weight (and bias) and the A and B weights
     in its own forward, outside the modules that own them, where ZeRO-3 holds them partitioned; registered as its
     external parameters, ZeRO-3 gathers them for it (and releases them after). The number of modules registered."""
     import deepspeed
@@ -127,7 +127,9 @@ def gather_for_dora(model: Any) -> int:
             continue
         dora = magnitudes[ADAPTER_NAME]
         for owner in (module.get_base_layer(), module.lora_A[ADAPTER_NAME], module.lora_B[ADAPTER_NAME]):
-            deepspeed.zero.register_external_parameter(dora, owner.weight)
+            for param in (owner.weight, getattr(owner, "bias", None)):  # the base's bias too (Qwen2, GPT-2)
+                if param is not None:
+                    deepspeed.zero.register_external_parameter(dora, param)
         done += 1
     return done
 

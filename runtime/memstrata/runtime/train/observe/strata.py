@@ -2,12 +2,14 @@
 
 The run's cumulative counters (the per-stratum bytes the job's status carries, the recipe's phase times, the swap
 layer's own counters) are read once per step; a step's numbers are the differences from the previous step's
-reading, so they add up to the run's totals. Bandwidths are a step's bytes over the step's wall time: what the
-step reached on average, which is what the step time pays for.
+reading, so they add up to the run's totals. A reading is taken after the step's evaluation, checkpoint and
+exports, so the bytes between two readings include theirs; bandwidths are those bytes over the wall time between the
+two readings (`time/interval_seconds`, at least the step's own `time/step_seconds`).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
+import time
 from dataclasses import dataclass, field
 
 from memstrata.api.report import StratumCounters
@@ -22,11 +24,13 @@ class Reading:
     moved: Mapping[str, tuple[int, int]]  # stratum -> (bytes written to it, bytes read from it), since the start
     phases: tuple[float, float, float]  # forward, backward, update seconds on the main thread, since the start
     swap: Mapping[str, float] = field(default_factory=dict)  # the swap layer's cumulative counters (memstrata)
+    at: float = 0.0  # time.perf_counter() when it was read
 
 
 def read_counters(strata: Mapping[str, StratumCounters], phases: Phases, swap: SwapStatus | None) -> Reading:
     return Reading(moved={k: (v.bytes_written, v.bytes_read) for k, v in strata.items()},
-                   phases=(phases.forward, phases.backward, phases.step), swap=_swap_counters(swap))
+                   phases=(phases.forward, phases.backward, phases.step), swap=_swap_counters(swap),
+                   at=time.perf_counter())
 
 
 def _swap_counters(swap: SwapStatus | None) -> dict[str, float]:
@@ -55,15 +59,17 @@ def held_bytes(rss: int, hbm: int | None, swap: SwapStatus | None, swap_dir_byte
 def step_scalars(before: Reading, after: Reading, seconds: float, held: Mapping[str, int]) -> dict[str, float]:
     """One step's scalars, by TensorBoard tag."""
     out: dict[str, float] = {f"strata/{k}_held_bytes": float(v) for k, v in sorted(held.items())}
+    interval = after.at - before.at
     for stratum, (written, read) in sorted(after.moved.items()):
         w0, r0 = before.moved.get(stratum, (0, 0))
         for direction, n in (("written", written - w0), ("read", read - r0)):
             out[f"io/{stratum}_{direction}_bytes"] = float(n)
-            if seconds > 0:
-                out[f"io/{stratum}_{direction}_bytes_per_second"] = n / seconds
+            if interval > 0:
+                out[f"io/{stratum}_{direction}_bytes_per_second"] = n / interval
     for name, now, then in zip(("forward", "backward", "update"), after.phases, before.phases):
         out[f"time/{name}_seconds"] = now - then
     out["time/step_seconds"] = seconds
+    out["time/interval_seconds"] = interval
     for name, now in sorted(after.swap.items()):
         out[f"swap/{name}"] = now - before.swap.get(name, 0.0)
     return out
