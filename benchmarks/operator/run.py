@@ -190,7 +190,7 @@ def batch_job(name: str) -> dict[str, Any]:
 async def measure(cp: ControlPlane, jobs: int, nodes: int, workdir: Path) -> dict[str, Any]:
     crd = os.environ.get("MEMSTRATA_E2E_CRD", str(CRD))  # see e2e/operator/conftest.py
     cp.kubectl("apply", "--server-side", "-f", crd)
-    cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+    cp.wait_established("finetunejobs.memstrata.dev")
     per_node = -(-jobs // nodes)
     cp.create(*[memstrata_node(f"bench-{i:03d}", inventory(f"bench-{i:03d}", dram_gib=64, gpus=per_node))
                 for i in range(nodes)])

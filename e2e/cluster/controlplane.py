@@ -214,6 +214,15 @@ class ControlPlane:
         self.kubectl("create", "namespace", name)
         self._wait_for_default_serviceaccount(name)
 
+    def wait_established(self, crd: str, timeout: float = 60) -> None:
+        """Until the CRD `crd` serves its kind. Polled here rather than by `kubectl wait`, which fails at once
+        ("status.conditions accessor error") when it reads the CRD before the API server has written any condition."""
+        def established() -> bool:
+            conditions = (self.get_json("crd", crd).get("status") or {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+        self.wait_for(f"CRD {crd} established", established, timeout=timeout)
+
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.25) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
@@ -300,7 +309,7 @@ class ControlPlane:
         if not crd.is_file():
             raise ControlPlaneError(f"kwok manifests missing in {self.share_dir}; re-run `make cluster-bins`")
         self.kubectl("apply", "--server-side", "-f", str(crd))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/stages.kwok.x-k8s.io")
+        self.wait_established("stages.kwok.x-k8s.io")
         stages = [f for f in files if f != crd]
         self.kubectl("apply", "--server-side", *(a for f in stages for a in ("-f", str(f))))
 

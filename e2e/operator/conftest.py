@@ -34,7 +34,7 @@ def memstrata_cluster(cluster: Any) -> Any:
     # installs exactly what a user installs.
     crd = os.environ.get("MEMSTRATA_E2E_CRD", str(CRD))
     cluster.kubectl("apply", "--server-side", "-f", crd)
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+    cluster.wait_established("finetunejobs.memstrata.dev")
     cluster.apply(succeed_stage(), pod_failure_stage())
     install_status_policy(cluster)
     return cluster
@@ -58,7 +58,7 @@ def quiet_cluster() -> Iterator[ControlPlane]:
     cp.start()
     try:
         cp.kubectl("apply", "--server-side", "-f", str(CRD))
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+        cp.wait_established("finetunejobs.memstrata.dev")
         install_status_policy(cp)
         yield cp
     finally:

@@ -100,7 +100,7 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
                            "--kube-version", "v1.36.4", "--set", f"operator.watchNamespaces={{{WATCHED}}}")
         docs = [d for d in yaml.safe_load_all(rendered) if d]
         cp.kubectl("apply", "--server-side", "-f", "-", input=rendered)
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+        cp.wait_established("finetunejobs.memstrata.dev")
         yield Installed(cp, docs)
     except BaseException:
         failed = True

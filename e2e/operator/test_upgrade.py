@@ -36,7 +36,7 @@ OLD_UID = "11111111-2222-4333-8444-555555555555"  # the uid the previous objects
 
 def _install_crd(cluster: Any, path: Path) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.memstrata.dev")
+    cluster.wait_established("finetunejobs.memstrata.dev")
 
 
 def _for(uid: str, objects: Any) -> Any:
