@@ -39,6 +39,8 @@ INVALID = [
     (lambda s: s["runPolicy"].update(backoffLimit=-1), "spec.runPolicy.backoffLimit"),
     (lambda s: s["training"].update(gradientAccumulaton=4), 'unknown field "spec.training.gradientAccumulaton"'),
     (lambda s: s["memory"].update(engine="zero-infinity"), "spec.memory.engine"),
+    (lambda s: s["training"].update(layerMajor=True, gradientAccumulation=1),
+     "training.layerMajor needs memory.engine memstrata, gradientAccumulation > 1"),
     (lambda s: s.update(volumes=[{"name": "runtime-config", "emptyDir": {}}]),
      "name must not be runtime-config: the operator's own volume"),
     (lambda s: s.update(volumes=[{"name": "data", "emptyDir": {}}],

@@ -19,6 +19,7 @@ from memstrata.api.families import FAMILIES
 from memstrata.api.finetunejob import (ADDED_TOKENS_LORA_RULE, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION,
                                       FineTuneJobSpec)
 from memstrata.api.jobstatus import FineTuneJobStatus
+from memstrata.api.layermajor import LAYER_MAJOR_RULE
 from memstrata.api.selection import EPOCHS_RULE, SELECTION_RULE
 
 PRINTER_COLUMNS = [
@@ -69,7 +70,7 @@ def spec_rules() -> list[JsonDict]:
             "self.checkpoint.path.startsWith(self.output.path + '/'))",
             "checkpoint.path must not be output.path or inside it: the model directory is created whole at the end",
             ".checkpoint.path"),
-        SELECTION_RULE, EPOCHS_RULE, ADDED_TOKENS_LORA_RULE,
+        SELECTION_RULE, EPOCHS_RULE, ADDED_TOKENS_LORA_RULE, LAYER_MAJOR_RULE,
     ]
     for name, arch in PRESETS.items():
         if arch.spec.learned_positions:

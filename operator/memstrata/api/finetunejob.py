@@ -19,6 +19,7 @@ from memstrata.api.bounds import MAX_BATCH, MAX_SEED, MAX_STEPS
 from memstrata.api.dataset import Dataset
 from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, ModelSource, Output, Volume, VolumeMount, under
 from memstrata.api.jobstatus import FineTuneJobStatus
+from memstrata.api.layermajor import layer_major_refusal
 from memstrata.api.lora import Lora, check_targets
 from memstrata.api.selection import EarlyStopping, selection_problem
 from memstrata.api.strataplan import Engine
@@ -115,6 +116,12 @@ class Training(ApiModel):
                                                          "prompt (through the chat template when the tokenizer has "
                                                          "one) goes to metrics.jsonl, TensorBoard and the log.")
     eval_sample_tokens: int = Field(32, gt=0, le=1024, description="The most tokens of that answer.")
+    layer_major: bool | None = Field(
+        None, description="Every micro-batch of a step through a layer before the next layer, so each weight is "
+                          "gathered (read from NVMe) once a forward and once a backward per step, not per "
+                          "micro-batch; it keeps gradientAccumulation x the activation checkpoints. Unset: on "
+                          "where the plan puts weights on NVMe; needs gradientAccumulation > 1, "
+                          "activationCheckpointing, lossChunkTokens > 0 and memory.engine memstrata.")
     schedule: LearningRateSchedule = LearningRateSchedule()
     optimizer: Optimizer = Optimizer()
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no "
@@ -268,6 +275,12 @@ class FineTuneJobSpec(ApiModel):
         selection = selection_problem(self.training, self.dataset)
         if selection is not None:
             raise ValueError(selection)
+        t = self.training
+        refusal = layer_major_refusal(engine=self.memory.engine, gradient_accumulation=t.gradient_accumulation,
+                                      activation_checkpointing=t.activation_checkpointing,
+                                      loss_chunk_tokens=t.loss_chunk_tokens) if t.layer_major else None
+        if refusal is not None:
+            raise ValueError(f"training.layerMajor: {refusal}")
         if self.model.added_tokens and self.training.method == "lora":
             raise ValueError(ADDED_TOKENS_LORA)
         adapter = self.training.adapter()

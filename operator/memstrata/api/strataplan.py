@@ -64,6 +64,10 @@ class Plan(BaseModel):
     activation_checkpointing: bool = Field(
         True, description="Whether the runtime must turn on gradient checkpointing: the working set was "
                           "counted with one layer's live activations (true) or every layer's (false).")
+    layer_major: bool = Field(
+        False, description="Whether the runtime runs every micro-batch of a step through a layer before the next "
+                           "(memstrata.api.layermajor): the checkpoints were counted for gradientAccumulation "
+                           "micro-batches at once.")
     feasible: bool
     categories: list[CategoryPlan]
     strata: list[StratumUse]

@@ -26,6 +26,7 @@ def job_shape(spec: FineTuneJobSpec) -> JobShape:
         engine=spec.memory.engine,
         activation_checkpointing=spec.training.activation_checkpointing,
         loss_chunk_tokens=spec.training.loss_chunk_tokens,
+        layer_major=spec.training.layer_major,
     )
 
 

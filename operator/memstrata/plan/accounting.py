@@ -84,6 +84,10 @@ class JobShape(BaseModel):
     # memstrata's sub-group unit when the planner chose one below the model's (`subgroup_unit`): a tight DRAM
     # budget streams smaller sub-groups and slices through smaller buffers. None: the model's own.
     sub_group_elements: int | None = Field(None, ge=SLICE_ALIGN_ELEMENTS)
+    # spec.training.layerMajor: every micro-batch of a step through a layer before the next one (memstrata.api.
+    # layermajor); None: the planner decides (on where weights go to NVMe). The byte counts below read it as on
+    # only when it is True, so a resolved shape is what they count.
+    layer_major: bool | None = None
 
     @model_validator(mode="after")
     def _one_rank_per_gpu(self) -> "JobShape":
@@ -105,6 +109,11 @@ class JobShape(BaseModel):
     def global_batch(self) -> int:
         """Sequences per optimizer step over the whole job: microBatch and gradientAccumulation are per rank."""
         return self.micro_batch * self.gradient_accumulation * self.world_size
+
+    @property
+    def waves(self) -> int:
+        """Micro-batches whose activation checkpoints live at once: gradientAccumulation run layer-major, else 1."""
+        return self.gradient_accumulation if self.layer_major else 1
 
     @property
     def weight_bytes(self) -> int:
@@ -154,7 +163,8 @@ def activation_bytes(job: JobShape) -> int:
     (`head_input_bytes`). Exact for the runtime's sdpa attention: it keeps no s x s score matrix."""
     m, w = job.model, job.weight_bytes
     tokens = job.sequence_length * job.micro_batch
-    return tokens * ((activation_layers(job) + 1) * layer_activation_bytes(m, w) + head_input_bytes(m, w))
+    # Layer-major, the final norm and the head run once over every micro-batch of the step.
+    return tokens * ((activation_layers(job) + 1) * layer_activation_bytes(m, w) + job.waves * head_input_bytes(m, w))
 
 
 def layer_activation_bytes(m: ModelArchitecture, w: int) -> int:
@@ -181,10 +191,11 @@ def reduce_bucket_elements(m: ModelArchitecture) -> int:
 
 
 def checkpoint_bytes(job: JobShape) -> int:
-    """One hidden state per layer per rank of the node (layers·s·b·h in the training precision, x ranks):
+    """One hidden state per layer per rank of the node (layers·s·b·h in the training precision, x ranks), and
+    layer-major x gradientAccumulation (every micro-batch of the step is between forward and backward at once):
     what activation checkpointing keeps from forward to backward; 0 without checkpointing."""
     m = job.model
-    kept = m.layers if job.activation_checkpointing else 0
+    kept = m.layers * job.waves if job.activation_checkpointing else 0
     return kept * job.sequence_length * job.micro_batch * m.hidden * job.weight_bytes * job.ranks
 
 

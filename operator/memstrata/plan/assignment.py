@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from memstrata.api.finetunejob import MemoryPolicy
 from memstrata.api.inventory import NodeInventory
+from memstrata.api.layermajor import layer_major_refusal
 from memstrata.api.strata import names, preferred_strata, registry, stratum, titles
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
 from memstrata.api.units import format_bytes
@@ -32,6 +33,7 @@ MEMSTRATA_ORDER = ("gradients", "checkpoints", "weights", "master", "optimizer")
 # A resident sub-group keeps its fp32 master and its two moments together: 4 of every 12 bytes are master.
 MASTER_SHARE = (4, STATE_BYTES_PER_ELEMENT)
 
+LAYER_MAJOR_NOTE = "layer-major"
 # Categories stock DeepSpeed places together: offload_optimizer moves master and
 # moments as one; offload_param moves all weights.
 STOCK_GROUPS = {"master": ("master", "optimizer"), "optimizer": ("master", "optimizer"), "weights": ("weights",)}
@@ -90,8 +92,19 @@ def _settle(job: JobShape, node: NodeInventory, policy: MemoryPolicy, read_ahead
     return plan
 
 
+def layer_major(job: JobShape, params_nvme: bool) -> JobShape:
+    """`job` with layer_major resolved: as the spec says, or (unset) on where weights go to NVMe, which it saves
+    2 x (gradientAccumulation - 1) reads of each a step; never where memstrata.api.layermajor refuses it."""
+    refused = layer_major_refusal(engine=job.engine, gradient_accumulation=job.gradient_accumulation,
+                                  activation_checkpointing=job.activation_checkpointing,
+                                  loss_chunk_tokens=job.loss_chunk_tokens)
+    wanted = params_nvme if job.layer_major is None else job.layer_major
+    return job.model_copy(update={"layer_major": bool(wanted) and refused is None})
+
+
 def _place(job: JobShape, node: NodeInventory, policy: MemoryPolicy, params_nvme: bool, optim_nvme: bool, *,
            read_ahead: int, streamed_bytes: int) -> Plan:
+    job = layer_major(job, params_nvme)
     ledger = capacities(job, node, policy)
     _place_working_set(job, node, ledger)
     _place_build(job, policy, ledger)
@@ -227,6 +240,7 @@ def _assemble(job: JobShape, node: NodeInventory, ledger: Ledger, read_ahead: in
         trainable_parameters=trained_parameters(job) if job.adapter_tensors is not None else None,
         engine=job.engine,
         activation_checkpointing=job.activation_checkpointing,
+        layer_major=bool(job.layer_major),
         feasible=not any(s.missing_bytes or s.message for s in ledger.shortfalls),
         categories=list(categories.values()),
         strata=[StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s],
@@ -243,7 +257,11 @@ def _assemble(job: JobShape, node: NodeInventory, ledger: Ledger, read_ahead: in
         global_batch=job.global_batch,
         rank_bytes={s: -(-sum(c.on(s) for c in categories.values()) // ranks) for s in names()},
         # A note on the namespaces is moot where nothing went to NVMe.
-        notes=(ledger.notes if nvme_bytes else [n for n in ledger.notes if not n.startswith(NVME_NOTE)]) + [
+        notes=(ledger.notes if nvme_bytes else [n for n in ledger.notes if not n.startswith(NVME_NOTE)]) + ([
+            f"{LAYER_MAJOR_NOTE}: the step's {job.gradient_accumulation} micro-batches pass each layer together, so "
+            f"each weight is gathered (read from NVMe) once a forward and once a backward per step, not "
+            f"{job.gradient_accumulation} times; the activation checkpoints are counted for all of them"]
+            if job.layer_major else []) + [
             f"{RUNTIME_NOTE}: each rank process's own DRAM beyond the job's tensors (Python with torch, DeepSpeed "
             f"and transformers, their allocators): up to {format_bytes(RUNTIME_PROCESS_BYTES)} a rank; a job's pod "
             f"asks for it on top of the plan"],
