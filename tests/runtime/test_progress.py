@@ -93,7 +93,7 @@ def test_report_fits_100_columns_and_shows_validation_output_and_sample() -> Non
         job="chat", model="/models/SmolLM2-135M-Instruct", parameters=134_515_008, precision="bf16",
         engine="memstrata", offload={"param": "nvme", "optimizer": "nvme"}, steps=5, tokens=2_560,
         tokens_per_second=50.0, losses=losses, loss=LossSummary.of(losses), peak_rss_bytes=3 << 30,
-        learning_rates=[0.0, 1e-3, 2e-3, 1.1e-3, 2e-4], schedule="cosine to 0.1x, 2 warmup steps",
+        learning_rates=[0.0, 1e-3, 2e-3, 1.1e-3, 2e-4], schedule="cosine to 0.1x, 2 warmup steps", layer_major=8,
         load_peak_rss_bytes=2 << 30, model_bytes=269 << 20, validation_losses={0: 2.72, 5: 0.19},
         output=OutputStatus(path="/output/chat", step=5, files=6, bytes=269 << 20),
         sample=Sample(prompt="What is the capital of Vosessa?", before="It is Paris.", after="Brengate."),
@@ -111,6 +111,7 @@ def test_report_fits_100_columns_and_shows_validation_output_and_sample() -> Non
     assert "2.0 GiB by the end of loading (269.0 MiB of weights)" in text
     assert "/output/chat (6 files, 269.0 MiB of weights, step 5)" in text
     assert "It is Paris." in text and "Brengate." in text
+    assert "weights -> nvme, optimizer state -> nvme; 8 micro-batches layer-major" in text
 
 
 def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:

@@ -245,6 +245,21 @@ SEAM: tuple[Dependency, ...] = (
     Dependency(Kind.ATTRIBUTE, "deepspeed.ops.adam.DeepSpeedCPUAdam", "opt_id", "which C++ optimizer that is",
                set_in="__init__"),
     Dependency(Kind.CALLED, "deepspeed.comm", "get_world_size", "a checkpoint records the world size", params=()),
+    # -- layer-major micro-batches (train.model.layermajor): a layer's parameters held gathered across its calls --
+    Dependency(Kind.ATTRIBUTE, _INIT, "ds_active_sub_modules", "a mark in it keeps ZeRO-3 from releasing a layer's "
+               "parameters between its micro-batches", set_in="_convert_to_deepspeed_param", on="param"),
+    Dependency(Kind.ATTRIBUTE, _INIT, "ds_persist", "persistent parameters are never held or released",
+               set_in="_convert_to_deepspeed_param", on="param"),
+    Dependency(Kind.ATTRIBUTE, _INIT, "is_external_param", "an external parameter is its owner's to release",
+               set_in="_convert_to_deepspeed_param", on="param"),
+    Dependency(Kind.ATTRIBUTE, _Z3, "parameter_offload", "the engine's parameter offload, whose coordinator "
+               "releases a held layer", set_in="__init__"),
+    Dependency(Kind.CALLED, f"{_ZERO}.parameter_offload.DeepSpeedZeRoOffload", "get_param_coordinator",
+               "the coordinator that gathered the parameters", params=()),
+    # IMPORTED, not CALLED: its nvtx decorator hides the signature (`**kwargs`); memstrata passes the parameter alone.
+    Dependency(Kind.IMPORTED, f"{_ZERO}.partitioned_param_coordinator.PartitionedParameterCoordinator",
+               "_PartitionedParameterCoordinator__release_param", "releases a held parameter with ZeRO-3's own "
+               "checks and its count of gathered elements"),
     # -- the one transformers internal (train.model.hfmodel): its public activation_checkpointing_enable takes
     # only torch's checkpoint, and the offloaded checkpoints need their own function around it (swap.activations) --
     Dependency(Kind.CALLED, "transformers.modeling_utils.PreTrainedModel", "_set_gradient_checkpointing",

@@ -116,9 +116,10 @@ class Note:
 
 
 def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swap_dir: Path,
-                    on_gpu: bool, world: int = 1) -> DsConfig:
+                    on_gpu: bool, world: int = 1, *, layer_major: bool = False) -> DsConfig:
     """The ds_config for one rank of `world` running `training` with `plan`'s offload devices (microBatch and
-    gradientAccumulation are per rank, so the global batch is their product times `world`)."""
+    gradientAccumulation are per rank, so the global batch is their product times `world`); `layer_major`: the
+    runtime runs the step's micro-batches layer-major (the plan's choice, where the model's loss allows it)."""
     note = Note()
     param_dev, optim_dev = offload_devices(plan)
     # In the order the record lists them: offload, sub-groups and buckets, precision, then the rest.
@@ -128,10 +129,16 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
     zero = {**_stage3(note), "offload_param": offload_param, "offload_optimizer": offload_optimizer,
             "sub_group_size": sub_group, **_buckets(note, arch)}
     precision = _precision(note, training)
+    micro, steps = training.micro_batch, training.gradient_accumulation
+    if layer_major:  # one forward and backward of all the step's micro-batches, layer by layer
+        micro, steps = note("train_micro_batch_size_per_gpu", micro * steps, micro,
+                            "layer-major: DeepSpeed sees the step's micro-batches as one forward "
+                            "and one backward; each runs every layer alone (memstrata.runtime.train.model."
+                            "layermajor)"), 1
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": training.micro_batch,
-        "gradient_accumulation_steps": training.gradient_accumulation,
-        "train_batch_size": training.micro_batch * training.gradient_accumulation * world,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": steps,
+        "train_batch_size": micro * steps * world,
         "steps_per_print": note("steps_per_print", 1 << 30, 10,
                                 "memstrata's progress bar reports every step; DeepSpeed's own lines would break it"),
         "wall_clock_breakdown": False,

@@ -154,6 +154,22 @@ def loss_chunk_tokens(training: Training, config: Any) -> int:
     return 0
 
 
+def runs_layer_major(training: Training, plan: Plan, chunk_tokens: int) -> bool:
+    """Whether the runtime runs the step's micro-batches layer-major: where the plan says so and the loss is chunked
+    (`chunk_tokens`, which `loss_chunk_tokens` turns to 0 for a model whose own loss is more than the head's: then a
+    job that asked for layer-major is refused, and the planner's choice quietly dropped)."""
+    if not plan.layer_major:
+        return False
+    if chunk_tokens:
+        return True
+    if training.layer_major:
+        raise RecipeError("spec.training.layerMajor: this model's loss cannot be taken chunk by chunk, so its "
+                          "micro-batches' losses cannot be taken apart: set layerMajor: false")
+    logging.getLogger(__name__).warning("memstrata: the micro-batches run one after the other (not layer-major): "
+                                        "this model's loss is computed over whole logits")
+    return False
+
+
 def visible_gpus() -> int:
     """The CUDA devices torch sees here (CUDA_VISIBLE_DEVICES and the container's devices applied). Asked of torch,
     not of the driver's /proc files: a container can be handed a GPU without them."""

@@ -20,13 +20,14 @@ number it reports (loss, tokens, validation loss) is the whole world's.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import warnings
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from memstrata.api.finetunejob import FineTuneJob
 from memstrata.api.jobdata import DEFAULT_SHARD
@@ -34,19 +35,22 @@ from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.strataplan import Plan
 from memstrata.runtime.train.checkpoints.checkpoint import CheckpointError, CheckpointWriteError, Resumed
+from memstrata.runtime.train.data.packing import Batch
 from memstrata.runtime.train.data.pipeline import ByteTokenizer, TrainData, build_data
 from memstrata.runtime.train.best import Selection, reclaim_best_partials
+from memstrata.runtime.train.evaluation import validation_loss
 from memstrata.runtime.train.model.generate import engine_answer
 from memstrata.runtime.train.epochs import with_epoch_steps
 from memstrata.runtime.train.model.export import reclaim_partials
 from memstrata.runtime.train.observe.metrics import Phases, StepResult, TrainResult
 from memstrata.runtime.train.launch import world_sum
+from memstrata.runtime.train.model.layermajor import LayerMajor, LayerMajorError
 from memstrata.runtime.train.model.owner import Ownership, own, reclaim
 from memstrata.runtime.train.observe.device import PhaseClock, hbm_peak_bytes, synchronizer
 from memstrata.runtime.train.dsconfig import DsConfig, build_ds_config, deepspeed_swap_refusal
 from memstrata.runtime.train.preflight import (
     RecipeError, check_adapter, checkpoints, engine_of, hf_config, loss_chunk_tokens, on_gpu_for, rank_of, read_model,
-    read_output, job_tokenizer,
+    read_output, job_tokenizer, runs_layer_major,
 )
 from memstrata.runtime.train.building import build_engine, setup_distributed, torch_dtype
 from memstrata.runtime.swap.protocols import TrainingEngine
@@ -57,8 +61,6 @@ from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces,
 
 if TYPE_CHECKING:
     import torch
-
-    from memstrata.runtime.train.data.packing import Batch
 
 SWAP_DIR_PREFIX = "memstrata-run-"  # a run's scratch directory under the NVMe path (one per run and rank)
 
@@ -81,6 +83,8 @@ class FineTuneRecipe:
         if self.hf_config is not None:
             self.hf_config.vocab_size = self.arch.vocab
         self.loss_chunk_tokens = loss_chunk_tokens(spec.training, self.hf_config)
+        self.runs_layer_major = runs_layer_major(spec.training, plan, self.loss_chunk_tokens)
+        self.layer_major: LayerMajor | None = None  # installed on the engine's model in setup
         self.adapter = check_adapter(spec, self.hf_config, self.arch, preset=self.model_dir is None)
         self.tokenizer = job_tokenizer(spec, self.model_dir, self.arch)
         self.data: TrainData | None = None
@@ -139,7 +143,7 @@ class FineTuneRecipe:
         bound_host_heap()  # before the model exists: the heap then holds only what the plan counts
         self.load_data()
         self.ds = build_ds_config(self.plan, self.arch, self.spec.training, self.ds_swap_dir, self.on_gpu,
-                                  world=self.ranks.world)
+                                  world=self.ranks.world, layer_major=self.runs_layer_major)
         if self.engine_name == "memstrata":
             try:
                 # The plan's bytes size the DRAM cache and the namespaces of the node; its ranks share them.
@@ -157,6 +161,11 @@ class FineTuneRecipe:
         self._setup_distributed()
         self._agree_on_resuming()
         self.engine = self._setup_engine(self.ds)
+        if self.runs_layer_major:
+            try:
+                self.layer_major = LayerMajor.install(self.engine, self.spec.training.gradient_accumulation)
+            except LayerMajorError as exc:
+                raise RecipeError(str(exc)) from None
         if self.checkpointer is not None and self.found is not None:
             try:
                 self.resumed = self.checkpointer.resume(self.engine, self.found)
@@ -217,34 +226,26 @@ class FineTuneRecipe:
         return self.engine(**batch.model_inputs(self.engine.device), use_cache=False).loss
 
     def evaluate(self) -> float | None:
-        """Mean loss over the validation batches (None when the dataset has none), the same on every rank.
-
-        Rank r evaluates batches r, r + W, ...; ZeRO-3 gathers every parameter in each forward, a collective, so a
-        rank with one batch fewer than the others runs one more forward whose loss it does not count. The mean is
-        over all batches, as one rank would have taken it."""
-        import torch
-
+        """Mean loss over the validation batches (None when the dataset has none), the same on every rank; the
+        answer to training.evalSamplePrompt goes to `self.sample`."""
         if self.engine is None or self.data is None:
             raise RuntimeError("FineTuneRecipe.evaluate() called before setup()")
-        batches = self.data.validation(self.spec.training.micro_batch)
-        if not batches:
-            return None
-        r, world = self.ranks.rank, self.ranks.world
-        mine = batches[r::world]
-        forwards = -(-len(batches) // world)  # what the rank with the most batches runs
-        self.engine.eval()
-        try:
-            with torch.no_grad():
-                losses = [float(self._loss(batch).float()) for batch in mine]
-                for _ in range(forwards - len(mine)):
-                    self._loss(batches[0])  # not counted: keeps this rank in step with the others' gathers
-            t = self.spec.training
-            self.sample = (engine_answer(self.engine.module, self.tokenizer, t.eval_sample_prompt,
-                                         t.eval_sample_tokens, self.device()) if t.eval_sample_prompt else None)
-        finally:
-            self.engine.train()
-        total, count = world_sum(self.ranks, self.engine.device, sum(losses), len(losses))
-        return total / count
+        t, engine = self.spec.training, self.engine
+
+        def sample() -> str | None:
+            return (engine_answer(engine.module, self.tokenizer, t.eval_sample_prompt, t.eval_sample_tokens,
+                                  self.device()) if t.eval_sample_prompt else None)
+
+        batches = self.data.validation(t.micro_batch)
+        loss, answer = validation_loss(engine, batches, self.ranks, self._loss, sample)
+        if batches:
+            self.sample = answer
+        return loss
+
+    def _micro_steps(self, batches: Iterator["Batch"]) -> list["Batch"]:
+        """The forwards of one step: its micro-batches, or layer-major all of them stacked as one."""
+        taken = [next(batches) for _ in range(self.spec.training.gradient_accumulation)]
+        return [Batch.stacked(taken)] if self.layer_major is not None else taken
 
     def train(self, on_step: Callable[[StepResult], None],
               on_validation: Callable[[int, float], None] | None = None) -> TrainResult:
@@ -272,18 +273,9 @@ class FineTuneRecipe:
                 on_validation(0, before)
         clock = PhaseClock(synchronizer(self.device()))
         for step in range(done + 1, t.steps + 1):
-            started, losses = clock.start(), []
+            started = clock.start()
             rate = self.engine.get_lr()[0]  # the scheduler set it after the previous update
-            for _ in range(t.gradient_accumulation):
-                batch = next(batches)
-                clock.start()
-                loss = self._loss(batch)
-                self.phases.forward += clock.lap()
-                self.engine.backward(loss)
-                self.phases.backward += clock.lap()
-                self.engine.step()  # DeepSpeed only updates at the accumulation boundary
-                self.phases.step += clock.lap()
-                losses.append(float(loss.detach().float()))
+            losses = [self._micro_step(batch, clock) for batch in self._micro_steps(batches)]
             # The step's loss is the mean over every rank's micro-batches (what one rank with all of them would
             # report), the same on every rank, so a non-finite loss stops all of them together.
             value = world_sum(self.ranks, self.engine.device, sum(losses) / len(losses))[0] / world
@@ -304,6 +296,21 @@ class FineTuneRecipe:
                 result.stopped_early = f"stopped early after step {step}: {self.selection.stop_reason}"
                 break
         return result
+
+    def _micro_step(self, batch: "Batch", clock: PhaseClock) -> float:
+        """Forward, backward and DeepSpeed's step (which updates only at the accumulation boundary); the loss."""
+        assert self.engine is not None
+        clock.start()
+        with self.layer_major.step() if self.layer_major is not None else contextlib.nullcontext():
+            loss = self._loss(batch)
+        self.phases.forward += clock.lap()
+        self.engine.backward(loss)
+        if self.layer_major is not None:
+            self.layer_major.settle()  # no layer stays gathered into the update
+        self.phases.backward += clock.lap()
+        self.engine.step()
+        self.phases.step += clock.lap()
+        return float(loss.detach().float())
 
     def _evaluate_after(self, record: StepResult, result: TrainResult) -> None:
         """The validation loss after `record`'s step, which may make its model the best kept so far."""

@@ -163,6 +163,7 @@ def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: T
         resumed_from=recipe.resumed.step if recipe.resumed is not None else None,
         learning_rates=[s.learning_rate for s in result.steps if s.learning_rate is not None],
         schedule=describe(spec.training.schedule, spec.training.steps),
+        layer_major=spec.training.gradient_accumulation if recipe.layer_major is not None else 0,
         peak_rss_bytes=watch.peak_rss,
         strata=_strata(watch, recipe.swap_status, recipe.hbm_peak_bytes),
         memstrata=recipe.swap_status,

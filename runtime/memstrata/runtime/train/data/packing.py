@@ -43,6 +43,13 @@ class Batch(tuple[Any, ...]):
         batch.position_ids = position_ids
         return batch
 
+    @classmethod
+    def stacked(cls, batches: list["Batch"]) -> "Batch":
+        """`batches`' rows as one batch, in order (layer-major: memstrata.runtime.train.model.layermajor)."""
+        import torch
+
+        return cls(*(torch.cat(parts) for parts in zip(*((*b, b.position_ids) for b in batches))))
+
     def model_inputs(self, device: "torch.device | str") -> dict[str, "torch.Tensor"]:
         """The keyword arguments of a Hugging Face causal LM's forward, on `device`."""
         ids, labels = self

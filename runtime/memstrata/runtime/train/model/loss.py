@@ -74,7 +74,12 @@ def _head_forward(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
                   chunk_tokens: int) -> torch.Tensor:
     if labels is None:
         return F.linear(hidden, head.weight, head.bias)
-    return chunked_cross_entropy(hidden, head.weight, head.bias, labels, chunk_tokens)
+    # Layer-major (memstrata.runtime.train.model.layermajor): the rows are that many micro-batches stacked, and the
+    # loss is the mean of their own means, as DeepSpeed accumulates loss / G over a loop of them.
+    groups = getattr(head, "memstrata_groups", 1)
+    losses = [chunked_cross_entropy(h, head.weight, head.bias, y, chunk_tokens)
+              for h, y in zip(hidden.chunk(groups), labels.chunk(groups))]
+    return losses[0] if groups == 1 else torch.stack(losses).mean()
 
 
 def _model_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,

@@ -131,6 +131,8 @@ class RunReport(BaseModel):
     resumed_from: int | None = None
     learning_rates: list[float] = Field([], description="The learning rate each step was taken with.")
     schedule: str = Field("", description="spec.training.schedule in words: 'cosine to 0.1x, 10 warmup steps'.")
+    layer_major: int = Field(0, ge=0, description="Micro-batches a step that went through each layer together "
+                                                  "(training.layerMajor); 0: one after the other.")
     peak_rss_bytes: int
     load_peak_rss_bytes: int = Field(0, description="Peak RSS of the process tree by the end of building and "
                                                      "loading the model (before the first step).")
@@ -171,7 +173,8 @@ def render_report(r: RunReport, console: Console | None = None, *, verbose: bool
     console.print(f"\n[bold]memstrata run: {r.job}[/bold]", highlight=False)
     lora = f", LoRA {r.trainable_parameters:,}" if r.trainable_parameters is not None else ""  # what trained
     line("model", f"{r.model} ({r.parameters:,} parameters{lora}, {r.precision})")
-    line("engine", f"{r.engine}: weights -> {r.offload['param']}, optimizer state -> {r.offload['optimizer']}")
+    waves = f"; {r.layer_major} micro-batches layer-major" if r.layer_major else ""
+    line("engine", f"{r.engine}: weights -> {r.offload['param']}, optimizer state -> {r.offload['optimizer']}{waves}")
     if r.loss is None:
         line("loss", f"- (resumed at step {r.resumed_from}, the last: nothing left to train)")
     else:
