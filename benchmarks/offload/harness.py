@@ -133,6 +133,34 @@ def build_zero3(arch: Any, cfg: dict[str, Any], args: argparse.Namespace, swap: 
     return model, layer
 
 
+def micro_steps(engine: Any, micro: list[Any], waves: Any, clock: Any, mem: PhaseMemory
+                ) -> tuple[list[float], float, float]:
+    """Forward and backward of a step's micro-batches (`waves`: memstrata's LayerMajor, which takes them stacked
+    as one), each but the last followed by DeepSpeed's step, which only counts it; (losses, forward s, backward
+    s). The caller runs the last step() itself."""
+    import contextlib
+
+    import torch
+
+    batches = [torch.cat(micro)] if waves is not None else micro
+    losses, forward, backward = [], 0.0, 0.0
+    for i, ids in enumerate(batches):
+        mem.phase = "forward"
+        clock.start()
+        with waves.step() if waves is not None else contextlib.nullcontext():
+            loss = engine(input_ids=ids, labels=ids).loss
+        forward += clock.lap()
+        mem.phase = "backward"
+        engine.backward(loss)
+        if waves is not None:
+            waves.settle()
+        backward += clock.lap()
+        losses.append(float(loss.detach().float()))
+        if i < len(batches) - 1:
+            engine.step()  # a micro-step: DeepSpeed updates only at the boundary
+    return losses, forward, backward
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["stock", "memstrata"], required=True)
@@ -164,7 +192,15 @@ def main(argv: list[str] | None = None) -> int:
                                                        "and --checkpointing")
     ap.add_argument("--checkpointing", action="store_true",
                     help="activation checkpointing (memstrata: its offload; stock: torch's checkpoint)")
+    ap.add_argument("--accumulation", type=int, default=1,
+                    help="micro-batches of --batch per step (gradient accumulation); above 1 every engine takes "
+                         "its loss chunk by chunk (memstrata.runtime.train.model.loss), as the runtime does")
+    ap.add_argument("--layer-major", action="store_true",
+                    help="memstrata: run the step's micro-batches layer-major (memstrata.runtime.train.model."
+                         "layermajor), as the runtime does where weights are on NVMe; implies --checkpointing")
     args = ap.parse_args(argv)
+    if args.layer_major:
+        args.checkpointing = args.zero_init = True
     if args.gpu:
         args.zero_init = args.checkpointing = True
 
@@ -199,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     param_device=args.param_device, optim_device=args.optim_device, pin=args.gpu)
     if args.sub_group_size:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
+    waves = args.accumulation if args.layer_major else 1  # micro-batches in one forward
+    cfg.update(train_micro_batch_size_per_gpu=args.batch * waves, train_batch_size=args.batch * args.accumulation,
+               gradient_accumulation_steps=args.accumulation // waves)
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
     disks = [d for d in args.diskstats.split(",") if d]
     io_marks = [snapshot(disks)] if disks else []
@@ -220,10 +259,15 @@ def main(argv: list[str] | None = None) -> int:
                                                  betas=tuple(opt_params["betas"]), eps=opt_params["eps"],
                                                  weight_decay=opt_params["weight_decay"])
         del init_kw["model_parameters"]
+    if args.accumulation > 1:
+        from memstrata.runtime.train.model.loss import install_chunked_loss
+
+        install_chunked_loss(model, args.batch * args.seq)
     params = arch.parameters() if args.zero_init else sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {"engine": args.engine, "preset": args.preset, "params": params, "config": cfg,
                            "losses": [], "step_seconds": [], "phases": {"forward": [], "backward": [], "update": []},
-                           "zero_init": args.zero_init, "gpu": args.gpu, "checkpointing": args.checkpointing}
+                           "zero_init": args.zero_init, "gpu": args.gpu, "checkpointing": args.checkpointing,
+                           "accumulation": args.accumulation, "layer_major": args.layer_major}
     t0 = t_build if args.zero_init else time.perf_counter()  # under zero.Init, building is part of init
     if args.engine == "stock":
         engine, _, _, _ = deepspeed.initialize(**init_kw)
@@ -242,17 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     if layer is not None:  # what init moved, so step 1's bytes are its own
         out["nvme_by_kind_init"] = {k: list(v) for k, v in layer.counters.by_kind.items()}
     clock = PhaseClock(synchronizer(device))
+    waves = None
+    if args.layer_major:
+        from memstrata.runtime.train.model.layermajor import LayerMajor
+
+        waves = LayerMajor.install(engine, args.accumulation)
     for step in range(1, args.steps + 1):
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
+        micro = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
+                 for _ in range(args.accumulation)]
         if disks:
             io_marks.append(snapshot(disks))
         s0 = clock.start()
-        mem.phase = "forward"
-        loss = engine(input_ids=ids, labels=ids).loss
-        s1 = s0 + clock.lap()
-        mem.phase = "backward"
-        engine.backward(loss)
-        s2 = s1 + clock.lap()
+        losses, forward, backward = micro_steps(engine, micro, waves, clock, mem)
+        s1, s2 = s0 + forward, s0 + forward + backward
         mem.phase = "update"
         if args.pause_at_step == step:
             out["paused"] = True
@@ -262,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(3600)  # the test kills us here, mid-step, with I/O state live
         engine.step()
         s3 = s2 + clock.lap()
-        out["losses"].append(float(loss.detach().float()))
+        out["losses"].append(sum(losses) / len(losses))
         out["phases"]["forward"].append(s1 - s0)
         out["phases"]["backward"].append(s2 - s1)
         out["phases"]["update"].append(s3 - s2)
