@@ -39,6 +39,10 @@ def spec(**training: Any) -> FineTuneJobSpec:
      "adapters: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"),
     ({"method": "lora", "lora": {"targetModules": ["lm_head"]}}, "training.lora.targetModules: lm_head: not"),
     ({"method": "qlora"}, "training.method\n  Input should be 'full' or 'lora'"),
+    ({"method": "lora", "lora": {"modulesToSave": ["wte"]}}, "training.lora.modulesToSave: wte: not a module memstrata "
+     "trains beside LoRA on a Llama-family model (it may name embed_tokens and lm_head)"),
+    ({"method": "lora", "lora": {"modulesToSave": ["embed_tokens", "lm_head", "norm"]}},
+     "training.lora.modulesToSave\n  List should have at most 2 items"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_field(training: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError) as info:
@@ -73,6 +77,32 @@ def test_dora_adds_one_trained_magnitude_per_output_feature_of_each_targeted_mod
     sizes = adapter_tensor_sizes(PRESETS["llama3-8b"], Lora(use_dora=True))
     assert sizes[:6] == [16 * 4096, 4096 * 16, 4096, 16 * 4096, 1024 * 16, 1024]
     assert sum(sizes) == 6_815_744 + 32 * (4096 + 1024)
+
+
+def test_modules_to_save_train_their_whole_tensors_and_count_once_where_tied() -> None:
+    # Llama-3-8B's own head: the embedding before the adapters, the head after them, 128256 x 4096 each.
+    llama = PRESETS["llama3-8b"]
+    sizes = adapter_tensor_sizes(llama, Lora(modules_to_save=["embed_tokens", "lm_head"]))
+    assert sizes[0] == sizes[-1] == 128256 * 4096 and sum(sizes) == 6_815_744 + 2 * 128256 * 4096
+    # GPT-2 ties its head to the embedding (wte): one tensor, which both names must name.
+    gpt = PRESETS["gpt-125m"]
+    tied = adapter_tensor_sizes(gpt, Lora(modules_to_save=["wte", "lm_head"]))
+    assert tied[0] == 50304 * 768 and tied[-1] != 50304 * 768
+    with pytest.raises(ValueError, match="training.lora.modulesToSave: lm_head: this model's LM head is its input "
+                                         "embedding \\(tied\\), so training one trains both: name both"):
+        adapter_tensor_sizes(gpt, Lora(modules_to_save=["lm_head"]))
+
+
+def test_modules_to_save_are_planned_as_trained_base_weights() -> None:
+    from memstrata.plan import category_bytes, job_shape
+
+    plain, saved = (job_shape(spec(method="lora", lora=lora)) for lora in ({}, {"modulesToSave": ["embed_tokens",
+                                                                                                    "lm_head"]}))
+    before, after = category_bytes(plain), category_bytes(saved)
+    extra = 2 * 128256 * 4096
+    assert after["weights"] == before["weights"]  # weights the model has anyway
+    assert after["gradients"] - before["gradients"] == extra * 2  # bf16
+    assert after["master"] - before["master"] == extra * 4 and after["optimizer"] - before["optimizer"] == extra * 8
 
 
 def test_the_crd_carries_the_rules() -> None:

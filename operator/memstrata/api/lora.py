@@ -51,6 +51,13 @@ class Lora(ApiModel):
                                               "at the weight's column norms) times the direction W + scaling x B x A; "
                                               "the magnitudes train with the adapters and are counted by the planner.")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    modules_to_save: list[ModuleName] | None = Field(
+        None, min_length=1, max_length=2,
+        description="Modules outside the layers that train whole beside the adapters and are saved in the adapter, "
+                    "as PEFT's modules_to_save: the input embedding (embed_tokens; GPT-2: wte) and the LM head "
+                    "(lm_head), e.g. to learn a new chat format's tokens. Where the head is tied to the embedding "
+                    "they are one tensor: name both. Their gradients, fp32 master and Adam moments are counted.",
+        json_schema_extra={"x-kubernetes-list-type": "set"})
     merge_on_save: bool = Field(
         False, description="Also write the base model with the adapters merged in (W + alpha / rank x B x A), a plain "
                            "Hugging Face model, to `<output.path>/merged`.")
@@ -86,6 +93,38 @@ def linear_names(arch: ModelArchitecture) -> list[str]:
     return list(dict.fromkeys(name for name, _, _ in layer_linears(arch)))
 
 
+HEAD = "lm_head"
+
+
+def savable_modules(arch: ModelArchitecture) -> list[str]:
+    """What training.lora.modulesToSave may name for `arch`'s family: its input embedding and the LM head."""
+    return [family_of(arch.family).embedding_module, HEAD]
+
+
+def modules_to_save_problem(lora: Lora, arch: ModelArchitecture) -> str | None:
+    """Why training.lora.modulesToSave cannot be trained as named on `arch` (None: it can)."""
+    named, savable = lora.modules_to_save or [], savable_modules(arch)
+    unknown = [n for n in named if n not in savable]
+    if unknown:
+        return (f"training.lora.modulesToSave: {', '.join(unknown)}: not a module memstrata trains beside LoRA on a "
+                f"{arch.spec.title} model (it may name {' and '.join(savable)})")
+    if arch.tied and len(set(named)) == 1:
+        return (f"training.lora.modulesToSave: {named[0]}: this model's LM head is its input embedding (tied), so "
+                f"training one trains both: name both ({' and '.join(savable)}), which PEFT then loads as one")
+    return None
+
+
+def saved_tensor_sizes(arch: ModelArchitecture, lora: Lora) -> tuple[list[int], list[int]]:
+    """(before, after): elements of the base tensors training.lora.modulesToSave trains, that come before the
+    layers' adapters in `model.parameters()` (the embedding) and after them (an untied head; a tied one is the
+    embedding's tensor, counted once)."""
+    named, (embedding, _) = set(lora.modules_to_save or []), savable_modules(arch)
+    rows = arch.vocab * arch.hidden
+    before = [rows] if embedding in named or (arch.tied and HEAD in named) else []
+    after = [rows] if HEAD in named and not arch.tied else []
+    return before, after
+
+
 def unknown_targets(lora: Lora, arch: ModelArchitecture) -> list[str]:
     known = set(linear_names(arch))
     return [t for t in lora.targets(arch) if t not in known]
@@ -98,14 +137,18 @@ def check_targets(lora: Lora, arch: ModelArchitecture) -> None:
         raise ValueError(f"training.lora.targetModules: {', '.join(unknown)}: not a linear module of a "
                          f"{arch.spec.title} "
                          f"model's layers (those that take adapters: {', '.join(linear_names(arch))})")
+    saving = modules_to_save_problem(lora, arch)
+    if saving is not None:
+        raise ValueError(saving)
 
 
 def adapter_tensor_sizes(arch: ModelArchitecture, lora: Lora) -> list[int]:
-    """Elements of every adapter tensor, in `model.parameters()` order (A, B, then DoRA's magnitude in each
-    module): what trains under LoRA. A module with in and out features gets rank·in + out·rank, and out more with
-    DoRA."""
+    """Elements of every tensor that trains under LoRA, in `model.parameters()` order: the adapters (A, B, then
+    DoRA's magnitude in each module), with the base tensors modulesToSave names around them (`saved_tensor_sizes`).
+    A module with in and out features gets rank·in + out·rank, and out more with DoRA."""
     check_targets(lora, arch)
     wanted, r = set(lora.targets(arch)), lora.rank
     layer = [n for name, fan_in, fan_out in layer_linears(arch) if name in wanted
              for n in (r * fan_in, fan_out * r, *((fan_out,) if lora.use_dora else ()))]
-    return layer * arch.layers
+    before, after = saved_tensor_sizes(arch, lora)
+    return before + layer * arch.layers + after

@@ -4,7 +4,7 @@
 """
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.inventory import NodeInventory
-from memstrata.api.lora import adapter_tensor_sizes
+from memstrata.api.lora import adapter_tensor_sizes, saved_tensor_sizes
 from memstrata.plan.accounting import JobShape, build_transient, category_bytes, working_set
 from memstrata.plan.buffers import pinned_buffers
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, Shortfall, StratumUse
@@ -16,6 +16,7 @@ def job_shape(spec: FineTuneJobSpec) -> JobShape:
     return JobShape(
         model=model,
         adapter_tensors=tuple(adapter_tensor_sizes(model, adapter)) if adapter is not None else None,
+        saved_elements=sum(map(sum, saved_tensor_sizes(model, adapter))) if adapter is not None else 0,
         sequence_length=spec.training.sequence_length,
         micro_batch=spec.training.micro_batch,
         precision=spec.training.precision,

@@ -81,6 +81,9 @@ class JobShape(BaseModel):
     # spec.training.method lora: the adapter tensors' elements in parameter order (memstrata.api.lora.
     # adapter_tensor_sizes), the only ones that train; None: a full fine-tune, where every tensor trains.
     adapter_tensors: tuple[int, ...] | None = None
+    # Of those, the elements of base tensors that train whole (training.lora.modulesToSave): weights the model has
+    # anyway, not extra ones.
+    saved_elements: int = Field(0, ge=0)
     # memstrata's sub-group unit when the planner chose one below the model's (`subgroup_unit`): a tight DRAM
     # budget streams smaller sub-groups and slices through smaller buffers. None: the model's own.
     sub_group_elements: int | None = Field(None, ge=SLICE_ALIGN_ELEMENTS)
@@ -331,12 +334,15 @@ def category_bytes(job: JobShape) -> dict[str, int]:
     beside the parameters in every precision. A node holds `partition` of each: x ranks / world_size.
     With LoRA only the A adapter elements train: weights (P + A)·w, gradients A·w, master 4A, moments 8A; the
     frozen base weights have no gradient and no optimizer state (ZeRO-3 builds both for trainable tensors only).
+    Base tensors LoRA trains whole (modulesToSave, S elements) count as trained but not as extra weights:
+    weights (P + A)·w, gradients (A + S)·w, master 4(A + S), moments 8(A + S).
     Activation checkpoints (`checkpoint_bytes`) are a category of their own only on memstrata's engine,
     which offloads them to the host (memstrata.runtime.swap.activations); stock DeepSpeed keeps them
     beside the compute, in `working_set`.
     """
     p, w, t = job.model.parameters(), job.weight_bytes, trained_parameters(job)
-    adapters = t if job.adapter_tensors is not None else 0  # LoRA's A and B are weights beside the frozen base
+    # LoRA's A and B are weights beside the frozen base (a module it saves whole is a base weight already).
+    adapters = t - job.saved_elements if job.adapter_tensors is not None else 0
     whole = {"weights": (p + adapters) * w, "gradients": t * w, "master": 4 * t, "optimizer": 8 * t}
     return {
         **{name: partition(total, job) for name, total in whole.items()},

@@ -61,6 +61,8 @@ class ModelFamily:
     lora_defaults: ClassVar[tuple[str, ...]]
     # The linear modules store their weight transposed (GPT-2's Conv1D): PEFT must be told.
     lora_fan_in_fan_out: ClassVar[bool] = False
+    # The input embedding's module name, which training.lora.modulesToSave may name beside `lm_head`.
+    embedding_module: ClassVar[str] = "embed_tokens"
     # Its heads may be wider or narrower than hidden / heads (config.json's head_dim); else they are exactly that.
     free_head_dim: ClassVar[bool] = False
     # The head width transformers' config class assumes where config.json has no head_dim (None: hidden / heads).

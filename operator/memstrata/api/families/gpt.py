@@ -22,6 +22,7 @@ class Gpt(ModelFamily):
     learned_positions = True
     lora_defaults = ("c_attn",)
     lora_fan_in_fan_out = True  # Conv1D stores its weight transposed
+    embedding_module = "wte"
     presets = {
         # Small enough to fine-tune on a 2-core CPU with NVMe offload in minutes.
         "gpt-tiny": _gpt(layers=2, hidden=128, heads=4, vocab=512, positions=512),

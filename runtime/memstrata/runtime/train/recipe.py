@@ -360,7 +360,7 @@ class FineTuneRecipe:
                               leader=self.ranks.leader, shard_size=out.shard_size if out else DEFAULT_SHARD,
                               tokenizer=None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer,
                               step=step, dtype=self._dtype(), validation_loss=validation_loss,
-                              job=self.job.metadata.name, job_uid=self.job_uid)
+                              job=self.job.metadata.name, job_uid=self.job_uid, arch=self.arch)
         if path is None:
             self.output = written
         return written

@@ -111,7 +111,22 @@ def add_adapters(model: "PreTrainedModel", lora: Lora, arch: ModelArchitecture, 
     # partitions the adapters like any parameter built outside zero.Init, broadcasting rank 0's values.
     torch.manual_seed(seed)
     # The adapters in the base weights' dtype: ZeRO-3 trains one precision, and keeps its own fp32 master copy.
-    return get_peft_model(model, config, autocast_adapter_dtype=False)
+    peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    for module in saved_modules(model, lora, arch).values():
+        # Trained in place: PEFT's own ModulesToSaveWrapper would deep-copy ZeRO-3's partitioned parameters.
+        module.requires_grad_(True)
+    return peft_model
+
+
+def saved_modules(model: Any, lora: Lora, arch: ModelArchitecture) -> dict[str, Any]:
+    """training.lora.modulesToSave's modules of the transformers `model`, by their path in it."""
+    from memstrata.api.lora import HEAD
+
+    named = set(lora.modules_to_save or [])
+    wanted = {id(m) for name, m in ((HEAD, model.get_output_embeddings()),
+                                    (family_of(arch.family).embedding_module, model.get_input_embeddings()))
+              if name in named}
+    return {path: m for path, m in model.named_modules() if id(m) in wanted}
 
 
 def gather_for_dora(model: Any) -> int:
@@ -141,9 +156,10 @@ def trainable(model: Any) -> list["torch.nn.Parameter"]:
 
 
 # --- save -----------------------------------------------------------------------------------------------------
-def _adapter_state(model: Any) -> dict[str, "torch.Tensor"]:
+def _adapter_state(model: Any, lora: Lora, arch: ModelArchitecture) -> dict[str, "torch.Tensor"]:
     """The adapter's tensors under PEFT's saved names, gathered whole from their ZeRO-3 partitions (a
-    collective: every rank calls it) and copied to the host."""
+    collective: every rank calls it) and copied to the host; with modulesToSave each module's trained weight under
+    `base_model.model.<its path>.weight`, as PEFT saves it (a tied head under both names: PEFT loads each)."""
     import deepspeed
     import torch
     from peft import get_peft_model_state_dict
@@ -156,6 +172,9 @@ def _adapter_state(model: Any) -> dict[str, "torch.Tensor"]:
     # Drops the adapter's name from the keys, as PEFT's files have them; the frozen embeddings are the base's.
     out: dict[str, torch.Tensor] = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER_NAME,
                                                              save_embedding_layers=False)
+    for path, module in saved_modules(model.get_base_model(), lora, arch).items():
+        weight = next(n for n, p in model.named_parameters() if p is module.weight)
+        out[f"base_model.model.{path}.weight"] = state[weight]
     return out
 
 
@@ -203,15 +222,16 @@ def _merged_weight(layer: Any, base: Any) -> "torch.Tensor":
     return variant.merge_safe(layer, ADAPTER_NAME, base.weight.detach().clone())
 
 
-def join_save(model: Any, lora: Lora) -> None:
+def join_save(model: Any, lora: Lora, arch: ModelArchitecture) -> None:
     """A rank other than 0 while rank 0 runs save_adapter: the same gathers, nothing written."""
-    _adapter_state(model)
+    _adapter_state(model, lora, arch)
     if lora.merge_on_save:
         for _ in _merged(model):
             pass
 
 
-def save_adapter(model: Any, path: Path, *, lora: Lora, tokenizer: Any | None, shard_size: int, step: int,
+def save_adapter(model: Any, path: Path, *, lora: Lora, arch: ModelArchitecture, tokenizer: Any | None,
+                 shard_size: int, step: int,
                  dtype: "torch.dtype", validation_loss: float | None = None, job: str = "",
                  job_uid: str = "", card: str = "") -> OutputStatus:
     """Write `model`'s adapter in PEFT format with the tokenizer and model `card` to `path` and, with
@@ -219,11 +239,12 @@ def save_adapter(model: Any, path: Path, *, lora: Lora, tokenizer: Any | None, s
     from safetensors.torch import save_file
 
     check_output_path(path)  # before the gathers, as save_model does
-    state = _adapter_state(model)
+    state = _adapter_state(model, lora, arch)
     with atomic_output(path) as tmp:
         save_file(state, str(tmp / ADAPTER), metadata={"format": "pt"})
         config = copy.copy(model.peft_config[ADAPTER_NAME])
         config.inference_mode = True  # as PEFT saves it: loaded for inference unless asked otherwise
+        config.modules_to_save = lora.modules_to_save  # PEFT wraps them on load and takes their saved weights
         config.save_pretrained(str(tmp))
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)

@@ -1,0 +1,134 @@
+"""LoRA with `modulesToSave` (PEFT's modules_to_save): a small Qwen2 with its own LM head trains its embedding
+and head whole beside the adapters, through memstrata's swap layer. The steps are plain PEFT's with the same
+modules_to_save; the adapter it writes carries both modules under PEFT's names, loads with `peft` over the
+untouched base model and gives the trained engine's logits, and the merged model does too."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: run `make install`")
+pytest.importorskip("peft", reason="peft is not installed: run `make install`")
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("hf_worker.py")
+DATA, VALIDATION = REPO / "examples/chat-skill.jsonl", REPO / "examples/chat-skill-val.jsonl"
+STEPS, SAVED = 3, ["embed_tokens", "lm_head"]
+
+pytestmark = pytest.mark.usefixtures("deepspeed_ready")
+
+
+def _base(tmp: Path, smollm2_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp / "qwen2-small"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("saved")
+    base, work, nvme, out = _base(tmp, smollm2_dir), tmp / "work", tmp / "nvme", tmp / "output"
+    work.mkdir()
+    nvme.mkdir()
+    validation = tmp / "validation.jsonl"
+    validation.write_text("".join(VALIDATION.read_text().splitlines(keepends=True)[:8]))
+    (work / "job.yaml").write_text(f"""apiVersion: memstrata.dev/v1alpha1
+kind: FineTuneJob
+metadata: {{name: lora-saved}}
+spec:
+  model: {{path: {base}}}
+  dataset: {{path: {DATA}, format: messages, validationPath: {validation}}}
+  training:
+    method: lora
+    lora: {{rank: 4, alpha: 8, targetModules: [q_proj, v_proj], dropout: 0.0, modulesToSave: {SAVED},
+            mergeOnSave: true}}
+    sequenceLength: 64
+    microBatch: 2
+    steps: {STEPS}
+    learningRate: 2.0e-3
+    precision: fp32
+    seed: 7
+  resources: {{gpus: 0}}
+  memory: {{engine: memstrata}}
+  output: {{path: {out}, shardSize: 64Mi}}
+""")
+    probe = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
+    torch.save(probe, work / "probe.pt")
+    proc = subprocess.run([sys.executable, str(WORKER), str(work / "job.yaml"), str(nvme), str(work)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"result": json.loads((work / "result.json").read_text()), "logits": torch.load(work / "logits.pt"),
+            "probe": probe, "out": out, "base": base, "validation": validation}
+
+
+def _logits(model: Any, probe: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=probe).logits.float()
+
+
+def _reference(trained: dict[str, Any]) -> list[float]:
+    """The same fine-tune in plain PyTorch + PEFT (its own ModulesToSaveWrapper copies), no DeepSpeed."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memstrata.api.dataset import Dataset
+    from memstrata.api.finetunejob import Training
+    from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
+
+    base = trained["base"]
+    data = build_data(Dataset(path=str(DATA), format="messages", validation_path=str(trained["validation"])),
+                      Training(sequence_length=64, micro_batch=2, steps=STEPS, seed=7), load_tokenizer(base, 49152))
+    torch.manual_seed(7)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                      target_modules=["q_proj", "v_proj"], modules_to_save=SAVED))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    batches, losses = data.batches(2, start=0, rank=0, world=1), []
+    for _ in range(STEPS):
+        loss = model(**next(batches).model_inputs("cpu"), use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_the_embedding_and_head_train_as_with_peft(trained: dict[str, Any]) -> None:
+    assert trained["result"]["losses"] == pytest.approx(_reference(trained), rel=1e-4)
+
+
+def test_the_adapter_carries_both_modules_and_loads_with_peft(trained: dict[str, Any]) -> None:
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    out = trained["out"]
+    assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == SAVED
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= keys
+    base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32)
+    untouched = base.get_input_embeddings().weight.detach().clone()
+    loaded = PeftModel.from_pretrained(base, str(out))
+    assert not torch.equal(loaded.get_input_embeddings().weight, untouched), "the embedding did not train"
+    assert torch.allclose(_logits(loaded, trained["probe"]), trained["logits"], atol=1e-4)
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
+    assert torch.allclose(_logits(merged, trained["probe"]), trained["logits"], atol=1e-4)
