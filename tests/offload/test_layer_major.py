@@ -105,3 +105,39 @@ def test_on_a_gpu_a_step_reads_each_weight_once_a_pass_and_trains_as_one_micro_b
     assert max(_reads_per_weight_byte(on)) <= 2.05, on["param_reads"]
     # bf16: autograd sums the micro-batches' gradients in another order than DeepSpeed's accumulation.
     assert on["losses"] == pytest.approx(off["losses"], rel=2e-2)
+
+
+def test_a_checkpoint_resumes_across_the_schedules_on_a_step_boundary(tmp_path: Path) -> None:
+    """A checkpoint taken layer-major (one DeepSpeed micro-step a step) resumes one micro-batch at a time (three)
+    and trains the steps an uninterrupted run trains: DeepSpeed's micro-step counter is set for the schedule that
+    resumes, or its accumulation boundary would fall after the first micro-batch of the next step."""
+    import yaml
+    from offload_helpers import resume_attempt
+
+    def job(name: str, steps: int, layer_major: bool) -> Path:
+        doc = yaml.safe_load((REPO / "examples" / "finetune-tiny.yaml").read_text())
+        doc["metadata"]["name"] = "across"
+        doc["spec"]["training"].update(steps=steps, gradientAccumulation=ACCUMULATION, microBatch=2,
+                                       precision="fp32", layerMajor=layer_major)
+        doc["spec"]["checkpoint"] = {"path": str(tmp_path / f"{name}-ckpt"), "everySteps": 2, "keep": 2}
+        path = tmp_path / f"{name}-{steps}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    (tmp_path / "nvme").mkdir()
+    whole, parts = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl"
+    for path, losses in ((job("whole", 4, True), whole), (job("parts", 2, True), parts),
+                         (job("parts", 4, False), parts)):
+        proc = resume_attempt(path, tmp_path, losses)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def steps(losses: Path) -> dict[int, float]:
+        rows = [json.loads(line) for line in losses.read_text().splitlines()]
+        return {r["step"]: float.fromhex(r["loss"]) for r in rows if "step" in r}
+
+    resumed = [json.loads(line)["attempt_resumed_from"] for line in parts.read_text().splitlines()
+               if "attempt_resumed_from" in line]
+    assert resumed == [0, 2]
+    expected, got = steps(whole), steps(parts)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert [got[s] for s in range(1, 5)] == pytest.approx([expected[s] for s in range(1, 5)], rel=1e-5)

@@ -158,8 +158,10 @@ def run_fingerprint(training: Any, dataset: Any) -> dict[str, Any]:
     t = training.model_dump(mode="json", by_alias=True)
     keep = ("sequenceLength", "microBatch", "gradientAccumulation", "seed", "learningRate", "schedule", "method")
     adapter = training.adapter()
-    # useRslora and useDora only when set, so an adapter's fingerprint from before the fields existed still matches.
+    # useRslora, useDora and modulesToSave only when set, so an adapter's fingerprint from before the fields existed
+    # still matches.
     lora = adapter.model_dump(mode="json", by_alias=True, exclude={"merge_on_save"} | {
-        f for f in ("use_rslora", "use_dora") if not getattr(adapter, f)}) if adapter is not None else None
+        f for f in ("use_rslora", "use_dora", "modules_to_save") if not getattr(adapter, f)}) if adapter is not None \
+        else None
     return {**{f"training.{k}": t[k] for k in keep if k in t}, "training.lora": lora,
             **{f"dataset.{k}": v for k, v in dataset.model_dump(mode="json", by_alias=True).items()}}

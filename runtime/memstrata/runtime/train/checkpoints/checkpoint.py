@@ -263,6 +263,10 @@ class Checkpointer:
             setattr(scaler, key, value)
         for key, value in manifest.counters.items():
             setattr(engine, key, value)
+        if "global_steps" in manifest.counters:
+            # A checkpoint is taken on a step boundary; the run that took it may have had another number of micro-steps
+            # per step (layer-major runs one), which would shift DeepSpeed's accumulation boundary.
+            engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
         scheduler = getattr(engine, "lr_scheduler", None)
         if scheduler is not None and manifest.scheduler is not None:
             scheduler.load_state_dict(manifest.scheduler)
