@@ -257,11 +257,12 @@ class LocalRun:
         self.validation = s.validation_loss if s.validation_loss is not None else self.validation
         self._said_sample(s.step, s.sample)
         swap = recipe.memstrata_status()
+        status = step_status(self.watch, swap, s, self.job.spec.training.steps, time.perf_counter() - self.started,
+                             self.validation, recipe.hbm_peak_bytes)
         if self.metrics is not None:  # flushed: a killed run keeps every step it finished
-            self.metrics.write_step(s, self.track.step(s, swap) if self.track is not None else None)
-        self.last = self.node.fill(step_status(self.watch, swap, s, self.job.spec.training.steps,
-                                               time.perf_counter() - self.started, self.validation,
-                                               recipe.hbm_peak_bytes), s)
+            # The status's own reading of the strata: TensorBoard and the job's status say the same of each step.
+            self.metrics.write_step(s, self.track.step(s, swap, status.strata) if self.track is not None else None)
+        self.last = self.node.fill(status, s)
         self.last.resumed_from = self.resumed_from
         self.last.metrics_path = self.metrics_path
         latest = recipe.checkpointer.latest if recipe.checkpointer is not None else None

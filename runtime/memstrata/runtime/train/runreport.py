@@ -121,12 +121,13 @@ class StepTrack:
         swap = recipe.memstrata_status()
         self.steps = StepStrata(read_counters(_strata(watch, swap), recipe.phases, swap))
 
-    def step(self, s: StepResult, swap: SwapStatus | None) -> dict[str, float]:
+    def step(self, s: StepResult, swap: SwapStatus | None, strata: dict[str, StratumCounters]) -> dict[str, float]:
+        """`strata`: the per-stratum counters read for this step's status (read once a step, not twice)."""
         r = self.recipe
         swap_dir = r.ds_swap_dir
         held = held_bytes(tree_rss(self.watch.root_pid), hbm_in_use(r.device()), swap,
                           dir_usage(swap_dir).bytes if swap is None and swap_dir is not None else 0)
-        return self.steps.step(read_counters(_strata(self.watch, swap), r.phases, swap), s.seconds, held)
+        return self.steps.step(read_counters(strata, r.phases, swap), s.seconds, held)
 
 
 def build_report(job: FineTuneJob, plan: Plan, recipe: FineTuneRecipe, result: TrainResult, watch: MemWatch,
