@@ -51,3 +51,34 @@ def resume_attempt(job: Path, tmp: Path, losses: Path, kill: str | None = None) 
         args += ["--kill", kill]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0"}
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+
+
+def peft_reference(base: Path, validation: Path, lora: dict[str, Any], steps: int) -> tuple[list[float], Any]:
+    """A LoRA fine-tune of `base` in plain PyTorch + PEFT (`lora`: LoraConfig's arguments), no DeepSpeed, on the
+    chat-skill example's data through memstrata's pipeline (sequences of 64, micro-batches of 2, seed 7) with
+    torch's AdamW at the LoRA tests' settings (lr 2e-3, clipping 1.0): (step losses, the trained PeftModel)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memstrata.api.dataset import Dataset
+    from memstrata.api.finetunejob import Training
+    from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
+
+    data = build_data(Dataset(path=str(REPO / "examples/chat-skill.jsonl"), format="messages",
+                              validation_path=str(validation)),
+                      Training(sequence_length=64, micro_batch=2, steps=steps, seed=7), load_tokenizer(base, 49152))
+    torch.manual_seed(7)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **lora))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    batches, losses = data.batches(2, start=0, rank=0, world=1), []
+    for _ in range(steps):
+        loss = model(**next(batches).model_inputs("cpu"), use_cache=False).loss  # packed examples kept apart
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, model

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from offload_helpers import peft_reference
 
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install`")
 pytest.importorskip("peft", reason="peft is not installed: run `make install`")
@@ -96,33 +97,10 @@ def test_lora_lowers_the_validation_loss(trained: dict[str, Any]) -> None:
 
 
 def reference_run(base: Path, validation: Path, probe: torch.Tensor, dora: bool) -> tuple[list[float], torch.Tensor]:
-    """The same LoRA fine-tune in plain PyTorch + PEFT, no DeepSpeed: memstrata's data pipeline, torch's AdamW with
-    the job's hyperparameters and clipping; (step losses, logits on `probe` after the last step)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from memstrata.api.finetunejob import Training
-    from memstrata.api.dataset import Dataset
-    from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
-
-    training = Training(sequence_length=64, micro_batch=2, steps=STEPS, seed=7)
-    data = build_data(Dataset(path=str(DATA), format="messages", validation_path=str(validation)), training,
-                      load_tokenizer(base, 49152))
-    torch.manual_seed(7)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                      target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
-                                      use_dora=dora))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    batches, losses = data.batches(2, start=0, rank=0, world=1), []
-    for _ in range(STEPS):
-        loss = model(**next(batches).model_inputs("cpu"), use_cache=False).loss  # packed examples kept apart
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+    """The same LoRA fine-tune in plain PyTorch + PEFT, no DeepSpeed: (step losses, logits on `probe` after the last
+    step)."""
+    losses, model = peft_reference(base, validation, dict(r=RANK, lora_alpha=ALPHA, use_rslora=True, use_dora=dora,
+                                                          target_modules=["q_proj", "v_proj", "down_proj"]), STEPS)
     return losses, _logits(model, probe)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from offload_helpers import peft_reference
 
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install`")
 pytest.importorskip("peft", reason="peft is not installed: run `make install`")
@@ -82,37 +83,11 @@ def _logits(model: Any, probe: torch.Tensor) -> torch.Tensor:
         return model.eval()(input_ids=probe).logits.float()
 
 
-def _reference(trained: dict[str, Any]) -> list[float]:
-    """The same fine-tune in plain PyTorch + PEFT (its own ModulesToSaveWrapper copies), no DeepSpeed."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from memstrata.api.dataset import Dataset
-    from memstrata.api.finetunejob import Training
-    from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
-
-    base = trained["base"]
-    data = build_data(Dataset(path=str(DATA), format="messages", validation_path=str(trained["validation"])),
-                      Training(sequence_length=64, micro_batch=2, steps=STEPS, seed=7), load_tokenizer(base, 49152))
-    torch.manual_seed(7)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                      target_modules=["q_proj", "v_proj"], modules_to_save=SAVED))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    batches, losses = data.batches(2, start=0, rank=0, world=1), []
-    for _ in range(STEPS):
-        loss = model(**next(batches).model_inputs("cpu"), use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def test_the_embedding_and_head_train_as_with_peft(trained: dict[str, Any]) -> None:
-    assert trained["result"]["losses"] == pytest.approx(_reference(trained), rel=1e-4)
+    # PEFT trains copies of the two modules (its ModulesToSaveWrapper); memstrata the modules themselves.
+    losses, _ = peft_reference(trained["base"], trained["validation"],
+                               dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=SAVED), STEPS)
+    assert trained["result"]["losses"] == pytest.approx(losses, rel=1e-4)
 
 
 def test_the_adapter_carries_both_modules_and_loads_with_peft(trained: dict[str, Any]) -> None:

@@ -93,31 +93,20 @@ class Holds:
             release(p)  # ZeRO-3's own check: only a gathered parameter that no module is using
 
 
-class _Enter(torch.autograd.Function):
-    """On a layer's stacked output: its gradient is the first of the layer's backward, which holds the layer."""
+class _OnGradient(torch.autograd.Function):
+    """Identity in forward; in backward, `action(layer)` when the gradient reaches it. On a layer's stacked output
+    (Holds.begin) that is before any of the layer's micro-batches runs backward; on its stacked input (Holds.end),
+    only after all of them, since the input's gradient is whole only then."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, holds: Holds, layer: torch.nn.Module) -> torch.Tensor:
-        ctx.holds, ctx.layer = holds, layer
+    def forward(ctx: Any, x: torch.Tensor, action: Callable[[torch.nn.Module], None],
+                layer: torch.nn.Module) -> torch.Tensor:
+        ctx.action, ctx.layer = action, layer
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.holds.begin(ctx.layer)
-        return grad, None, None
-
-
-class _Leave(torch.autograd.Function):
-    """On a layer's stacked input: its gradient is whole only after every micro-batch's backward of the layer."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, holds: Holds, layer: torch.nn.Module) -> torch.Tensor:
-        ctx.holds, ctx.layer = holds, layer
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.holds.end(ctx.layer)
+        ctx.action(ctx.layer)
         return grad, None, None
 
 
@@ -176,7 +165,7 @@ class LayerMajor:
         rows = hidden.shape[0]
         if rows % self.groups:
             raise LayerMajorError(f"{rows} stacked rows are not {self.groups} equal micro-batches")
-        hidden = _Leave.apply(hidden, self.holds, layer)
+        hidden = _OnGradient.apply(hidden, self.holds.end, layer)
         pieces = list(zip(*(_split(None, a, rows, self.groups) for a in (hidden, *rest))))
         keywords = {k: _split(k, v, rows, self.groups) for k, v in kwargs.items()}
         self.holds.begin(layer)
@@ -187,4 +176,4 @@ class LayerMajor:
         if not all(isinstance(o, torch.Tensor) for o in outputs):
             raise LayerMajorError(f"training.layerMajor: {type(layer).__name__} returns "
                                   f"{type(outputs[0]).__name__}, not a hidden-state tensor; set layerMajor: false")
-        return _Enter.apply(torch.cat(outputs), self.holds, layer)
+        return _OnGradient.apply(torch.cat(outputs), self.holds.begin, layer)
