@@ -151,9 +151,7 @@ def micro_steps(engine: Any, micro: list[Any], waves: Any, clock: Any, mem: Phas
             loss = engine(input_ids=ids, labels=ids).loss
         forward += clock.lap()
         mem.phase = "backward"
-        engine.backward(loss)
-        if waves is not None:
-            waves.settle()
+        waves.backward(engine, loss) if waves is not None else engine.backward(loss)
         backward += clock.lap()
         losses.append(float(loss.detach().float()))
         if i < len(batches) - 1:
@@ -235,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                     param_device=args.param_device, optim_device=args.optim_device, pin=args.gpu)
     if args.sub_group_size:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
-    waves = args.accumulation if args.layer_major else 1  # micro-batches in one forward
-    cfg.update(train_micro_batch_size_per_gpu=args.batch * waves, train_batch_size=args.batch * args.accumulation,
-               gradient_accumulation_steps=args.accumulation // waves)
+    from memstrata.runtime.train.dsconfig import batch_config
+
+    cfg.update(batch_config(args.batch, args.accumulation, 1, args.layer_major))
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
     disks = [d for d in args.diskstats.split(",") if d]
     io_marks = [snapshot(disks)] if disks else []

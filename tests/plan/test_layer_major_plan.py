@@ -72,3 +72,26 @@ def test_a_job_that_cannot_run_it_is_refused_naming_the_field(change: dict[str, 
         spec[key] = {**spec.get(key, {}), **fields}
     with pytest.raises(ValidationError, match=f"training.layerMajor: {message}"):
         FineTuneJobSpec.model_validate(spec)
+
+
+def test_dropped_where_every_micro_batchs_checkpoints_break_the_fit(node: NodeInventory) -> None:
+    # Llama-3-8B at 8192 tokens and 8 micro-batches: 8 x 32 x 8192 x 4096 x 2 B = 16 GiB of checkpoints more.
+    job = JobShape(model=PRESETS["llama3-8b"], sequence_length=8192, micro_batch=1, gpus=1, engine="memstrata",
+                   gradient_accumulation=8, loss_chunk_tokens=4096)
+    plan = plan_for_node(job, node, _policy("24Gi"))
+    assert plan.feasible and not plan.layer_major and plan.category("weights").on("nvme") > 0
+    assert plan.notes[0].startswith("layer-major off: the activation checkpoints of all 8 micro-batches at once do "
+                                    "not fit")
+    forced = plan_for_node(job.model_copy(update={"layer_major": True}), node, _policy("24Gi"))
+    assert forced.layer_major and not forced.feasible  # asked for by name: its shortfall is said, not dropped
+
+
+def test_the_working_set_counts_every_micro_batchs_hidden_states_around_a_layer() -> None:
+    from memstrata.plan import working_set
+
+    one, four = _job(4, layer_major=False), _job(4, layer_major=True)
+    # 3 x 4 micro-batches x 4096 tokens x 4096 hidden x 2 B, and the head's input of the 3 more micro-batches.
+    from memstrata.plan.accounting import head_input_bytes
+
+    head = 3 * 4096 * head_input_bytes(PRESETS["llama3-8b"], 2)
+    assert working_set(four) - working_set(one) == 3 * 4 * 4096 * 4096 * 2 + head

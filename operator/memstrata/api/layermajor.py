@@ -10,7 +10,8 @@ final norm's input for all G.
 
 The numerics are a micro-batch loop's: each micro-batch runs every layer alone, with its own shapes, and its loss
 is its own mean; only the order in which autograd sums the micro-batches' gradients of a weight differs (it sums
-them in the training dtype, as DeepSpeed accumulates them by default). This module is the one rule for where it
+them in the training dtype, as DeepSpeed accumulates them by default). Random draws (dropout, NEFTune's noise)
+come in another order: the same distributions, not the same numbers. This module is the one rule for where it
 can run; the planner turns it on where weights live on NVMe (`spec.training.layerMajor` unset), or as the spec
 says.
 """

@@ -139,6 +139,9 @@ def working_set(job: JobShape) -> int:
       lossChunkTokens of them when the loss is chunked (each chunk's logits are recomputed in backward)
     + on the stock engine, the activation checkpoints: Hugging Face keeps them on the compute device, where
       memstrata's engine moves them to the `checkpoints` category's stratum
+    + layer-major (`job.waves` micro-batches a step through each layer together), the hidden states of all of
+      them around the layer being run: its stacked input, the micro-batches' outputs and their concatenation in
+      forward (in backward the output's gradient, the inputs' gradients and theirs), 3·waves·s·b·h·w
     + ZeRO-3's gradient reduce bucket: `reduce_bucket_elements` 16-bit gradients, allocated whole at start
       (DeepSpeed's default 5e8 elements is 0.93 GiB of bf16, whatever the model's size)
     + a fixed 1 GiB for the CUDA runtime when on a GPU.
@@ -154,9 +157,10 @@ def working_set(job: JobShape) -> int:
     logit_tokens = min(tokens, job.loss_chunk_tokens) if job.loss_chunk_tokens else tokens
     logits = logit_tokens * m.vocab * (2 * w + 8)
     on_device = 0 if job.engine == "memstrata" else checkpoint_bytes(job) // job.ranks
+    stacked = 3 * job.waves * tokens * m.hidden * w if job.waves > 1 else 0
     bucket = reduce_bucket_elements(m) * w
     runtime = GPU_RUNTIME_OVERHEAD if job.gpus else 0
-    return layers + largest + activation_bytes(job) + logits + on_device + bucket + runtime
+    return layers + largest + activation_bytes(job) + logits + on_device + stacked + bucket + runtime
 
 
 def activation_bytes(job: JobShape) -> int:

@@ -45,7 +45,20 @@ MIN_SUBGROUP_UNIT = 1 << 20
 
 
 def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
-    """Assign each category of `job` to the strata of `node`, or say precisely what is missing."""
+    """Assign each category of `job` to the strata of `node`, or say precisely what is missing. Layer-major
+    (unset: on where weights go to NVMe) is dropped where every micro-batch's checkpoints at once break the fit."""
+    plan = _plan(job, node, policy)
+    if plan.feasible or job.layer_major is not None or not plan.layer_major:
+        return plan
+    one_at_a_time = _plan(job.model_copy(update={"layer_major": False}), node, policy)
+    if not one_at_a_time.feasible:
+        return plan
+    return one_at_a_time.model_copy(update={"notes": [
+        f"{LAYER_MAJOR_NOTE} off: the activation checkpoints of all {job.gradient_accumulation} micro-batches at once "
+        "do not fit, so they run one after the other, each gathering the weights again", *one_at_a_time.notes]})
+
+
+def _plan(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
     # memstrata's update reads one sub-group ahead, at the cost of one more sub-group of locked buffers; where
     # that buffer is what stands between the job and a fit, it reads each one when it needs it instead, and where
     # even that does not fit, it streams smaller sub-groups (and slices), halving the unit down to

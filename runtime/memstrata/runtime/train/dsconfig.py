@@ -115,6 +115,14 @@ class Note:
         return [s for s in self.settings if s.value != s.default or s.key.startswith("aio.")]
 
 
+def batch_config(micro_batch: int, accumulation: int, world: int, layer_major: bool) -> dict[str, int]:
+    """DeepSpeed's three batch settings for `accumulation` micro-batches of `micro_batch` per rank and step: layer-major,
+    one forward of them all, stacked (memstrata.runtime.train.model.layermajor)."""
+    micro, steps = (micro_batch * accumulation, 1) if layer_major else (micro_batch, accumulation)
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": steps,
+            "train_batch_size": micro * steps * world}
+
+
 def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swap_dir: Path,
                     on_gpu: bool, world: int = 1, *, layer_major: bool = False) -> DsConfig:
     """The ds_config for one rank of `world` running `training` with `plan`'s offload devices (microBatch and
@@ -129,16 +137,15 @@ def build_ds_config(plan: Plan, arch: ModelArchitecture, training: Training, swa
     zero = {**_stage3(note), "offload_param": offload_param, "offload_optimizer": offload_optimizer,
             "sub_group_size": sub_group, **_buckets(note, arch)}
     precision = _precision(note, training)
-    micro, steps = training.micro_batch, training.gradient_accumulation
-    if layer_major:  # one forward and backward of all the step's micro-batches, layer by layer
-        micro, steps = note("train_micro_batch_size_per_gpu", micro * steps, micro,
-                            "layer-major: DeepSpeed sees the step's micro-batches as one forward "
-                            "and one backward; each runs every layer alone (memstrata.runtime.train.model."
-                            "layermajor)"), 1
+    batch = batch_config(training.micro_batch, training.gradient_accumulation, world, layer_major)
+    if layer_major:
+        # DeepSpeed has no default batch; None shows the setting with its reason.
+        note("train_micro_batch_size_per_gpu", batch["train_micro_batch_size_per_gpu"], None,
+             f"layer-major: DeepSpeed sees the step's {training.gradient_accumulation} micro-batches as one forward and "
+             "one backward (and gradient_accumulation_steps 1); each micro-batch runs every layer alone "
+             "(memstrata.runtime.train.model.layermajor)")
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": steps,
-        "train_batch_size": micro * steps * world,
+        **batch,
         "steps_per_print": note("steps_per_print", 1 << 30, 10,
                                 "memstrata's progress bar reports every step; DeepSpeed's own lines would break it"),
         "wall_clock_breakdown": False,

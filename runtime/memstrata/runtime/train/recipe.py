@@ -304,9 +304,10 @@ class FineTuneRecipe:
         with self.layer_major.step() if self.layer_major is not None else contextlib.nullcontext():
             loss = self._loss(batch)
         self.phases.forward += clock.lap()
-        self.engine.backward(loss)
         if self.layer_major is not None:
-            self.layer_major.settle()  # no layer stays gathered into the update
+            self.layer_major.backward(self.engine, loss)
+        else:
+            self.engine.backward(loss)
         self.phases.backward += clock.lap()
         self.engine.step()
         self.phases.step += clock.lap()

@@ -32,7 +32,7 @@ __all__ = ["Holds", "LayerMajor", "LayerMajorError", "decoder_layers"]
 # Marks a parameter as in use in ZeRO-3's `ds_active_sub_modules` (a set of module ids, counted up from 0).
 HOLD_MARK = -7_301
 # Keyword arguments a layer gets that are per position, not per row, whatever their first dimension.
-_NOT_PER_ROW = frozenset({"cache_position"})
+_NOT_PER_ROW = frozenset({"cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
 
 class LayerMajorError(RuntimeError):
@@ -68,15 +68,15 @@ class Holds:
     def __init__(self, coordinator: Callable[[], Any]) -> None:
         self.coordinator = coordinator  # ZeRO-3's PartitionedParameterCoordinator, looked up when releasing
         self.held: torch.nn.Module | None = None
-        self.holds = 0
+        self.params: list[Any] = []  # the held layer's, as marked: exactly these are unmarked
 
     def begin(self, layer: torch.nn.Module) -> None:
         if self.held is layer:
             return
         self.settle()
-        for p in _held_params(layer):
+        self.held, self.params = layer, _held_params(layer)
+        for p in self.params:
             p.ds_active_sub_modules.add(HOLD_MARK)
-        self.held, self.holds = layer, self.holds + 1
 
     def end(self, layer: torch.nn.Module) -> None:
         if self.held is layer:
@@ -84,11 +84,11 @@ class Holds:
 
     def settle(self) -> None:
         """Release the held layer, if any: each of its parameters that no module is using any more."""
-        layer, self.held = self.held, None
-        if layer is None:
+        params, self.held, self.params = self.params, None, []
+        if not params:
             return
         release = self.coordinator()._PartitionedParameterCoordinator__release_param
-        for p in _held_params(layer):
+        for p in params:
             p.ds_active_sub_modules.discard(HOLD_MARK)
             release(p)  # ZeRO-3's own check: only a gathered parameter that no module is using
 
@@ -110,15 +110,21 @@ class _OnGradient(torch.autograd.Function):
         return grad, None, None
 
 
-def _split(name: str | None, value: Any, rows: int, groups: int) -> list[Any]:
+def _split(name: str, value: Any, rows: int, groups: int) -> list[Any]:
     """`value` as each micro-batch's: a tensor (or a tuple of them, e.g. rotary cos/sin) with the stacked rows cut
-    in `groups`, anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows and name not in _NOT_PER_ROW:
-        return list(value.chunk(groups))
-    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+    in `groups`, a scalar or None as it is; anything else (a dict, a block mask, a cache) may hold per-row tensors
+    this cannot cut, so it is refused, naming the argument."""
+    if isinstance(value, torch.Tensor):
+        per_row = value.dim() and value.shape[0] == rows and name not in _NOT_PER_ROW
+        return list(value.chunk(groups)) if per_row else [value] * groups
+    if isinstance(value, (tuple, list)):
         parts = [_split(name, v, rows, groups) for v in value]
         return [type(value)(p[g] for p in parts) for g in range(groups)]
-    return [value] * groups
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return [value] * groups
+    raise LayerMajorError(f"training.layerMajor: a decoder layer gets {name}, a {type(value).__name__}, which memstrata "
+                          "cannot cut into micro-batches (a flex-attention block mask or a cache?); set layerMajor: "
+                          "false")
 
 
 class LayerMajor:
@@ -153,20 +159,28 @@ class LayerMajor:
             self.active = False
             setattr(self.head, "memstrata_groups", 1)
 
-    def settle(self) -> None:
-        """After backward: no layer stays gathered into the update."""
-        self.holds.settle()
+    def backward(self, engine: Any, loss: torch.Tensor) -> None:
+        """`engine.backward(loss)`, and after it no layer stays gathered into the update (the first layer's hold
+        is still set where its input needs no gradient), whatever backward raised."""
+        try:
+            engine.backward(loss)
+        finally:
+            self.holds.settle()
 
     def _forward(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         own = type(layer).forward
         if not self.active:  # evaluation, generation, export: one batch as it comes
             return own(layer, *args, **kwargs)
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise LayerMajorError(f"training.layerMajor: {type(layer).__name__} is not given its hidden states as its "
+                                  "first positional argument; set layerMajor: false")
         hidden, rest = args[0], args[1:]
         rows = hidden.shape[0]
         if rows % self.groups:
-            raise LayerMajorError(f"{rows} stacked rows are not {self.groups} equal micro-batches")
+            raise LayerMajorError(f"training.layerMajor: {rows} stacked rows are not {self.groups} equal "
+                                  "micro-batches")
         hidden = _OnGradient.apply(hidden, self.holds.end, layer)
-        pieces = list(zip(*(_split(None, a, rows, self.groups) for a in (hidden, *rest))))
+        pieces = list(zip(*(_split(f"argument {i}", a, rows, self.groups) for i, a in enumerate((hidden, *rest)))))
         keywords = {k: _split(k, v, rows, self.groups) for k, v in kwargs.items()}
         self.holds.begin(layer)
         try:
