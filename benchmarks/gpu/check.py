@@ -42,7 +42,7 @@ WORKER = HERE.parent / "longctx" / "worker.py"
 RELOAD = HERE / "reload.py"
 # The GPU tests: skipped without a GPU (here they are the first item, so a broken GPU path is named first).
 GPU_TESTS = ["tests/runtime/test_activation_offload.py", "tests/native/test_pinned.py",
-             "tests/offload/test_gpu_paths.py"]
+             "tests/offload/test_gpu_paths.py", "tests/offload/test_layer_major.py"]
 
 
 def run_tests(item: Item, limit: float, out: Path) -> dict[str, Any]:

@@ -64,6 +64,11 @@ def _items(p: Profile) -> tuple[Item, ...]:
         Item(f"memstrata-{big}", "run", run, budget=big, note="NVMe-heavy; both engines fit"),
         Item(f"stock-{big}", "run", run, engine="deepspeed", budget=big, note="NVMe-heavy; both engines fit"),
         Item(f"memstrata-{only_memstrata}", "run", run, budget=only_memstrata, note="stock's plan does not fit"),
+        # Issue 31's llama3.2-1b at 10 and 14 GiB, with gradient accumulation: weights on NVMe run layer-major.
+        Item(f"memstrata-{big}-accum4", "run", run, budget=big, training={"microBatch": 2, "gradientAccumulation": 4},
+             note="4 micro-batches a step: layer-major where weights are on NVMe"),
+        Item(f"stock-{big}-accum4", "run", run, engine="deepspeed", budget=big,
+             training={"microBatch": 2, "gradientAccumulation": 4}, note="4 micro-batches a step, one at a time"),
         Item(f"stock-{only_memstrata}", "run", 30, engine="deepspeed", budget=only_memstrata, plan_only=True,
              expect="refused", note="the planner's answer"),
         Item(f"memstrata-{dram}", "run", run, budget=dram, note="everything in DRAM"),

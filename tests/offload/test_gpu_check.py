@@ -34,7 +34,7 @@ def test_the_gpu_check_runs_every_item_on_the_cpu(tmp_path: Path) -> None:
     for name, r in items.items():
         assert r["status"] in ("completed", "passed", "refused by the planner", "skipped"), (name, r)
     # Side by side means the same job: the same losses, step for step, whatever the engine.
-    for budget in ("8Mi", "64Mi"):
+    for budget in ("8Mi", "64Mi", "8Mi-accum4"):
         assert items[f"memstrata-{budget}"]["losses"] == pytest.approx(items[f"stock-{budget}"]["losses"], rel=1e-3)
     assert items["stock-4Mi"]["status"] == "refused by the planner"  # where only memstrata's plan fits
     assert items["memstrata-4Mi"]["tokens_per_second"] > 0 and items["memstrata-4Mi"]["plan_dram_bytes"] > 0

@@ -95,6 +95,7 @@ def test_a_step_reads_each_weight_once_a_pass_and_trains_as_one_micro_batch_at_a
     assert on["losses"][-1] < on["losses"][0]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the held layer's parameters gathered into HBM, "
                                                           "released with their copies' streams")
 def test_on_a_gpu_a_step_reads_each_weight_once_a_pass_and_trains_as_one_micro_batch_at_a_time(
