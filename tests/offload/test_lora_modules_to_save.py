@@ -26,24 +26,22 @@ STEPS, SAVED = 3, ["embed_tokens", "lm_head"]
 pytestmark = pytest.mark.usefixtures("deepspeed_ready")
 
 
-def _base(tmp: Path, smollm2_dir: Path) -> Path:
+def _base(tmp: Path, smollm2_dir: Path, tied: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tied)
     torch.manual_seed(0)
-    path = tmp / "qwen2-small"
+    path = tmp / f"qwen2-small{'-tied' if tied else ''}"
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smollm2_dir / name, path / name)
     return path
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("saved")
-    base, work, nvme, out = _base(tmp, smollm2_dir), tmp / "work", tmp / "nvme", tmp / "output"
+def _train(tmp: Path, smollm2_dir: Path, tied: bool) -> dict[str, Any]:
+    base, work, nvme, out = _base(tmp, smollm2_dir, tied), tmp / "work", tmp / "nvme", tmp / "output"
     work.mkdir()
     nvme.mkdir()
     validation = tmp / "validation.jsonl"
@@ -78,6 +76,11 @@ spec:
             "probe": probe, "out": out, "base": base, "validation": validation}
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Any]:
+    return _train(tmp_path_factory.mktemp("saved"), smollm2_dir, tied=False)
+
+
 def _logits(model: Any, probe: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(input_ids=probe).logits.float()
@@ -91,6 +94,15 @@ def test_the_embedding_and_head_train_as_with_peft(trained: dict[str, Any]) -> N
 
 
 def test_the_adapter_carries_both_modules_and_loads_with_peft(trained: dict[str, Any]) -> None:
+    _loads_with_peft(trained)
+
+
+def test_a_tied_head_trains_as_the_embedding_and_both_load_with_peft(tmp_path: Path, smollm2_dir: Path) -> None:
+    """One tensor, saved under both names: PEFT's two copies load the same trained values."""
+    _loads_with_peft(_train(tmp_path, smollm2_dir, tied=True))
+
+
+def _loads_with_peft(trained: dict[str, Any]) -> None:
     from peft import PeftModel
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

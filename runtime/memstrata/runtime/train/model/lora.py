@@ -172,9 +172,12 @@ def _adapter_state(model: Any, lora: Lora, arch: ModelArchitecture) -> dict[str,
     # Drops the adapter's name from the keys, as PEFT's files have them; the frozen embeddings are the base's.
     out: dict[str, torch.Tensor] = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER_NAME,
                                                              save_embedding_layers=False)
+    stored: set[str] = set()
     for path, module in saved_modules(model.get_base_model(), lora, arch).items():
         weight = next(n for n, p in model.named_parameters() if p is module.weight)
-        out[f"base_model.model.{path}.weight"] = state[weight]
+        # A tied head is the embedding's tensor: safetensors stores no two names of one storage, so a copy.
+        out[f"base_model.model.{path}.weight"] = state[weight].clone() if weight in stored else state[weight]
+        stored.add(weight)
     return out
 
 
