@@ -32,6 +32,7 @@ PLOTTERS = {
     "distributed": "distributed/distributed_plot.py",
     "offload-budget": "offload/budget_plot.py",
     "offload-overlap": "offload/overlap.py",
+    "offload-param-reads": "offload/param_reads.py",
     "gpu-check": "gpu/report.py",
 }
 
