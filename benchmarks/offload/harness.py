@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -51,10 +50,9 @@ class PhaseMemory(threading.Thread):
             time.sleep(0.02)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# A world of one rank: its store listens on port 0, resolved by the kernel when it binds (a port found free first
+# could be taken by another process's connection in between; it failed a run of make test so).
+LONE_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
 
 
 def ds_config(arch: Any, *, swap_dir: str, batch: int, precision: str, profile: str, param_device: str = "nvme",
@@ -204,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Told, not defaulted: an inherited value must not put a GPU run's DeepSpeed on the CPU or the reverse.
     os.environ["DS_ACCELERATOR"] = "cuda" if args.gpu else "cpu"
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+    for k, v in LONE_RANK.items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import logging
 
     import torch

@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 BASELINE = """
 import os, resource
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from memstrata.runtime.train.launch import free_port  # another run may hold any fixed port
+# Port 0: the kernel picks one free when the store binds (another run may hold any fixed port).
 for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-             ("MASTER_PORT", str(free_port()))):
+             ("MASTER_PORT", "0")):
     os.environ.setdefault(k, v)
 import torch, deepspeed, transformers  # noqa: E401
 import memstrata.runtime.train.recipe  # noqa: F401

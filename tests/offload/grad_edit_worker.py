@@ -19,12 +19,10 @@ sys.path.insert(0, str(REPO / "benchmarks" / "offload"))
 
 def main() -> None:
     device, swap_dir, out = sys.argv[1:4]
-    from harness import ds_config, free_port  # the same ds_config the comparison tests use
+    from harness import LONE_RANK, ds_config  # the same ds_config the comparison tests use
 
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("DS_ACCELERATOR", "cpu")):
+    for k, v in {**LONE_RANK, "DS_ACCELERATOR": "cpu"}.items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import torch
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 

@@ -40,12 +40,10 @@ def main() -> None:
     device, swap_dir, out, swap_json, steps = sys.argv[1:6]
     opts = dict(a.split("=", 1) for a in sys.argv[6:])
     overflow_at, fail_at = int(opts.get("skip-at", 0)), int(opts.get("fail-at", 0))
-    from harness import ds_config, free_port
+    from harness import LONE_RANK, ds_config
 
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("DS_ACCELERATOR", "cpu")):
+    for k, v in {**LONE_RANK, "DS_ACCELERATOR": "cpu"}.items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import torch
     import deepspeed
 

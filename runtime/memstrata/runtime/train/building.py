@@ -15,7 +15,6 @@ from memstrata.runtime.swap.layer import SwapSettings
 from memstrata.runtime.swap.protocols import TrainingEngine
 from memstrata.runtime.train.dsconfig import DsConfig
 from memstrata.runtime.train.model.hfmodel import ModelDir
-from memstrata.runtime.train.launch import free_port
 from memstrata.runtime.train.preflight import RecipeError, accelerator_env
 from memstrata.runtime.train.schedule import build_scheduler
 
@@ -26,9 +25,11 @@ __all__ = ["build_engine", "setup_distributed", "torch_dtype"]
 
 
 def setup_distributed(on_gpu: bool, local_rank: int) -> None:
-    """torch.distributed as the launcher set it up, or, alone, a world of one set up the way it would."""
+    """torch.distributed as the launcher set it up, or, alone, a world of one set up the way it would. Alone, its
+    store listens on port 0, which the kernel resolves when it binds: a port found free beforehand (`free_port`) could
+    be taken in between by any other process's connection (EADDRINUSE failed a run of `make test` so)."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0")):
         os.environ.setdefault(key, value)
     accelerator_env(on_gpu)
     if on_gpu:
