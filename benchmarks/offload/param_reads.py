@@ -102,10 +102,17 @@ def measure(data: dict[str, Any], warmup: int, device: str) -> dict[str, Any]:
             "layer_major": data.get("layer_major"), "accumulation": data.get("accumulation")}
 
 
+def losses_differ(a: list[float], b: list[float], rel: float = 1e-3) -> int | None:
+    """The first step (1-based) whose losses differ by more than `rel`, or None: the same training."""
+    return next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > rel * max(abs(x), abs(y))), None)
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     for m in results["models"].values():
         runs = {r["contender"]: r for r in m["runs"] if r.get("ok")}
         lm = runs.get(LAYER_MAJOR)
+        for r in runs.values():
+            r["losses_differ_from_step"] = losses_differ(r["losses"], lm["losses"]) if lm else None
         for name in (MICRO, STOCK):
             other = runs.get(name)
             if lm and other and lm["read_bytes_per_step"] and other["read_bytes_per_step"] is not None:
@@ -121,20 +128,25 @@ def markdown(results: dict[str, Any]) -> str:
              f"bf16, weights on NVMe, optimizer state in DRAM; {results['machine']['cores']} cores; median of "
              f"{results['measured']} steps after {results['warmup']}", "",
              "| model | contender | read per step | x the weights | memstrata 'param' counter | step s | "
-             "reads / layer-major | step / layer-major |", "|---|---|---|---|---|---|---|---|"]
+             "reads / layer-major | step / layer-major | losses vs layer-major |", "|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         for r in m["runs"]:
             if not r.get("ok"):
                 lines.append(f"| {name} | {r['contender']} | failed: {(r.get('error') or '').splitlines()[-1:]} "
-                             "| | | | | |")
+                             "| | | | | | |")
                 continue
             counter = r.get("param_counter_bytes_per_step")
             ratio = m.get(f"reads_{r['contender']}_over_layer_major", "")
             step_ratio = m.get(f"step_{r['contender']}_over_layer_major", "")
             lines.append(f"| {name} | {r['contender']} | {r['read_bytes_per_step'] / 2**20:.1f} MiB | "
                          f"{r['weight_reads_per_step']} | {'' if counter is None else f'{counter / 2**20:.1f} MiB'} | "
-                         f"{r['step']['median']:.2f} | {ratio} | {step_ratio} |")
+                         f"{r['step']['median']:.2f} | {ratio} | {step_ratio} | {_same(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _same(run: dict[str, Any]) -> str:
+    step = run.get("losses_differ_from_step")
+    return "same (1e-3)" if step is None else f"differ from step {step}"
 
 
 def plot(results: dict[str, Any], path: Path) -> str | None:

@@ -372,3 +372,23 @@ def test_the_overlap_benchmark_compares_beside_with_in_place_and_bounds_each_ste
     assert cap["same_losses"] is False
     table = overlap.markdown(results)
     assert "| gpt-125m | 8 | 3.00 | cpu | 3.000 | 4.000 | 0.75 | False | 2.0 | 1.5 | 0.25 | 2.0 |" in table
+
+
+def test_param_reads_flags_a_contender_that_trained_another_model() -> None:
+    import param_reads
+
+    def run(contender: str, losses: list[float], read: int) -> dict[str, Any]:
+        return {"contender": contender, "ok": True, "losses": losses, "read_bytes_per_step": read,
+                "weight_reads_per_step": read / 100, "param_counter_bytes_per_step": None,
+                "step": {"median": read / 1000}}
+
+    results = {"name": "x", "seq": 8, "batch": 1, "accumulation": 4, "warmup": 1, "measured": 3,
+               "machine": {"cores": 2}, "models": {"m": {"runs": [
+                   run(param_reads.LAYER_MAJOR, [10.96, 10.404, 9.077], 200),
+                   run(param_reads.MICRO, [10.96, 10.4042, 9.0770], 800),
+                   run(param_reads.STOCK, [10.96, 10.497, 10.585], 900)]}}}
+    m = param_reads.summarize(results)["models"]["m"]
+    assert m["reads_memstrata-micro-batches_over_layer_major"] == 4.0 and m["reads_stock_over_layer_major"] == 4.5
+    assert [r["losses_differ_from_step"] for r in m["runs"]] == [None, None, 2]
+    table = param_reads.markdown(results)
+    assert "| m | stock | 0.0 MiB | 9.0 |" in table and "differ from step 2 |" in table
