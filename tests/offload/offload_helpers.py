@@ -53,6 +53,43 @@ def resume_attempt(job: Path, tmp: Path, losses: Path, kill: str | None = None) 
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
 
 
+CHAT_DATA, CHAT_VALIDATION = REPO / "examples/chat-skill.jsonl", REPO / "examples/chat-skill-val.jsonl"
+
+
+def run_lora_job(tmp: Path, model: Path, lora: str, steps: int, memory: str = "engine: memstrata") -> dict[str, Any]:
+    """A LoRA fine-tune of `model` (`lora`: the body of spec.training.lora, as YAML flow) through hf_worker.py, with
+    the job `peft_reference` trains the same way: the chat-skill example's conversations (the first 8 for
+    validation, since every evaluation streams the whole model), sequences of 64, micro-batches of 2, lr 2e-3, fp32
+    (the reloaded logits can be held to the engine's within 1e-4), seed 7. The worker's result, its logits on a
+    seeded probe, and the paths a check needs."""
+    import torch
+
+    work, nvme, out, validation = tmp / "work", tmp / "nvme", tmp / "output", tmp / "validation.jsonl"
+    work.mkdir()
+    nvme.mkdir()
+    validation.write_text("".join(CHAT_VALIDATION.read_text().splitlines(keepends=True)[:8]))
+    (work / "job.yaml").write_text(f"""apiVersion: memstrata.dev/v1alpha1
+kind: FineTuneJob
+metadata: {{name: lora-{model.name.lower()}}}
+spec:
+  model: {{path: {model}}}
+  dataset: {{path: {CHAT_DATA}, format: messages, validationPath: {validation}}}
+  training: {{method: lora, lora: {{{lora}}}, sequenceLength: 64, microBatch: 2, steps: {steps}, learningRate: 2.0e-3,
+             precision: fp32, seed: 7}}
+  resources: {{gpus: 0}}
+  memory: {{{memory}}}
+  output: {{path: {out}, shardSize: 64Mi}}
+""")
+    probe = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
+    torch.save(probe, work / "probe.pt")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_worker.py")), str(work / "job.yaml"),
+                           str(nvme), str(work)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"result": json.loads((work / "result.json").read_text()), "logits": torch.load(work / "logits.pt"),
+            "probe": probe, "out": out, "base": model, "validation": validation}
+
+
 def peft_reference(base: Path, validation: Path, lora: dict[str, Any], steps: int) -> tuple[list[float], Any]:
     """A LoRA fine-tune of `base` in plain PyTorch + PEFT (`lora`: LoraConfig's arguments), no DeepSpeed, on the
     chat-skill example's data through memstrata's pipeline (sequences of 64, micro-batches of 2, seed 7) with
@@ -65,8 +102,7 @@ def peft_reference(base: Path, validation: Path, lora: dict[str, Any], steps: in
     from memstrata.api.finetunejob import Training
     from memstrata.runtime.train.data.pipeline import build_data, load_tokenizer
 
-    data = build_data(Dataset(path=str(REPO / "examples/chat-skill.jsonl"), format="messages",
-                              validation_path=str(validation)),
+    data = build_data(Dataset(path=str(CHAT_DATA), format="messages", validation_path=str(validation)),
                       Training(sequence_length=64, micro_batch=2, steps=steps, seed=7), load_tokenizer(base, 49152))
     torch.manual_seed(7)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),

@@ -9,49 +9,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from offload_helpers import peft_reference
+from offload_helpers import peft_reference, run_lora_job
 
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install`")
 pytest.importorskip("peft", reason="peft is not installed: run `make install`")
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("hf_worker.py")
-DATA, VALIDATION = REPO / "examples/chat-skill.jsonl", REPO / "examples/chat-skill-val.jsonl"
 RANK, ALPHA, STEPS = 8, 16.0, 3
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ready")
-
-
-def job_yaml(model: Path, out: Path, validation: Path, dora: bool = False) -> str:
-    # fp32, so the reloaded logits can be held to the engine's within 1e-4; a budget below the 538 MB of fp32
-    # weights puts part of the frozen base on NVMe.
-    return f"""apiVersion: memstrata.dev/v1alpha1
-kind: FineTuneJob
-metadata: {{name: lora-smollm2}}
-spec:
-  model: {{path: {model}}}
-  dataset: {{path: {DATA}, format: messages, validationPath: {validation}}}
-  training:
-    method: lora
-    lora: {{rank: {RANK}, alpha: {ALPHA}, targetModules: [q_proj, v_proj, down_proj], dropout: 0.0, useRslora: true,
-            useDora: {str(dora).lower()}, mergeOnSave: true}}
-    sequenceLength: 64
-    microBatch: 2
-    steps: {STEPS}
-    learningRate: 2.0e-3
-    precision: fp32
-    seed: 7
-  resources: {{gpus: 0}}
-  memory: {{engine: memstrata, dramBudget: 256Mi}}
-  output: {{path: {out}, shardSize: 64Mi}}
-"""
 
 
 @pytest.fixture(scope="module", params=["lora", "dora"])
@@ -59,22 +28,12 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             smollm2_dir: Path) -> dict[str, Any]:
     """One LoRA run (about a minute on 2 cores) of each variant, shared by the checks below."""
     dora = request.param == "dora"
-    tmp = tmp_path_factory.mktemp(request.param)
-    work, nvme, out = tmp / "work", tmp / "nvme", tmp / "output"
-    work.mkdir()
-    nvme.mkdir()
-    validation = tmp / "validation.jsonl"  # 8 conversations: every evaluation streams the whole model
-    validation.write_text("".join(VALIDATION.read_text().splitlines(keepends=True)[:8]))
-    (work / "job.yaml").write_text(job_yaml(smollm2_dir, out, validation, dora))
-    probe = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
-    torch.save(probe, work / "probe.pt")
-    proc = subprocess.run([sys.executable, str(WORKER), str(work / "job.yaml"), str(nvme), str(work)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads((work / "result.json").read_text())
-    return {"result": result, "logits": torch.load(work / "logits.pt"), "probe": probe, "out": out,
-            "base": smollm2_dir, "validation": validation, "dora": dora}
+    # A budget below the 538 MB of fp32 weights puts part of the frozen base on NVMe.
+    lora = (f"rank: {RANK}, alpha: {ALPHA}, targetModules: [q_proj, v_proj, down_proj], dropout: 0.0, useRslora: true, "
+            f"useDora: {str(dora).lower()}, mergeOnSave: true")
+    run = run_lora_job(tmp_path_factory.mktemp(request.param), smollm2_dir, lora, STEPS,
+                       memory="engine: memstrata, dramBudget: 256Mi")
+    return {**run, "dora": dora}
 
 
 def _logits(model: Any, probe: torch.Tensor) -> torch.Tensor:

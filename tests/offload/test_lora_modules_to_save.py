@@ -5,22 +5,16 @@ untouched base model and gives the trained engine's logits, and the merged model
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from offload_helpers import peft_reference
+from offload_helpers import peft_reference, run_lora_job
 
 torch = pytest.importorskip("torch", reason="torch is not installed: run `make install`")
 pytest.importorskip("peft", reason="peft is not installed: run `make install`")
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("hf_worker.py")
-DATA, VALIDATION = REPO / "examples/chat-skill.jsonl", REPO / "examples/chat-skill-val.jsonl"
 STEPS, SAVED = 3, ["embed_tokens", "lm_head"]
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ready")
@@ -41,39 +35,8 @@ def _base(tmp: Path, smollm2_dir: Path, tied: bool = False) -> Path:
 
 
 def _train(tmp: Path, smollm2_dir: Path, tied: bool) -> dict[str, Any]:
-    base, work, nvme, out = _base(tmp, smollm2_dir, tied), tmp / "work", tmp / "nvme", tmp / "output"
-    work.mkdir()
-    nvme.mkdir()
-    validation = tmp / "validation.jsonl"
-    validation.write_text("".join(VALIDATION.read_text().splitlines(keepends=True)[:8]))
-    (work / "job.yaml").write_text(f"""apiVersion: memstrata.dev/v1alpha1
-kind: FineTuneJob
-metadata: {{name: lora-saved}}
-spec:
-  model: {{path: {base}}}
-  dataset: {{path: {DATA}, format: messages, validationPath: {validation}}}
-  training:
-    method: lora
-    lora: {{rank: 4, alpha: 8, targetModules: [q_proj, v_proj], dropout: 0.0, modulesToSave: {SAVED},
-            mergeOnSave: true}}
-    sequenceLength: 64
-    microBatch: 2
-    steps: {STEPS}
-    learningRate: 2.0e-3
-    precision: fp32
-    seed: 7
-  resources: {{gpus: 0}}
-  memory: {{engine: memstrata}}
-  output: {{path: {out}, shardSize: 64Mi}}
-""")
-    probe = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
-    torch.save(probe, work / "probe.pt")
-    proc = subprocess.run([sys.executable, str(WORKER), str(work / "job.yaml"), str(nvme), str(work)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"result": json.loads((work / "result.json").read_text()), "logits": torch.load(work / "logits.pt"),
-            "probe": probe, "out": out, "base": base, "validation": validation}
+    lora = f"rank: 4, alpha: 8, targetModules: [q_proj, v_proj], dropout: 0.0, modulesToSave: {SAVED}, mergeOnSave: true"
+    return run_lora_job(tmp, _base(tmp, smollm2_dir, tied), lora, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -120,12 +120,12 @@ def add_adapters(model: "PreTrainedModel", lora: Lora, arch: ModelArchitecture, 
 
 def saved_modules(model: Any, lora: Lora, arch: ModelArchitecture) -> dict[str, Any]:
     """training.lora.modulesToSave's modules of the transformers `model`, by their path in it."""
-    from memstrata.api.lora import HEAD
+    from memstrata.api.lora import savable_modules
 
     named = set(lora.modules_to_save or [])
-    wanted = {id(m) for name, m in ((HEAD, model.get_output_embeddings()),
-                                    (family_of(arch.family).embedding_module, model.get_input_embeddings()))
-              if name in named}
+    # savable_modules names the input embedding, then the head.
+    modules = zip(savable_modules(arch), (model.get_input_embeddings(), model.get_output_embeddings()))
+    wanted = {id(m) for name, m in modules if name in named}
     return {path: m for path, m in model.named_modules() if id(m) in wanted}
 
 
