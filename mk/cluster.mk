@@ -9,11 +9,13 @@ ETCD_VERSION := v3.6.16
 # kwok v0.8.0 is built against client-go v0.36, hence Kubernetes 1.36.
 KWOK_VERSION := v0.8.0
 HELM_VERSION := v3.21.4
+# The real node's containerd (mk/realnode.mk): 2.x, for CDI (DRA hands devices to containers through it).
+CONTAINERD_VERSION := v2.2.9
 
 CLUSTER_BUILD := e2e/cluster/build
 MEMSTRATA_K8S_BIN := $(CACHE)/k8s-$(K8S_VERSION)-etcd$(ETCD_VERSION)-kwok$(KWOK_VERSION)-helm$(HELM_VERSION)/bin
 CLUSTER_STAMP := $(MEMSTRATA_K8S_BIN)/.built
-export K8S_VERSION ETCD_VERSION KWOK_VERSION HELM_VERSION MEMSTRATA_K8S_BIN
+export K8S_VERSION ETCD_VERSION KWOK_VERSION HELM_VERSION CONTAINERD_VERSION MEMSTRATA_K8S_BIN
 
 .PHONY: cluster-bins cluster-pin test-cluster
 cluster-bins: $(CLUSTER_STAMP)

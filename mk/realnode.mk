@@ -1,9 +1,10 @@
-# A real node for the e2e tests in e2e/realnode: Debian's containerd, runc, CNI plugins and
-# iptables, and the kubelet and kube-proxy built from the same pinned module as the control plane
-# (mk/cluster.mk sets K8S_VERSION; this file is included after it). Cached by version.
-NODE_APT_PACKAGES := containerd runc containernetworking-plugins iptables conntrack
+# A real node for the e2e tests in e2e/realnode: Debian's runc, CNI plugins and iptables; containerd
+# (CDI, for DRA: Debian's 1.6 has none) built from its pinned module, and the kubelet and kube-proxy
+# from the same pinned module as the control plane (mk/cluster.mk sets K8S_VERSION; this file is
+# included after it; CONTAINERD_VERSION too). Cached by version.
+NODE_APT_PACKAGES := runc containernetworking-plugins iptables conntrack
 NODE_APT_STAMP := $(CACHE)/stamps/apt-node-$(shell echo $(NODE_APT_PACKAGES) | sha256sum | cut -c1-12)
-MEMSTRATA_NODE_BIN := $(CACHE)/node-$(K8S_VERSION)/bin
+MEMSTRATA_NODE_BIN := $(CACHE)/node-$(K8S_VERSION)-containerd$(CONTAINERD_VERSION)/bin
 export MEMSTRATA_NODE_BIN
 
 # memstrata's images, built from a debootstrapped base, the CI venv and the sources (no Docker, no
@@ -20,6 +21,7 @@ $(NODE_APT_STAMP):
 
 # Named by version, so a fresh checkout (new mtimes) does not rebuild.
 $(MEMSTRATA_NODE_BIN)/.built:
+	@$(TIMED) containerd-bins e2e/realnode/build/build-containerd.sh $(MEMSTRATA_NODE_BIN)
 	@$(TIMED) node-bins e2e/realnode/build/build-node.sh $(MEMSTRATA_NODE_BIN)
 
 $(IMAGE_APT_STAMP):

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env, cache_root
+from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env, cache_root, cluster_versions
 from e2e.conftest import _say
 from e2e.scrape import Samples, parse
 from memstrata.api.serving import METRICS_PORT
 from e2e.realnode.images import ImageSet
 from e2e.realnode.jobs import JobStorage
-from e2e.realnode.node import NodeBins, RealNode, host_address
+from e2e.realnode.node import NodeBins, RealNode, host_address, use_node_tools
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "memstrata"
@@ -93,6 +93,7 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     bins, reason = NodeBins.from_env()
     if bins is None:
         _unavailable(reason)
+    use_node_tools(bins)
     from e2e.realnode.images import build_images, import_images, unavailable_reason
 
     why = unavailable_reason(cache_root())
@@ -104,7 +105,8 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     timings["images"] = time.monotonic() - began
     cp = ControlPlane(bin_dir, advertise_address=host_address())
     cp.start()
-    node = RealNode(cp, bins, cache_root() / "containerd")
+    # containerd's root (its images) per version: a 2.x store is not for an older containerd to open.
+    node = RealNode(cp, bins, cache_root() / f"containerd-{cluster_versions()['CONTAINERD_VERSION']}")
 
     ok = False
     try:

@@ -159,7 +159,8 @@ def unavailable_reason(cache_dir: Path) -> str | None:
     missing = [tool for tool, layer in need.items() if layer not in cached and not shutil.which(tool)
                and not Path("/usr/sbin", tool).exists()]
     if missing:
-        return f"{', '.join(missing)} not installed (apt-get install debootstrap gcc libc6-dev containerd)"
+        return (f"{', '.join(missing)} not installed (apt-get install debootstrap gcc libc6-dev; ctr: `make node-bins` "
+                "builds it with containerd)")
     if "pause" not in cached and not Path("/usr/lib/x86_64-linux-gnu/libc.a").exists():
         return "no static libc for `gcc -static` of the pause image (apt-get install libc6-dev)"
     if "base" not in cached and os.geteuid() != 0:

@@ -43,7 +43,9 @@ DAEMON_NICENESS = -5  # root may raise a priority
 POD_CIDR = "10.244.0.0/24"
 BRIDGE = "mse2e0"
 CNI_BIN = Path("/usr/lib/cni")
-HOST_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "conntrack")
+HOST_TOOLS = ("runc", "iptables", "conntrack")
+# Built by `make node-bins` beside the kubelet (containerd 2.x: CDI, which Debian's 1.6 lacks).
+NODE_TOOLS = ("kubelet", "kube-proxy", "containerd", "containerd-shim-runc-v2", "ctr")
 
 
 @dataclass(frozen=True)
@@ -51,18 +53,24 @@ class NodeBins:
     kubelet: Path
     kube_proxy: Path
 
+    @property
+    def dir(self) -> Path:
+        """Where containerd, its shim and ctr are too: first on the node daemons' (and the tests') PATH."""
+        return self.kubelet.parent
+
     @staticmethod
     def from_env() -> tuple[NodeBins | None, str]:
-        """The kubelet and kube-proxy `make node-bins` built, and why not when they or the host's
-        container runtime are missing."""
+        """The kubelet, kube-proxy and containerd `make node-bins` built, and why not when they or the host's
+        tools are missing."""
         env = os.environ.get("MEMSTRATA_NODE_BIN")
         if env:
             path = Path(env)
         else:
-            path = cache_root() / f"node-{cluster_versions()['K8S_VERSION']}" / "bin"
-        missing = [b for b in ("kubelet", "kube-proxy") if not (path / b).is_file()]
+            v = cluster_versions()
+            path = cache_root() / f"node-{v['K8S_VERSION']}-containerd{v['CONTAINERD_VERSION']}" / "bin"
+        missing = [b for b in NODE_TOOLS if not (path / b).is_file()]
         if missing:
-            return None, f"kubelet/kube-proxy not built in {path} (missing {missing}); run `make node-bins`"
+            return None, f"the node's binaries are not built in {path} (missing {missing}); run `make node-bins`"
         tools = [t for t in HOST_TOOLS if shutil.which(t) is None] + ([] if (CNI_BIN / "bridge").exists() else ["cni bridge"])
         if tools:
             return None, f"host packages missing: {tools}; run `make node-bins` (it apt-installs them)"
@@ -72,6 +80,13 @@ class NodeBins:
         if foreign:
             return None, foreign
         return NodeBins(path / "kubelet", path / "kube-proxy"), ""
+
+
+def use_node_tools(bins: NodeBins) -> None:
+    """Put the built containerd, its shim (containerd finds it on PATH) and ctr before any the host has, in
+    this process's PATH: the node's daemons inherit it, and every `ctr` the tests run is this containerd's."""
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([str(bins.dir)] + [p for p in path if p != str(bins.dir)])
 
 
 def host_address() -> str:
@@ -121,7 +136,7 @@ class RealNode:
         self._clear_leftovers()
         claim_kubelet_root()
         self._write_configs()
-        self._spawn("containerd", ["containerd", "--config", str(self.workdir / "containerd.toml")])
+        self._spawn("containerd", [str(self.bins.dir / "containerd"), "--config", str(self.workdir / "containerd.toml")])
         self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 30)
 
     def start(self) -> None:
@@ -239,29 +254,34 @@ class RealNode:
                  "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR}]], "routes": [{"dst": "0.0.0.0/0"}],
                           "dataDir": str(self.state / "cni-ipam")}},
                 {"type": "portmap", "capabilities": {"portMappings": True}}]}, indent=1))
-        (w / "containerd.toml").write_text(f"""version = 2
+        (w / "containerd.toml").write_text(f"""version = 3
 root = "{self.containerd_root}"
 state = "{self.state / 'containerd'}"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-                    "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+                    "io.containerd.snapshotter.v1.devmapper"]
 [grpc]
   address = "{self.socket}"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{self.pause_image}"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{self.pause_image}"
+[plugins."io.containerd.cri.v1.runtime"]
   # No CAP_SYS_RESOURCE here: a negative oom_score_adj would make runc fail every container.
   restrict_oom_score_adj = true
   # Pods' network namespaces under our state directory: unmounting it frees them (and their veths) even
   # when no CNI DEL ran (containers killed without the CRI).
   netns_mounts_under_state_dir = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  # DRA: the kubelet names a claim's CDI devices; the driver writes their specs under /var/run/cdi.
+  enable_cdi = true
+  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+  [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{CNI_BIN}"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["{CNI_BIN}"]
     conf_dir = "{cni}"
 """)
         (w / "kubelet.yaml").write_text(json.dumps({
