@@ -30,3 +30,13 @@ app.kubernetes.io/component: node-agent
 {{- define "memstrata.image" -}}
 {{- printf "%s:%s" .image.repository (default .appVersion .image.tag) -}}
 {{- end -}}
+
+{{- /* The node agent's device API, `auto` resolved against what the cluster serves (memstrata nodeagent --device-api). */ -}}
+{{- define "memstrata.deviceApi" -}}
+{{- $mode := .Values.nodeAgent.deviceApi | default "device-plugin" -}}
+{{- if eq $mode "auto" -}}
+{{- if .Capabilities.APIVersions.Has "resource.k8s.io/v1" }}dra{{ else }}device-plugin{{ end -}}
+{{- else -}}
+{{- $mode -}}
+{{- end -}}
+{{- end -}}

@@ -31,6 +31,7 @@ from memstrata.api.serving import METRICS_PORT, parse_bind_address
 from memstrata.node.access import dev_ownership, vet_access
 from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
 from memstrata.node.loopscan import LOOP_NAME
+from memstrata.nodeagent.cdi import CDI_DIR
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
 from memstrata.nodeagent.scrubber import Scrubber
 
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
     from memstrata.nodeagent.metrics import AgentMetrics
 
 log = logging.getLogger("memstrata.nodeagent")
-PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+KUBELET_DIR = Path("/var/lib/kubelet")
+PLUGIN_DIR = KUBELET_DIR / "device-plugins"  # the device plugins' (the DRA plugin's are under KUBELET_DIR)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -52,6 +54,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--swaps", type=Path, default=Path("/proc/swaps"),
                    help="active swap areas (/proc/swaps is the host's in any mount namespace)")
     p.add_argument("--plugin-dir", type=Path, default=PLUGIN_DIR, help="the kubelet's device-plugins directory")
+    p.add_argument("--device-api", choices=("device-plugin", "dra"), default="device-plugin",
+                   help="how the kubelet and the scheduler get the devices: device-plugin (counted extended "
+                        "resources) or dra (a ResourceSlice per node and the DRA kubelet plugin dra.memstrata.dev; "
+                        "Kubernetes >= 1.34). Never both: two allocators would hand one namespace to two jobs")
+    p.add_argument("--kubelet-dir", type=Path, default=KUBELET_DIR,
+                   help="the kubelet's root directory (dra: its plugins and plugins_registry directories)")
+    p.add_argument("--cdi-dir", type=Path, default=CDI_DIR,
+                   help="where the container runtime reads CDI specs (dra: one per prepared claim)")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
                    help="Node to label (default $NODE_NAME; empty: do not talk to the API server)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
@@ -75,6 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rescan_seconds <= 0:
         p.error(f"--rescan-seconds must be positive, got {args.rescan_seconds}")
+    if args.device_api == "dra" and not args.node_name and not args.once:
+        p.error("--device-api dra needs --node-name (or $NODE_NAME): the node's ResourceSlice is named after it")
     return args
 
 
@@ -128,11 +140,16 @@ def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: Non
 
 def once(args: argparse.Namespace) -> int:
     from memstrata.nodeagent.devices import resources
+    from memstrata.nodeagent.draslice import slice_spec
 
     inventory = read_inventory(args)
-    scrubbing = scrubber(args).update(inventory, start=False)  # reported Unhealthy; --once writes nothing
+    check = scrubber(args)
+    scrubbing = check.update(inventory, start=False)  # reported Unhealthy; --once writes nothing
     devices = {r.name: [d.__dict__ for d in r.devices(inventory, scrubbing)] for r in resources()}
-    print(json.dumps({"inventory": inventory.wire(), "node": render_node(inventory), "devices": devices}, indent=2))
+    # What --device-api dra would publish (generation 1, as a first publication): the same discovery, seen by DRA.
+    spec = slice_spec(inventory, args.node_name or inventory.hostname, 1, scrubbing | check.held)
+    print(json.dumps({"inventory": inventory.wire(), "node": render_node(inventory), "devices": devices,
+                      "resourceSlice": spec}, indent=2))
     return 0
 
 
@@ -176,15 +193,26 @@ class Agent:
         self.metrics = AgentMetrics()
         self.metrics.devices.offered = lambda: [(s.resource, d) for s in self.servers for d in s.devices]
         self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"), metrics=self.metrics)
-        self.servers = [DevicePluginServer(r, args.plugin_dir, vet=self.vet, metrics=self.metrics)
-                        for r in resources()]
+        dra = args.device_api == "dra"
+        self.servers = [] if dra else [DevicePluginServer(r, args.plugin_dir, vet=self.vet, metrics=self.metrics)
+                                       for r in resources()]
+        self.dra = None
+        if dra:
+            from memstrata.nodeagent.dradriver import DraDriver
+
+            self.dra = DraDriver(args, vet=lambda d: self.vet_namespace(d.namespace),
+                                 on_unprepare=lambda: self.events.put("rescan"), metrics=self.metrics)
         self.patcher = NodePatcher(args.node_name, args.kubeconfig)
         self.inventory: NodeInventory | None = None
         self.scrubbing: frozenset[str] = frozenset()  # free namespaces holding a finished job's data
 
     def vet(self, device: PluginDevice) -> str | None:
-        """Allocate's last look at a namespace (PluginDevice.name): refused while a job's data is on it."""
-        why = self.scrubber.pending(device.name) if device.name else None
+        """Allocate's last look at a namespace (PluginDevice.name)."""
+        return self.vet_namespace(device.name)
+
+    def vet_namespace(self, name: str) -> str | None:
+        """The last look at namespace `name` before a container gets it: refused while a job's data is on it."""
+        why = self.scrubber.pending(name) if name else None
         if why is None:
             return None
         self.events.put("rescan")  # have the scrub start now, not at the next tick
@@ -210,6 +238,8 @@ class Agent:
         self.scrubbing = self.scrubber.update(self.inventory)
         for server in self.servers:
             server.publish(self.offer(server.manager))
+        if self.dra is not None:
+            self.dra.rescan(self.inventory, self.scrubbing | self.scrubber.held)
         if self.args.nfd_dir.is_dir():
             write_atomically(self.args.nfd_dir / NFD_FILE, nfd_features(self.inventory))
         try:
@@ -254,6 +284,8 @@ class Agent:
         kubelet_sock = self.args.plugin_dir / KUBELET_SOCKET
         self.inventory = read_inventory(self.args)  # a tree that cannot be read at start is fatal
         metrics_server = self.serve_metrics()
+        if self.dra is not None:  # the kubelet's plugin watcher finds it, also after the kubelet restarts
+            self.dra.start()
         restart_due = 0.0  # when to (re)start the plugins; inf while they run
         next_scan = 0.0
         registered_with = None
@@ -294,6 +326,8 @@ class Agent:
                     restart_due = now + 1.0
         for server in self.servers:
             server.stop()
+        if self.dra is not None:
+            self.dra.stop()
         self.scrubber.stop()
         if metrics_server is not None:
             metrics_server.shutdown()

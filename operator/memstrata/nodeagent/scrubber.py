@@ -60,6 +60,8 @@ class Scrubber:
         self._running: dict[str, threading.Thread] = {}
         self._retry_at: dict[str, float] = {}
         self._stopping = threading.Event()
+        # Namespaces a process holds exclusively with a job's header on them, as of the last update: in use.
+        self.held: frozenset[str] = frozenset()
 
     def pending(self, name: str) -> str | None:
         """Why namespace `name` may not be handed to a job now; None when it may."""
@@ -75,6 +77,7 @@ class Scrubber:
         Starts a scrub of each that no process holds, unless `start` is False (`--once`) or one
         failed less than `retry_s` ago."""
         dirty: set[str] = set()
+        held: set[str] = set()
         for ns in inventory.free_namespaces:
             with self._lock:
                 if ns.name in self._running:
@@ -97,14 +100,16 @@ class Scrubber:
                 self._failed(ns.name, exc)
                 dirty.add(ns.name)
                 continue
-            if fd is None:
-                continue  # in use by the job that wrote it: allocated to it, so no one else gets it
+            if fd is None:  # in use by the job that wrote it: allocated to it, so no one else gets it
+                held.add(ns.name)
+                continue
             dirty.add(ns.name)
             if not start or self._stopping.is_set():
                 os.close(fd)
                 continue
             log.info("%s: %s; no process holds it any more: scrubbing it now, Unhealthy until done", path, reason)
             self._start(ns.name, path, fd)
+        self.held = frozenset(held)
         return frozenset(dirty)
 
     def _start(self, name: str, path: str, fd: int) -> None:

@@ -1,0 +1,116 @@
+"""The DRA driver's ResourceSlice against the real API server and scheduler: the slice the node agent builds
+from a two-socket CXL node's discovered tree (tests/data/sysfs/two-socket-cxl) is accepted as written,
+published once per change, and the scheduler allocates from it what claims ask for by size, NUMA node
+and CXL bytes, sharing a CXL node between claims and refusing a claim nothing fits.
+
+The node is a kwok node (no kubelet: nothing prepares the claims here; e2e/realnode/test_realnode_dra.py
+does that on the real node)."""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.cluster.controlplane import ControlPlane
+from memstrata.api import dra
+from memstrata.node.discovery import dev_heads, discover
+from memstrata.nodeagent.draslice import slice_spec
+from memstrata.nodeagent.drapublish import SlicePublisher, slice_name
+
+pytestmark = pytest.mark.cluster
+
+TREE = Path(__file__).resolve().parents[2] / "tests" / "data" / "sysfs" / "two-socket-cxl"
+GIB = 1 << 30
+
+
+def inventory(node: str) -> Any:
+    return discover(TREE / "sys", heads=dev_heads(TREE / "dev"), mounts_text=(TREE / "proc" / "mounts").read_text(),
+                    swaps_text=(TREE / "proc" / "swaps").read_text(), hostname=node)
+
+
+def claim(name: str, *requests: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": list(requests)}}}
+
+
+def nvme(min_gib: int, numa: int | None = None) -> dict[str, Any]:
+    expr = f'device.capacity["{dra.DRIVER}"].{dra.SIZE}.compareTo(quantity("{min_gib}Gi")) >= 0'
+    if numa is not None:
+        expr += f' && device.attributes["{dra.DRIVER}"].numaNode == {numa}'
+    return {"name": "ns", "exactly": {"deviceClassName": dra.NVME_CLASS, "selectors": [{"cel": {"expression": expr}}]}}
+
+
+def cxl(gib: int) -> dict[str, Any]:
+    return {"name": "cxl", "exactly": {"deviceClassName": dra.CXL_CLASS,
+                                       "capacity": {"requests": {dra.MEMORY: f"{gib}Gi"}}}}
+
+
+def pod(name: str, node: str, claim_name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "tolerations": [{"operator": "Exists"}],
+        "resourceClaims": [{"name": "c", "resourceClaimName": claim_name}],
+        "containers": [{"name": "c", "image": "none", "resources": {"claims": [{"name": "c"}]}}]}}
+
+
+def results(cluster: ControlPlane, ns: str, name: str) -> list[dict[str, Any]]:
+    status = cluster.get_json("resourceclaim", name, "-n", ns).get("status") or {}
+    return ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
+
+
+def test_the_scheduler_allocates_published_namespaces_and_cxl_bytes(
+        cluster: ControlPlane, fake_nodes: Any, namespace: str) -> None:
+    node = "dra-cxl-node"
+    fake_nodes.create(node)
+    inv = inventory(node)
+    publisher = SlicePublisher(node, str(cluster.kubeconfig))
+    assert publisher.publish(partial(slice_spec, inv, node))
+    written = cluster.get_json("resourceslice", slice_name(node))
+    assert written["spec"]["pool"]["generation"] == 1
+    assert written["metadata"]["ownerReferences"][0]["name"] == node
+    # Accepted as rendered: the API server kept every device, attribute and capacity.
+    assert written["spec"]["devices"] == slice_spec(inv, node, 1)["devices"]
+    names = {d["attributes"]["namespace"]["string"]: d["name"] for d in written["spec"]["devices"]
+             if d["attributes"]["kind"]["string"] == dra.KIND_NVME}
+    assert set(names) == {ns.name for ns in inv.free_namespaces}
+    # A second agent (a restart) with nothing changed writes nothing; a change bumps the generation.
+    again = SlicePublisher(node, str(cluster.kubeconfig))
+    assert not again.publish(partial(slice_spec, inv, node))
+    assert cluster.get_json("resourceslice", slice_name(node))["metadata"]["resourceVersion"] == \
+        written["metadata"]["resourceVersion"]
+    for dc in dra.device_classes():
+        cluster.apply(dc)
+
+    # 150 GiB: only nvme1n1 (200 GiB, NUMA 1) has it; 20 GiB of CXL: only node 2 (32 GiB) has that.
+    cluster.apply(claim("big", nvme(150), cxl(20)), claim("more-cxl", cxl(12)), claim("numa0", nvme(60, numa=0)),
+                  namespace=namespace)
+    for name in ("big", "more-cxl", "numa0"):
+        cluster.apply(pod(name, node, name), namespace=namespace)
+    cluster.wait_for("three claims allocated", lambda: all(results(cluster, namespace, n)
+                                                          for n in ("big", "more-cxl", "numa0")), timeout=60)
+    big = {r["request"]: r for r in results(cluster, namespace, "big")}
+    assert big["ns"]["device"] == names["nvme1n1"] and big["ns"]["pool"] == node
+    assert big["cxl"]["device"] == dra.cxl_device_name(2)
+    assert big["cxl"]["consumedCapacity"][dra.MEMORY] in ("20Gi", str(20 * GIB)), big["cxl"]
+    assert results(cluster, namespace, "more-cxl")[0]["device"] in {dra.cxl_device_name(2), dra.cxl_device_name(3)}
+    assert results(cluster, namespace, "numa0")[0]["device"] == names["nvme0n1"]
+
+    # 17 GiB would fit an empty node 2; with 20 + 12 GiB of it (or 20, and 12 of node 3's 16.5) consumed, nothing has it.
+    cluster.apply(claim("too-much-cxl", cxl(17)), namespace=namespace)
+    cluster.apply(pod("too-much-cxl", node, "too-much-cxl"), namespace=namespace)
+
+    def unschedulable() -> str:
+        conds = cluster.get_json("pod", "too-much-cxl", "-n", namespace)["status"].get("conditions") or []
+        return next((c.get("message", "") for c in conds if c.get("reason") == "Unschedulable"), "")
+
+    cluster.wait_for("the 17 GiB CXL claim's pod to be unschedulable", lambda: bool(unschedulable()), timeout=60)
+    assert "cannot allocate all claims" in unschedulable(), unschedulable()
+    assert not results(cluster, namespace, "too-much-cxl")
+
+    # A namespace being scrubbed leaves the slice at the next publication, in a new generation.
+    assert publisher.publish(partial(slice_spec, inv, node, scrubbing=frozenset({"nvme0n1"})))
+    after = cluster.get_json("resourceslice", slice_name(node))
+    assert after["spec"]["pool"]["generation"] == 2
+    assert names["nvme0n1"] not in {d["name"] for d in after["spec"]["devices"]}

@@ -1,0 +1,139 @@
+"""The node agent as a DRA driver on the real node: the real kubelet registers it, the real scheduler
+allocates its ResourceSlice's devices to ResourceClaims, and the built containerd hands them to the
+container through CDI.
+
+The chart is switched to `nodeAgent.deviceApi=dra` for this module and back afterwards (the way the
+chart README moves a node between modes, with no memstrata job on it).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from e2e.conftest import _say
+from e2e.realnode.conftest import CHART, RELEASE_NS, RealCluster
+from memstrata.api import dra
+
+pytestmark = [pytest.mark.realnode, pytest.mark.cluster, pytest.mark.slow]
+
+GIB = 1 << 30
+DISK_GID = 6  # the chart's trainingPod.deviceGroup
+# Holds every namespace of its claim as the NVMe engine does (O_EXCL) with a job's header on it, so that
+# the agent sees them in use; deleting the pod leaves them dirty, for the agent to scrub.
+HOLDER = """
+import os, time, uuid
+from memstrata.node.header import Header, State, render_header
+paths = os.environ["MEMSTRATA_NVME_DEVICES"].split(",")
+for i, p in enumerate(paths):
+    fd = os.open(p, os.O_RDWR | os.O_EXCL)
+    size = os.lseek(fd, 0, os.SEEK_END)
+    os.pwrite(fd, render_header(Header(owner_job="dra-e2e", generation=1, state=State.OPEN, set_id=uuid.uuid4(),
+              set_index=i, set_size=len(paths), logical_block_size=512, capacity_bytes=size)), 0)
+    os.fsync(fd)
+    print("holding", p, oct(os.stat(p).st_mode), os.stat(p).st_gid, flush=True)
+time.sleep(3600)
+"""
+
+
+def upgrade(rc: RealCluster, mode: str) -> None:
+    rc.cp.helm("upgrade", "memstrata", str(CHART), "--namespace", RELEASE_NS, "--reuse-values",
+               "--set", f"nodeAgent.deviceApi={mode}", "--wait", "--timeout", "5m", timeout=330)
+
+
+def slice_devices(rc: RealCluster) -> dict[str, dict[str, Any]]:
+    slices = rc.cp.get_json("resourceslices")["items"]
+    ours = [s for s in slices if s["spec"]["driver"] == dra.DRIVER and s["spec"].get("nodeName") == rc.node.name]
+    return {d["name"]: d for s in ours for d in s["spec"].get("devices") or []}
+
+
+@pytest.fixture(scope="module")
+def dra_node(real_cluster: RealCluster) -> Iterator[RealCluster]:
+    rc = real_cluster
+    began = time.monotonic()
+    upgrade(rc, "dra")
+    try:
+        rc.cp.wait_for("the node's ResourceSlice to list both loop namespaces",
+                       lambda: {d["attributes"]["namespace"]["string"] for d in slice_devices(rc).values()}
+                       == set(rc.loops), timeout=120)
+        rc.timings["dra-switch"] = time.monotonic() - began
+        yield rc
+    finally:
+        upgrade(rc, "device-plugin")
+        rc.cp.wait_for("the device plugin to offer the namespaces again", lambda: rc.node_json()["status"].get(
+            "allocatable", {}).get("memstrata.dev/nvme-ns") == str(len(rc.loops)), timeout=180)
+
+
+def claim(name: str, count: int, min_bytes: int) -> dict[str, Any]:
+    size = f'device.capacity["{dra.DRIVER}"].{dra.SIZE}.compareTo(quantity("{min_bytes}")) >= 0'
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "ns", "exactly": {
+                "deviceClassName": dra.NVME_CLASS, "allocationMode": "ExactCount", "count": count,
+                "selectors": [{"cel": {"expression": size}}]}}]}}}
+
+
+def holder(name: str, image: str, claim_name: str) -> dict[str, Any]:
+    """A pod meeting `restricted`, as a training pod does: not root, the device group supplementary."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "supplementalGroups": [DISK_GID],
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "resourceClaims": [{"name": "ns", "resourceClaimName": claim_name}],
+        "containers": [{"name": "c", "image": image, "imagePullPolicy": "Never", "command": ["python3", "-c", HOLDER],
+                        "resources": {"claims": [{"name": "ns"}]},
+                        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}}
+
+
+def phase(rc: RealCluster, ns: str, pod: str) -> str:
+    return rc.cp.get_json("pod", pod, "-n", ns)["status"].get("phase", "")
+
+
+def unschedulable(rc: RealCluster, ns: str, pod: str) -> str:
+    """The scheduler's message when it cannot place `pod`, else ''."""
+    conds = rc.cp.get_json("pod", pod, "-n", ns)["status"].get("conditions") or []
+    return next((c.get("message", "") for c in conds
+                 if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"), "")
+
+
+def test_claimed_namespaces_reach_the_container_through_cdi_and_are_scrubbed_and_published_after(
+        dra_node: RealCluster, job_ns: str, request: pytest.FixtureRequest) -> None:
+    rc, ns = dra_node, job_ns
+    devices = slice_devices(rc)
+    for d in devices.values():  # what the scheduler sees of a loop namespace
+        assert d["attributes"]["loop"] == {"bool": True} and d["attributes"]["blockSize"] == {"int": 512}, d
+        assert d["capacity"][dra.SIZE]["value"] in (str(2 * GIB), "2Gi"), d
+    image = rc.images.node_agent
+    rc.cp.apply(claim("two", 2, GIB), claim("one", 1, GIB), claim("huge", 1, 3 * GIB), namespace=ns)
+    rc.cp.apply(holder("first", image, "two"), namespace=ns)
+    rc.cp.wait_for("the pod claiming both namespaces to run", lambda: phase(rc, ns, "first") == "Running", timeout=120)
+    got = rc.cp.get_json("resourceclaim", "two", "-n", ns)["status"]["allocation"]["devices"]["results"]
+    assert sorted(r["device"] for r in got) == sorted(devices), got
+    rc.cp.wait_for("the container to open both namespaces", lambda: rc.node.container_logs(ns, "first").count(
+        "holding") == 2, timeout=60)
+    logs = rc.node.container_logs(ns, "first")
+    for loop in rc.loops:  # the device nodes CDI made, owned by the device group, as the device plugin's are
+        assert f"holding /dev/{loop} 0o60660 {DISK_GID}" in logs, logs
+    # In use: out of the slice; a second claim waits, and one bigger than any device never fits.
+    rc.cp.wait_for("the held namespaces to leave the slice", lambda: not slice_devices(rc), timeout=60)
+    rc.cp.apply(holder("second", image, "one"), holder("too-big", image, "huge"), namespace=ns)
+    rc.cp.wait_for("the second pod to be unschedulable", lambda: bool(unschedulable(rc, ns, "second")), timeout=60)
+    rc.cp.wait_for("the too-big pod to be unschedulable", lambda: bool(unschedulable(rc, ns, "too-big")), timeout=60)
+    assert "cannot allocate all claims" in unschedulable(rc, ns, "too-big"), unschedulable(rc, ns, "too-big")
+
+    # Deleting the first pod unprepares its claim; the agent scrubs what it left and offers both again.
+    freed = time.monotonic()
+    rc.kubectl("delete", "pod", "first", "-n", ns, "--wait=true", timeout=120)
+    rc.kubectl("delete", "resourceclaim", "two", "-n", ns, "--wait=true", timeout=120)
+    rc.cp.wait_for("the second pod to get a scrubbed namespace and run", lambda: phase(rc, ns, "second") == "Running",
+                   timeout=180)
+    waited = time.monotonic() - freed
+    rc.cp.wait_for("the second pod's namespace to be held", lambda: "holding" in rc.node.container_logs(ns, "second"),
+                   timeout=60)
+    assert not rc.node.container_logs(ns, "second").count("Traceback"), rc.node.container_logs(ns, "second")
+    assert unschedulable(rc, ns, "too-big"), "a claim larger than every namespace was placed"
+    rc.kubectl("delete", "pod", "second", "too-big", "-n", ns, "--wait=true", timeout=120)
+    rc.cp.wait_for("both namespaces scrubbed and published again",
+                   lambda: len(slice_devices(rc)) == len(rc.loops), timeout=180)
+    _say(request, f"[realnode] DRA: a freed pair of namespaces was scrubbed and the waiting pod ran "
+                  f"{waited:.1f} s after the first pod's deletion")

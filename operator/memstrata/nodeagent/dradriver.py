@@ -1,0 +1,48 @@
+"""The node agent's DRA mode (`--device-api dra`): the kubelet plugin and the node's ResourceSlice, kept in step.
+
+Each rescan gives both the same list (memstrata.nodeagent.draslice.offered): what the slice shows is
+exactly what prepare may hand out. Excluded are the namespaces holding a finished job's data (being
+scrubbed) and those a process holds with a job's header on them (in use: a job of this node, whether
+its claim came through DRA or, while a node changes modes, through the device plugin).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Collection
+from functools import partial
+
+from memstrata.api.inventory import NodeInventory
+from memstrata.nodeagent.draplugin import DraPlugin, Vet
+from memstrata.nodeagent.draslice import offered, slice_spec
+from memstrata.nodeagent.drapublish import SlicePublisher
+from memstrata.nodeagent.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+
+class DraDriver:
+    """The plugin (gRPC) and the publisher (API server) of one node. The constructor does no I/O."""
+
+    def __init__(self, args: argparse.Namespace, vet: Vet, on_unprepare: Callable[[], None],
+                 metrics: AgentMetrics) -> None:
+        self.node_name = args.node_name
+        self.publisher = SlicePublisher(args.node_name, args.kubeconfig)
+        self.plugin = DraPlugin(args.node_name, self.publisher.claim, kubelet_dir=args.kubelet_dir,
+                                cdi_dir=args.cdi_dir, device_gid=args.training_device_gid, vet=vet,
+                                on_unprepare=on_unprepare, metrics=metrics)
+
+    def start(self) -> None:
+        self.plugin.start()
+
+    def stop(self) -> None:
+        self.plugin.stop()
+
+    def rescan(self, inventory: NodeInventory, excluded: Collection[str]) -> None:
+        """Offer what is free now, to prepare first (it may only shrink what the scheduler saw) and then in the
+        slice; an API server away is logged and retried at the next scan."""
+        self.plugin.offer(offered(inventory, excluded))
+        try:
+            self.publisher.publish(partial(slice_spec, inventory, self.node_name, scrubbing=excluded))
+        except Exception as exc:
+            log.warning("could not publish the ResourceSlice of node %s (will retry): %s", self.node_name, exc)
