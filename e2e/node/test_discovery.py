@@ -72,3 +72,26 @@ def test_only_the_free_namespace_is_offered(once: dict) -> None:
     assert labels["memstrata.dev/cxl"] == "true" and labels["memstrata.dev/cxl-node-count"] == "1"
     assert labels["memstrata.dev/nvme-free-count"] == "1"
     assert once["node"]["capacity"] == {"memstrata.dev/nvme-ns": "1", "memstrata.dev/cxl-gib": "0"}
+
+
+def test_the_guests_cxl_node_and_free_namespace_are_in_the_resourceslice_it_builds(once: dict, cluster) -> None:
+    """The DRA driver's slice, built in the guest by the same discovery (`--once` prints it), names the CXL node's
+    bytes and expander and the one free namespace; the real API server accepts it as written."""
+    from memstrata.api import dra
+
+    spec = once["resourceSlice"]
+    assert (spec["driver"], spec["nodeName"], spec["pool"]["name"]) == (dra.DRIVER, "guest", "guest")
+    devices = {d["attributes"]["kind"]["string"]: d for d in spec["devices"]}
+    assert len(spec["devices"]) == 2, spec["devices"]
+    cxl, ns = devices[dra.KIND_CXL], devices[dra.KIND_NVME]
+    assert cxl["name"] == "cxl-node2" and cxl["capacity"][dra.MEMORY]["value"] == str(512 << 20)
+    assert cxl["attributes"]["expanders"] == {"string": "mem0"} and cxl["attributes"]["numaNode"] == {"int": 2}
+    free = next(n for n in once["inventory"]["nvmeNamespaces"] if n["free"])
+    assert ns["attributes"]["namespace"] == {"string": free["name"]}
+    assert ns["attributes"]["model"] == {"string": "QEMU NVMe Ctrl"} and ns["capacity"][dra.SIZE]["value"] == str(256 << 20)
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "guest-dra"}, "spec": spec}
+    cluster.create(body)
+    try:
+        assert cluster.get_json("resourceslice", "guest-dra")["spec"]["devices"] == spec["devices"]
+    finally:
+        cluster.kubectl("delete", "resourceslice", "guest-dra")
