@@ -4,7 +4,8 @@ published once per change, and the scheduler allocates from it what claims ask f
 and CXL bytes, sharing a CXL node between claims and refusing a claim nothing fits.
 
 The node is a kwok node (no kubelet: nothing prepares the claims here; e2e/realnode/test_realnode_dra.py
-does that on the real node)."""
+does that on the real node). The operator's claim template (memstrata.operator.claims) is allocated here too:
+the scheduler takes the first of its preferences that the node's namespaces can meet."""
 from __future__ import annotations
 
 from functools import partial
@@ -15,9 +16,12 @@ import pytest
 
 from e2e.cluster.controlplane import ControlPlane
 from memstrata.api import dra
+from memstrata.api.inventory import RESOURCE_NVME
+from memstrata.api.strataplan import Allocation, CategoryPlan, Plan
 from memstrata.node.discovery import dev_heads, discover
 from memstrata.nodeagent.draslice import slice_spec
 from memstrata.nodeagent.drapublish import SlicePublisher, slice_name
+from memstrata.operator import claims
 
 pytestmark = pytest.mark.cluster
 
@@ -114,3 +118,42 @@ def test_the_scheduler_allocates_published_namespaces_and_cxl_bytes(
     after = cluster.get_json("resourceslice", slice_name(node))
     assert after["spec"]["pool"]["generation"] == 2
     assert names["nvme0n1"] not in {d["name"] for d in after["spec"]["devices"]}
+
+
+def plan_on_nvme(nvme_bytes: int, namespaces: int) -> Plan:
+    return Plan(parameters=1, engine="memstrata", feasible=True, strata=[], requests={RESOURCE_NVME: namespaces},
+                categories=[CategoryPlan(category="optimizer", description="", bytes=nvme_bytes,
+                                         placement=[Allocation(stratum="nvme", bytes=nvme_bytes)])])
+
+
+@pytest.mark.parametrize("gib,option,expect", [
+    # 2 x 5 GiB: no NUMA node has two controllers' namespaces, NUMA 1 has two of one controller: "numa".
+    (10, "numa", {"nvme1n1", "nvme1n2"}),
+    # 2 x 50 GiB: NUMA 1's second namespace is 10 GiB; two controllers have one each: "spread".
+    (100, "spread", {"nvme0n1", "nvme1n1"}),
+])
+def test_a_jobs_claim_template_gets_the_most_preferred_namespaces_that_fit(
+        cluster: ControlPlane, fake_nodes: Any, namespace: str, gib: int, option: str, expect: set[str]) -> None:
+    node = f"dra-tmpl-{gib}"
+    fake_nodes.create(node)
+    inv = inventory(node)
+    SlicePublisher(node, str(cluster.kubeconfig)).publish(partial(slice_spec, inv, node))
+    for dc in dra.device_classes():
+        cluster.apply(dc)
+    meta = {"name": "job-devices"}
+    cluster.apply(claims.template(meta, plan_on_nvme(gib * GIB, 2)), namespace=namespace)
+    body = pod("trainer", node, "unused")
+    body["spec"]["resourceClaims"] = [{"name": "c", "resourceClaimTemplateName": "job-devices"}]
+    cluster.apply(body, namespace=namespace)
+
+    def allocated() -> list[dict[str, Any]]:
+        status = cluster.get_json("pod", "trainer", "-n", namespace).get("status") or {}
+        made = [s.get("resourceClaimName") for s in status.get("resourceClaimStatuses") or []]
+        return results(cluster, namespace, made[0]) if made and made[0] else []
+
+    cluster.wait_for("the pod's claim, made from the template, allocated", lambda: bool(allocated()), timeout=60)
+    got = allocated()
+    by_device = {d["name"]: d["attributes"]["namespace"]["string"] for d in slice_spec(inv, node, 1)["devices"]
+                 if "namespace" in d["attributes"]}
+    assert {by_device[r["device"]] for r in got} == expect, got
+    assert {r["request"] for r in got} == {f"namespaces/{option}"}, got

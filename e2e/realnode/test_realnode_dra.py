@@ -3,7 +3,8 @@ allocates its ResourceSlice's devices to ResourceClaims, and the built container
 container through CDI.
 
 The chart is switched to `nodeAgent.deviceApi=dra` for this module and back afterwards (the way the
-chart README moves a node between modes, with no memstrata job on it).
+chart README moves a node between modes, with no memstrata job on it): the agent and the operator both,
+so a FineTuneJob's pod names a claim made from the operator's template.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from e2e.conftest import _say
 from e2e.realnode.conftest import CHART, RELEASE_NS, RealCluster
+from e2e.realnode.jobs import JobStorage, container_env, explain, smollm2_job, wait_phase
 from memstrata.api import dra
 
 pytestmark = [pytest.mark.realnode, pytest.mark.cluster, pytest.mark.slow]
@@ -137,3 +139,43 @@ def test_claimed_namespaces_reach_the_container_through_cdi_and_are_scrubbed_and
                    lambda: len(slice_devices(rc)) == len(rc.loops), timeout=180)
     _say(request, f"[realnode] DRA: a freed pair of namespaces was scrubbed and the waiting pod ran "
                   f"{waited:.1f} s after the first pod's deletion")
+
+
+def test_a_finetunejob_claims_two_namespaces_through_dra_and_trains_through_them(
+        dra_node: RealCluster, job_ns: str, storage: JobStorage, request: pytest.FixtureRequest) -> None:
+    """`kubectl apply` of a job whose plan stripes over two namespaces: the operator renders its claim template,
+    the scheduler allocates both loop namespaces, the runtime trains through them; once the job is deleted they
+    are published again."""
+    rc, ns = dra_node, job_ns
+    job = smollm2_job("dra", rc.images.runtime, steps=4, extra_spec={
+        "memory": {"engine": "memstrata", "dramBudget": "1200Mi", "nvmeNamespaces": 2}})
+    began = time.monotonic()
+    rc.cp.apply(job, namespace=ns)
+    env: dict[str, str] = {}
+    claim_names: list[str] = []
+
+    def watch(body: dict[str, Any]) -> None:
+        for p in rc.cp.get_json("pods", "-n", ns)["items"]:
+            if p["metadata"].get("labels", {}).get("memstrata.dev/role") is not None:
+                continue
+            claim_names.extend(s["resourceClaimName"] for s in p["status"].get("resourceClaimStatuses") or []
+                               if s.get("resourceClaimName") and s["resourceClaimName"] not in claim_names)
+            if not env and (found := container_env(rc.node, p)) is not None:
+                env.update(found)
+
+    body = wait_phase(rc.cp, ns, "dra", {"Succeeded", "Failed"}, timeout=1200, on_poll=watch)
+    assert body["status"]["phase"] == "Succeeded", explain(rc.cp, rc.node, ns, "dra")
+    trained = time.monotonic() - began
+    template = rc.cp.get_json("resourceclaimtemplates", "-n", ns)["items"]
+    assert [t["metadata"]["ownerReferences"][0]["name"] for t in template] == ["dra"]
+    assert len(claim_names) == 1, claim_names
+    # The job's status names what its claim got: both loop namespaces of this node's pool.
+    assert sorted(body["status"]["devices"]) == sorted(f"{rc.node.name}/{loop}" for loop in rc.loops), body["status"]
+    # Both namespaces reached the container, through the claim's CDI spec (no extended resource was asked for).
+    assert sorted(env.get("MEMSTRATA_NVME_DEVICES", "").split(",")) == sorted(f"/dev/{n}" for n in rc.loops), env
+    peaks = body["status"]["peakMemory"]
+    assert peaks.get("nvme", 0) > 100 << 20, peaks
+    rc.kubectl("delete", "finetunejob", "dra", "-n", ns, "--wait=true", timeout=180)
+    rc.cp.wait_for("the job's claim gone and both namespaces published again", lambda: len(slice_devices(rc)) == len(
+        rc.loops) and not rc.cp.get_json("resourceclaims", "-n", ns)["items"], timeout=180)
+    _say(request, f"[realnode] DRA: a 2-namespace FineTuneJob trained through its claim in {trained:.1f} s")

@@ -196,6 +196,10 @@ class FineTuneJobStatus(OperatorStatus):  # the operator's own bookkeeping field
     node: str | None = None
     nodes: list[str] | None = Field(None, description="A multi-node job's nodes by node rank, for the current "
                                                       "or last attempt (node is node rank 0's).")
+    devices: list[str] | None = Field(
+        None, description="The devices the current (or last) attempt's pod claimed through DRA, as pool/device "
+                          "(the pool is the node's name), once the scheduler allocated them (nodeAgent.deviceApi dra).",
+        json_schema_extra={"maxItems": 64, "items": {"type": "string", "maxLength": 253}})
     progress: Progress | None = None
     peak_memory: dict[str, int] | None = Field(
         None, description="Peak bytes per stratum, reported by the runtime: of the node of the job's rank 0, all its "

@@ -202,6 +202,8 @@ def track(run: Run, pod: PodView, failures: list[str]) -> Decision:
     b.set("attempts", max(int(b.get("attempts") or 0), pod.attempt + 1))
     if pod.node:
         b.set("node", pod.node)
+    if pod.devices and b.get("devices") != list(pod.devices):
+        b.set("devices", list(pod.devices))
     if pod.phase == "Running":
         b.phase("Running", f"pod {pod.name} is running on {pod.node}")
         b.condition("Scheduled", "True", "PodScheduled", f"pod {pod.name} is bound to node {pod.node}")

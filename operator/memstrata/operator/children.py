@@ -64,7 +64,7 @@ async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report
                          security: render.PodSecurity = render.PodSecurity()) -> None:
     before, pods = render.gang_objects(job, action.placed, action.plan, action.attempt, report_interval_seconds,
                                        security, action.architecture)
-    account, role, binding, config, *service = before
+    account, role, binding, config, *early = before  # early: a gang's Service, a DRA claim template
 
     # Only the ServiceAccount must exist before the pod (admission checks it); the ConfigMap,
     # Role and RoleBinding are created alongside: the kubelet waits for a missing volume, and
@@ -76,9 +76,10 @@ async def create_attempt(kube: Kube, job: JobView, action: CreateAttempt, report
 
     others = asyncio.create_task(gather_ok(rbac(), ensure(kube, job, config)))
     try:
-        # A multi-node job's Service (created, or re-pointed at this attempt: its selector names it) comes before
-        # the pods too: a reconcile that finds the attempt's pods would never create it.
-        await gather_ok(ensure(kube, job, account), *(ensure(kube, job, s) for s in service))
+        # A multi-node job's Service (created, or re-pointed at this attempt: its selector names it) and the
+        # claim template its pods name come before the pods too: a reconcile that finds the attempt's pods would
+        # never create them.
+        await gather_ok(ensure(kube, job, account), *(ensure(kube, job, s) for s in early))
         made = await asyncio.gather(*(create_pod(kube, job, pods[r]) for r, _ in action.creates),
                                     return_exceptions=True)
         errors = [e for e in made if isinstance(e, BaseException)]

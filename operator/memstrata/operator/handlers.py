@@ -21,6 +21,7 @@ import kopf
 from memstrata.api.finetunejob import GROUP, KIND, PLURAL, VERSION
 from memstrata.operator import names
 from memstrata.operator.leadership import Elector
+from memstrata.operator import claims
 from memstrata.operator.nodes import NodeView, PodUse, node_view, pod_use
 from memstrata.operator.reconciler import Reconciler, holds_resources
 from memstrata.operator.settings import OperatorConfig, apply_settings
@@ -32,7 +33,8 @@ def build_registry(reconciler: Reconciler, config: OperatorConfig,
                    elector: Elector | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     _register_lifecycle(registry, reconciler, config, elector)
-    _register_indices(registry)
+    _register_indices(registry, claims.claimed_resources(config.pod_security.gpu_device_class)
+                      if config.pod_security.dra else ())
     _register_events(registry, reconciler)
     return registry
 
@@ -66,11 +68,12 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, reconciler: Reconciler,
         return kopf.ConnectionInfo(**reconciler.kube.credentials())
 
 
-def _register_indices(registry: kopf.OperatorRegistry) -> None:
-    """The node and pod indices, which Kopf fills before any other handler runs."""
+def _register_indices(registry: kopf.OperatorRegistry, claimed: tuple[str, ...]) -> None:
+    """The node and pod indices, which Kopf fills before any other handler runs; `claimed`: the resources pods
+    claim through DRA (nodes.node_view)."""
     @kopf.index("", "v1", "nodes", registry=registry, id="node_index")  # the id names the kwarg
     def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
-        return {name: node_view(body)}
+        return {name: node_view(body, claimed)}
 
     @kopf.index("", "v1", "pods", registry=registry, id="pod_index")
     def pod_index(body: kopf.Body, **_: Any) -> dict[str, PodUse]:

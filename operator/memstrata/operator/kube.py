@@ -55,7 +55,8 @@ def api_path(api_version: str, plural: str, namespace: str | None = None, name: 
 
 
 PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts", "Role": "roles",
-           "RoleBinding": "rolebindings", "Event": "events", "Lease": "leases", "Service": "services"}
+           "RoleBinding": "rolebindings", "Event": "events", "Lease": "leases", "Service": "services",
+           "ResourceClaimTemplate": "resourceclaimtemplates"}
 
 
 def object_path(obj: Mapping[str, Any], with_name: bool = True) -> str:

@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "containerd sets device_ownership_from_security_context (default: %(default)s, disk)")
     p.add_argument("--training-seccomp-profile", default="RuntimeDefault",
                    help="training pods' seccomp profile: RuntimeDefault or localhost/<file> (default: %(default)s)")
+    p.add_argument("--device-api", choices=("device-plugin", "dra"), default="device-plugin",
+                   help="how training pods get namespaces and CXL memory, as the node agents serve them: device-plugin "
+                        "(extended resources) or dra (a ResourceClaimTemplate per job; Kubernetes >= 1.34) "
+                        "(default: %(default)s)")
+    p.add_argument("--gpu-device-class", default=None, metavar="CLASS",
+                   help="with --device-api dra: claim GPUs from this DeviceClass (e.g. gpu.nvidia.com) instead of "
+                        "requesting nvidia.com/gpu (default: the extended resource)")
     p.add_argument("--allowed-volume-type", action="append", default=[], metavar="TYPE",
                    help="a volume type jobs may use beyond " + ", ".join(SAFE_VOLUME_TYPES) + " (repeatable; "
                         "e.g. nfs, csi, hostPath: each gives every job's submitter what the type reaches)")
@@ -82,9 +89,12 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
                          f"--retry-period-seconds: {exc}") from None
     try:
         security = PodSecurity(device_gid=parse_device_gid(args.training_device_gid),
-                               seccomp_profile=args.training_seccomp_profile)
+                               seccomp_profile=args.training_seccomp_profile, dra=args.device_api == "dra",
+                               gpu_device_class=args.gpu_device_class)
     except ValueError as exc:
         raise SystemExit(f"memstrata operator: --training-device-gid/--training-seccomp-profile: {exc}") from None
+    if args.gpu_device_class and args.device_api != "dra":
+        raise SystemExit("memstrata operator: --gpu-device-class needs --device-api dra")
     try:
         jobs = JobPolicy(volume_types=tuple(args.allowed_volume_type),
                          images=tuple(args.allowed_image) or RUNTIME_IMAGES,

@@ -100,6 +100,11 @@ def configmap_name(job: str, uid: str) -> str:
     return f"{_base(job)}-runtime-config-{_uid(uid)}"
 
 
+def claim_template_name(job: str, uid: str) -> str:
+    """The job's ResourceClaimTemplate (--device-api dra): each pod's claim is made from it."""
+    return f"{_base(job)}-devices-{_uid(uid)}"
+
+
 def inspect_pod_name(job: str, uid: str) -> str:
     """The pod that reads the model directory's config.json (one per job: it runs before any attempt)."""
     return f"{_base(job)}-inspect-{_uid(uid)}"

@@ -6,12 +6,16 @@ resources — so the operator only creates a pod where the scheduler will bind i
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from memstrata.api import strata
-from memstrata.api.inventory import RESOURCE_GPU, RESOURCE_MEMORY, NodeInventory, NodeNotManagedError, read_node
+from memstrata.api.inventory import (
+    RESOURCE_GPU, RESOURCE_MEMORY, NodeInventory, NodeNotManagedError, read_node, resource_capacity,
+)
 from memstrata.api.units import quantity_value
+from memstrata.operator.claims import ANNOTATION_REQUESTS
 from memstrata.operator.names import LABEL_JOB_UID
 
 # Memory too: the training container requests its plan's host memory, so a node must have that much
@@ -43,7 +47,9 @@ class NodeView:
     inventory_key: str = ""  # identical inventories share plans (see placement)
 
 
-def node_view(node: Mapping[str, Any]) -> NodeView:
+def node_view(node: Mapping[str, Any], claimed: Iterable[str] = ()) -> NodeView:
+    """One Node. `claimed`: the resources pods claim through DRA (--device-api dra): no device plugin reports
+    them in the Node's allocatable, so they come from the node agent's inventory, counted as the plugin would."""
     meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
     name = meta.get("name", "")
     inventory: NodeInventory | None
@@ -54,6 +60,9 @@ def node_view(node: Mapping[str, Any]) -> NodeView:
         inventory, error, key = None, str(exc), ""
     alloc = status.get("allocatable") or {}
     allocatable = {r: quantity(alloc.get(r)) for r in resources()}
+    if inventory is not None:
+        counted = resource_capacity(inventory)
+        allocatable.update({r: quantity(counted.get(r)) for r in claimed})
     why = _why_unschedulable(spec, status)
     return NodeView(name=name, inventory=inventory, allocatable=allocatable, schedulable=not why,
                     why_not=why, error=error, inventory_key=key)
@@ -87,12 +96,30 @@ def pod_use(pod: Mapping[str, Any]) -> PodUse | None:
     node = spec.get("nodeName")
     if not node or status.get("phase") in ("Succeeded", "Failed"):
         return None
+    requests = pod_requests(spec)
+    for r, n in claimed_counts(meta).items():  # a memstrata pod's devices through its DRA claim
+        requests[r] = requests.get(r, 0) + n
     return PodUse(
         key=f"{meta.get('namespace', '')}/{meta.get('name', '')}",
         node=node,
-        requests=pod_requests(spec),
+        requests=requests,
         memstrata=LABEL_JOB_UID in (meta.get("labels") or {}),
     )
+
+
+def claimed_counts(meta: Mapping[str, Any]) -> dict[str, int]:
+    """What a memstrata pod's claim holds (its claims.ANNOTATION_REQUESTS), in extended-resource units; {} for any
+    other pod, or an annotation that cannot be read (a pod's annotations are its creator's to write)."""
+    raw = (meta.get("annotations") or {}).get(ANNOTATION_REQUESTS)
+    if not raw or LABEL_JOB_UID not in (meta.get("labels") or {}):
+        return {}
+    try:
+        counts = json.loads(raw)
+    except ValueError:
+        return {}
+    known = set(resources())
+    return {r: n for r, n in counts.items() if r in known and isinstance(n, int) and n > 0} \
+        if isinstance(counts, dict) else {}
 
 
 def pod_requests(spec: Mapping[str, Any]) -> dict[str, int]:

@@ -118,6 +118,7 @@ class PodView:
     ended: str = ""  # how it ended, in the kubelet's words (terminated.reason, or the pod's status.reason)
     inspection: bool = False  # the model inspection pod, not a training attempt
     node_rank: int = 0  # which node of a multi-node job (0 for a single-node job's pod)
+    devices: tuple[str, ...] = ()  # what its DRA claim was allocated, as pool/device (the reconciler reads it)
 
     @property
     def terminal(self) -> bool:
@@ -152,7 +153,19 @@ class PodView:
         return f"{self.describe_failure()} (node rank {self.node_rank}{where}); the attempt's other pods are stopped"
 
 
-def pod_view(pod: Mapping[str, Any]) -> PodView:
+def claim_names(pod: Mapping[str, Any]) -> list[str]:
+    """The ResourceClaims the kubelet's controller made for a pod (status.resourceClaimStatuses)."""
+    return [s["resourceClaimName"] for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []
+            if s.get("resourceClaimName")]
+
+
+def allocated_devices(claim: Mapping[str, Any]) -> tuple[str, ...]:
+    """A ResourceClaim's allocated devices as pool/device, in the allocation's order; () before allocation."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    return tuple(f"{r.get('pool')}/{r.get('device')}" for r in results)
+
+
+def pod_view(pod: Mapping[str, Any], devices: tuple[str, ...] = ()) -> PodView:
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
     labels = dict(meta.get("labels") or {})
     try:
@@ -197,4 +210,5 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         ended=ended,
         inspection=labels.get(LABEL_ROLE) == ROLE_INSPECT,
         node_rank=node_rank,
+        devices=devices,
     )

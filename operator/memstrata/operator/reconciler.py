@@ -30,12 +30,13 @@ from memstrata.operator.leadership import AlwaysLeading
 from memstrata.operator.lifecycle import LifecyclePolicy, decide, fail
 from memstrata.operator.metrics import OperatorMetrics, phase_of
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
-from memstrata.operator.observe import JobView, format_time, job_view, pod_view
+from memstrata.operator.observe import JobView, allocated_devices, claim_names, format_time, job_view, pod_view
 from memstrata.operator.scheduling import PlanCache, Placement, place
 from memstrata.operator.workqueue import Gate, JobKey, WorkQueue
 
 log = logging.getLogger("memstrata.operator")
 ASSUME_SECONDS = 60.0  # how long a created pod counts against its node before the watch reports it
+CLAIM_CACHE = 4096  # allocated claims remembered (namespace, name) -> devices; cleared whole when full
 
 
 def _rv(body: Mapping[str, Any]) -> int:
@@ -71,6 +72,7 @@ class Reconciler(WorkQueue):
         self.pod_uses: Callable[[], Iterable[PodUse]] = lambda: ()
         self._bodies: dict[JobKey, dict[str, Any]] = {}
         self._assumed: dict[str, tuple[PodUse, float]] = {}
+        self._claims: dict[tuple[str, str], tuple[str, ...]] = {}  # allocated DRA claims' devices
         self._assumed_by_job: dict[JobKey, set[str]] = {}  # which job's reconcile claimed each assumed pod
         self._waiting: set[JobKey] = set()
         self._wake: asyncio.TimerHandle | None = None
@@ -182,7 +184,7 @@ class Reconciler(WorkQueue):
         # would place the job a second time and point its ConfigMap at the other node.
         pods = await self.kube.list(api_path("v1", "pods", key[0]), names.selector(job.uid))
         # A label anyone may set; the owner reference says whose pod it really is.
-        views = [pod_view(p) for p in pods if children.owned_by(p, job.uid)]
+        views = [pod_view(p, await self._claimed(key[0], p)) for p in pods if children.owned_by(p, job.uid)]
         listed = {f"{key[0]}/{p.name}" for p in views}
         for p in views:
             if p.terminal or p.deleting:
@@ -194,6 +196,25 @@ class Reconciler(WorkQueue):
             self._assumed.pop(pod_key, None)
         claimed &= listed
         return job, decide(job, views, datetime.now(timezone.utc), self._place, self.policy)
+
+    async def _claimed(self, namespace: str, pod: Mapping[str, Any]) -> tuple[str, ...]:
+        """The devices a pod's DRA claims were allocated (cached: an allocation does not change); () when it has
+        none, or they cannot be read now (the status says so at the next reconcile)."""
+        found: list[str] = []
+        for name in claim_names(pod):
+            if (namespace, name) not in self._claims:
+                try:
+                    claim = await self.kube.get(api_path("resource.k8s.io/v1", "resourceclaims", namespace, name))
+                except KubeError as exc:
+                    log.debug("ResourceClaim %s/%s: %s", namespace, name, exc)
+                    return ()
+                if not allocated_devices(claim):
+                    return ()
+                if len(self._claims) > CLAIM_CACHE:
+                    self._claims.clear()
+                self._claims[(namespace, name)] = allocated_devices(claim)
+            found += self._claims[(namespace, name)]
+        return tuple(found)
 
     def _place(self, spec: FineTuneJobSpec) -> Placement:
         uses = list(self.pod_uses())

@@ -32,7 +32,7 @@ from memstrata.api.runtimeconfig import (
     CONFIGMAP_KEY, ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_NAME, ENV_NODE_RANK, ENV_POD_NAME,
     ENV_RUNTIME_CONFIG, RENDEZVOUS_PORT, JobRef, RuntimeConfig,
 )
-from memstrata.operator import names
+from memstrata.operator import claims, names
 from memstrata.operator.observe import JobView
 from memstrata.api.strataplan import Plan
 from memstrata.plan.accounting import RUNTIME_PROCESS_BYTES
@@ -42,7 +42,8 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class PodSecurity:
-    """The node-specific part of the training pod's security context (the operator's flags set it).
+    """The node-specific part of the training pod: its security context, and how it gets its devices (the
+    operator's flags set it).
 
     `device_gid`: the group that owns the NVMe namespaces' device nodes on the nodes (None: add no
     group, for nodes whose containerd sets `device_ownership_from_security_context`, which hands the
@@ -52,6 +53,10 @@ class PodSecurity:
 
     device_gid: int | None = DISK_GID
     seccomp_profile: str = "RuntimeDefault"
+    # --device-api dra: namespaces and CXL bytes come through a ResourceClaim (memstrata.operator.claims), not as
+    # extended resources; `gpu_device_class`: GPUs too, from that DeviceClass (clusters publishing GPUs via DRA).
+    dra: bool = False
+    gpu_device_class: str | None = None
 
     def __post_init__(self) -> None:
         if self.device_gid is not None:
@@ -238,8 +243,9 @@ def _container(job: JobView, plan: Plan, security: PodSecurity, node_rank: int) 
     spec = job.spec
     assert spec is not None
     nodes = spec.resources.nodes
+    claimed = claims.claimed_resources(security.gpu_device_class) if security.dra else ()
     amounts = {r: f"{n // MiB}Mi" if r == RESOURCE_MEMORY else str(n)
-               for r, n in sorted(container_requests(spec, plan).items())}
+               for r, n in sorted(container_requests(spec, plan).items()) if r not in claimed}
     container: dict[str, Any] = {
         "name": names.CONTAINER,
         "image": spec.image,
@@ -261,6 +267,8 @@ def _container(job: JobView, plan: Plan, security: PodSecurity, node_rank: int) 
         # read the job (the operator bounds and sanitises even the message: observe.container_text).
         "terminationMessagePolicy": "File",
     }
+    if security.dra and claims.claimed_counts(plan, security.gpu_device_class):
+        container["resources"]["claims"] = [{"name": claims.CLAIM}]
     if spec.command:
         container["command"] = list(spec.command)
     return container
@@ -285,11 +293,16 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
     # A stable DNS name through the job's headless Service, the same in every attempt (MASTER_ADDR).
     dns = ({"hostname": names.pod_hostname(job.name, node_rank), "subdomain": names.service_name(job.name, job.uid)}
            if nodes > 1 else {})
+    claimed: dict[str, Any] = {}
+    annotations = {f"{names.LABEL_JOB_NAME}": job.name, "memstrata.dev/planned-node": node}
+    if "claims" in container["resources"]:
+        entry, noted = claims.pod_parts(names.claim_template_name(job.name, job.uid), plan, security.gpu_device_class)
+        claimed, annotations = {"resourceClaims": [entry]}, {**annotations, **noted}
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
             **child_meta(job, names.pod_name(job.name, attempt, node_rank, nodes), labels),
-            "annotations": {f"{names.LABEL_JOB_NAME}": job.name, "memstrata.dev/planned-node": node},
+            "annotations": annotations,
         },
         "spec": {
             "restartPolicy": "Never",  # a retry is a new pod, counted against backoffLimit
@@ -301,6 +314,7 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
                 "nodeSelectorTerms": [{"matchExpressions": node_terms}]}}},
             "tolerations": [{"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [container],
+            **claimed,
             "volumes": [*user_volumes(spec), {"name": names.CONFIG_VOLUME, "configMap": {
                 "name": names.configmap_name(job.name, job.uid),
                 "items": [{"key": CONFIGMAP_KEY, "path": CONFIGMAP_KEY}]}}],
@@ -320,4 +334,7 @@ def gang_objects(job: JobView, nodes: Sequence[str], plan: Plan, attempt: int, r
     assert job.spec is not None and len(nodes) == job.spec.resources.nodes, "one node per node rank"
     if len(nodes) > 1:
         companions.append(service(job, attempt))
+    if security.dra and (tmpl := claims.template(child_meta(job, names.claim_template_name(job.name, job.uid)), plan,
+                                                 security.gpu_device_class)):
+        companions.append(tmpl)
     return companions, [pod(job, node, plan, attempt, security, rank) for rank, node in enumerate(nodes)]
