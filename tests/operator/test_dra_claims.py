@@ -130,3 +130,14 @@ def test_the_jobs_status_says_which_devices_its_pods_claim_was_allocated() -> No
     assert patch["devices"] == ["n1/nvme0n1-3f9a2c1b", "n1/nvme1n1-0b1c2d3e"]
     FineTuneJobStatus.model_validate({**body["status"], **patch})
     assert allocated_devices({"status": {}}) == ()  # not allocated yet: nothing to say
+
+
+def test_a_container_without_the_namespaces_its_claim_holds_is_refused_naming_cdi() -> None:
+    job, plan = placed()
+    _, (pod,) = gang_objects(job, ("n1",), plan, 1, security=DRA)
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env[dra.ENV_CLAIMED_NAMESPACES] == "2"
+    why = dra.namespaces_missing(env[dra.ENV_CLAIMED_NAMESPACES], 0)
+    assert why is not None and "2 NVMe namespace(s)" in why and "CDI" in why and "containerd >= 2.0" in why
+    assert dra.namespaces_missing("2", 2) is None
+    assert dra.namespaces_missing(None, 0) is None  # the device plugin's pods, and a local `memstrata pod`

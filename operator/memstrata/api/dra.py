@@ -34,6 +34,8 @@ CXL_STEP_BYTES = 2 << 20
 MAX_NAME = 63
 MAX_STRING = 64
 _NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+# Set by the operator on a training container whose claim holds namespaces: how many CDI must have given it.
+ENV_CLAIMED_NAMESPACES = "MEMSTRATA_CLAIMED_NAMESPACES"
 
 
 def dns_label(text: str) -> str:
@@ -65,3 +67,14 @@ def device_classes() -> list[dict[str, Any]]:
     return [{"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
              "spec": {"selectors": [{"cel": {"expression": selector(kind)}}]}}
             for name, kind in ((NVME_CLASS, KIND_NVME), (CXL_CLASS, KIND_CXL))]
+
+
+def namespaces_missing(claimed: str | None, granted: int) -> str | None:
+    """Why a container whose claim holds `claimed` namespaces (ENV_CLAIMED_NAMESPACES; None: not a claim's) but
+    was given `granted` must not run, or None. A runtime that does not apply CDI specs starts the container without
+    them, and the engine must not quietly put the NVMe stratum on the container's own filesystem instead."""
+    if claimed is None or not claimed.isdigit() or granted >= int(claimed):
+        return None
+    return (f"the job's ResourceClaim holds {claimed} NVMe namespace(s) but the container was given {granted} "
+            "(MEMSTRATA_NVME_DEVICES is what the claim's CDI spec sets): the node's container runtime must apply "
+            "CDI specs (containerd >= 2.0, or 1.7 with enable_cdi = true; CRI-O >= 1.28)")

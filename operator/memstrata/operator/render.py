@@ -23,7 +23,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from memstrata.api import strata
+from memstrata.api import dra, strata
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL, FineTuneJobSpec
 from memstrata.api.podidentity import DISK_GID, RUNTIME_UID, checked_device_gid
@@ -269,6 +269,8 @@ def _container(job: JobView, plan: Plan, security: PodSecurity, node_rank: int) 
     }
     if security.dra and claims.claimed_counts(plan, security.gpu_device_class):
         container["resources"]["claims"] = [{"name": claims.CLAIM}]
+        if namespaces := plan.requests.get(RESOURCE_NVME, 0):  # the runtime checks that CDI gave them all
+            container["env"].append({"name": dra.ENV_CLAIMED_NAMESPACES, "value": str(namespaces)})
     if spec.command:
         container["command"] = list(spec.command)
     return container

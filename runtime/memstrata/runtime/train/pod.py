@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from memstrata.api.finetunejob import GROUP, PLURAL, VERSION, FineTuneJob
 from memstrata.api.jobstatus import WorkerStatus
+from memstrata.api import dra
 from memstrata.api.inventory import ENV_NVME_DEVICES
 from memstrata.api.validation import describe_validation_error
 from memstrata.api.report import RuntimeReport
@@ -239,8 +240,9 @@ def run_pod(nvme_path: Path, *, config_path: str | None = None,
         _say_why(f"error: {exc}")
         return EXIT_USAGE
     granted = [p.strip() for p in os.environ.get(ENV_NVME_DEVICES, "").split(",") if p.strip()]
-    refusal = deepspeed_swap_refusal(plan, granted=granted, swap_dir=nvme_path,
-                                     swap_dir_on_root=on_root_filesystem(nvme_path))
+    refusal = (dra.namespaces_missing(os.environ.get(dra.ENV_CLAIMED_NAMESPACES), len(granted))
+               or deepspeed_swap_refusal(plan, granted=granted, swap_dir=nvme_path,
+                                         swap_dir_on_root=on_root_filesystem(nvme_path)))
     if refusal is not None:
         _say_why(f"error: {refusal}")
         return EXIT_USAGE
