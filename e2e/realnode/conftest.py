@@ -79,6 +79,8 @@ def helm_install(cp: ControlPlane, images: ImageSet, loops: list[str], *extra: s
                  "--set", f"{key}.image.pullPolicy=Never"]
     cp.helm("install", "memstrata", str(CHART), "--namespace", RELEASE_NS, *sets,
             "--set", f"nodeAgent.loopNamespaces={{{','.join(loops)}}}", "--set", "nodeAgent.rescanSeconds=2",
+            # The device plugin's tests; test_realnode_dra.py switches the release to dra and back.
+            "--set", "nodeAgent.deviceApi=device-plugin",
             "--set", "operator.reportIntervalSeconds=2",
             # This machine's runtime image, and the tests' own commands (a process that grows until OOMKilled).
             "--set", f"jobPolicy.images={{{images.runtime}}}", "--set", "jobPolicy.customCommands=true",

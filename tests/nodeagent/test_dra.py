@@ -192,8 +192,12 @@ def test_the_chart_ships_the_device_classes_the_driver_publishes_for(tmp_path: P
     assert "--device-api=dra" in agent["containers"][0]["args"]
     mounts = {m["mountPath"] for m in agent["containers"][0]["volumeMounts"]}
     assert {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounts
-    default = run_helm("template", "x", str(CHART), *KUBE, tmp=tmp_path)
-    assert "DeviceClass" not in default.stdout and "--device-api=device-plugin" in default.stdout
+    # auto: dra where the API server serves resource.k8s.io/v1 (helm's offline capabilities do), else the plugin.
+    auto = run_helm("template", "x", str(CHART), *KUBE, tmp=tmp_path)
+    assert auto.stdout.count("kind: DeviceClass") == 2 and auto.stdout.count("--device-api=dra") == 2
+    plugin = run_helm("template", "x", str(CHART), *KUBE, "--set", "nodeAgent.deviceApi=device-plugin", tmp=tmp_path)
+    assert "DeviceClass" not in plugin.stdout and plugin.stdout.count("--device-api=device-plugin") == 2
+    assert "resourceslices" not in plugin.stdout and "resourceclaimtemplates" not in plugin.stdout
 
 
 def test_a_loop_namespace_says_so_and_has_no_numa_node() -> None:

@@ -20,8 +20,10 @@ def agent_args(tmp_path: Path, *sets: str) -> list[str]:
     return list(c["args"])
 
 
-def test_loop_namespaces_reach_the_agent_only_when_set(tmp_path: Path) -> None:
+def test_loop_namespaces_reach_the_agent_only_when_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from memstrata.nodeagent.main import parse_args
+
+    monkeypatch.setenv("NODE_NAME", "n1")  # the DaemonSet's downward API (its DRA slice is named after it)
 
     default = agent_args(tmp_path)
     assert not any(a.startswith("--loop-namespaces") for a in default)

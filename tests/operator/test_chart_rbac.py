@@ -202,7 +202,20 @@ def test_the_node_agent_policy_names_its_service_account_and_what_it_writes(tmp_
     assert binding == {"policyName": AGENT, "validationActions": ["Deny"]}
     # RBAC still grants patch on nodes (it cannot name one); the policy is what narrows it.
     role = _one(docs, "ClusterRole", AGENT)
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    # Under DRA (the default where resource.k8s.io/v1 is served) also its slice, which a second policy narrows to
+    # its own node's, and the claims it prepares, read only.
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
+         "verbs": ["get", "list", "watch", "create", "update", "delete"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]}]
+    slices = _one(docs, "ValidatingAdmissionPolicy", f"{AGENT}-slices")["spec"]
+    assert slices["matchConditions"] == policy["matchConditions"]
+    assert "variables.slice.spec.nodeName == variables.tokenNode" in json.dumps(slices)
+    plugin = _render(tmp_path, "--set", "nodeAgent.deviceApi=device-plugin")
+    assert _one(plugin, "ClusterRole", AGENT)["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert not [d for d in plugin if d["metadata"]["name"] == f"{AGENT}-slices"]
 
     docs = _render(tmp_path, "--set", "nodeAgent.enabled=false")
     assert not [d for d in docs if d["metadata"]["name"] == AGENT]
