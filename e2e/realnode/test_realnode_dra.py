@@ -105,6 +105,11 @@ def test_claimed_namespaces_reach_the_container_through_cdi_and_are_scrubbed_and
     for d in devices.values():  # what the scheduler sees of a loop namespace
         assert d["attributes"]["loop"] == {"bool": True} and d["attributes"]["blockSize"] == {"int": 512}, d
         assert d["capacity"][dra.SIZE]["value"] in (str(2 * GIB), "2Gi"), d
+    agent = rc.agent_pod()
+    assert agent is not None
+    gauge = rc.metrics("pods", agent["metadata"]["name"])
+    assert gauge.value("memstrata_nodeagent_devices", resource=dra.NVME_CLASS, kind="loop", health="Healthy") == len(
+        rc.loops)
     image = rc.images.node_agent
     rc.cp.apply(claim("two", 2, GIB), claim("one", 1, GIB), claim("huge", 1, 3 * GIB), namespace=ns)
     rc.cp.apply(holder("first", image, "two"), namespace=ns)

@@ -12,7 +12,9 @@ import logging
 from collections.abc import Callable, Collection
 from functools import partial
 
+from memstrata.api import dra
 from memstrata.api.inventory import NodeInventory
+from memstrata.nodeagent.devices import PluginDevice
 from memstrata.nodeagent.draplugin import DraPlugin, Vet
 from memstrata.nodeagent.draslice import offered, slice_spec
 from memstrata.nodeagent.drapublish import SlicePublisher
@@ -34,6 +36,14 @@ class DraDriver:
 
     def start(self) -> None:
         self.plugin.start()
+
+    def listed(self) -> list[tuple[str, PluginDevice]]:
+        """What the slice offers, as the device gauge counts it: by DeviceClass, every device healthy (a device
+        that is not leaves the slice)."""
+        return [(dra.NVME_CLASS, PluginDevice(id=d.name, healthy=True, numa_node=None, name=d.namespace))
+                if d.kind == dra.KIND_NVME else
+                (dra.CXL_CLASS, PluginDevice(id=d.name, healthy=True, numa_node=d.cxl_node, cxl_node=d.cxl_node))
+                for d in self.plugin.offered]
 
     def stop(self) -> None:
         self.plugin.stop()

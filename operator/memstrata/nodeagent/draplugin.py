@@ -90,6 +90,11 @@ class DraPlugin(pb_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         for sock in (self.registration, self.endpoint):
             sock.unlink(missing_ok=True)
 
+    @property
+    def offered(self) -> list[DraDevice]:
+        with self._lock:
+            return list(self._offered)
+
     def offer(self, devices: list[DraDevice]) -> None:
         """What prepare may hand out from now on (the slice's devices)."""
         with self._lock:

@@ -191,7 +191,8 @@ class Agent:
         # SimpleQueue.put is reentrant: safe to call from the signal handlers below and the scrub threads.
         self.events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.metrics = AgentMetrics()
-        self.metrics.devices.offered = lambda: [(s.resource, d) for s in self.servers for d in s.devices]
+        self.metrics.devices.offered = lambda: [(s.resource, d) for s in self.servers for d in s.devices] + (
+            self.dra.listed() if self.dra is not None else [])
         self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"), metrics=self.metrics)
         dra = args.device_api == "dra"
         self.servers = [] if dra else [DevicePluginServer(r, args.plugin_dir, vet=self.vet, metrics=self.metrics)

@@ -30,7 +30,8 @@ def device_kind(resource: str, device: PluginDevice) -> str:
     """nvme, loop (a test cluster's loop device standing in for one) or the stratum's resource name's tail."""
     if device.name:
         return "loop" if LOOP_NAME.match(device.name) else "nvme"
-    return resource.rsplit("/", 1)[-1]
+    # memstrata.dev/cxl-gib -> cxl-gib; a DRA DeviceClass, cxl.memstrata.dev -> cxl
+    return resource.rsplit("/", 1)[-1].split(".", 1)[0]
 
 
 class _Devices(Collector):
@@ -39,8 +40,9 @@ class _Devices(Collector):
         self.scrubbing: Callable[[], int] = lambda: 0
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        family = GaugeMetricFamily(f"{PREFIX}_devices", "Devices the device plugins list to the kubelet, by "
-                                   "resource, kind and health", labels=["resource", "kind", "health"])
+        family = GaugeMetricFamily(f"{PREFIX}_devices", "Devices the device plugins list to the kubelet (or, under "
+                                   "DRA, the node's ResourceSlice offers, by DeviceClass), by resource, kind and "
+                                   "health", labels=["resource", "kind", "health"])
         counts = Tally((resource, device_kind(resource, d), d.health) for resource, d in self.offered())
         for labels, n in sorted(counts.items()):
             family.add_metric(list(labels), n)
