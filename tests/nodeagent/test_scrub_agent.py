@@ -26,7 +26,7 @@ from memstrata.nodeagent.devices import merge, nvme_devices
 from e2e.operator.harness import free_port
 from e2e.scrape import Samples, scrape
 from kubelet_stub import REPO, KubeletStub
-from sysfs_cases import memstrata_head
+from sysfs_cases import ext4_head, memstrata_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))  # the loop-device helpers
 
@@ -140,6 +140,17 @@ def test_allocate_refuses_a_namespace_a_job_left_dirty_since_the_last_scan(node)
     assert m.value("memstrata_nodeagent_discovery_scans_total", result="ok") >= 2  # at start, and on the refusal
     assert m.value("memstrata_nodeagent_discovery_duration_seconds_count") == m.value(
         "memstrata_nodeagent_discovery_scans_total")
+
+
+def test_allocate_refuses_a_namespace_that_gained_a_filesystem_since_the_last_scan(node) -> None:
+    root, n = node(rescan=3600)
+    assert n.nvme() == HEALTHY
+    (root / "dev" / "nvme1n2.head").write_bytes(ext4_head())  # someone ran mkfs on it a moment ago
+    refused = n.stub.allocate(RESOURCE_NVME, [N2])
+    assert "error" in refused and f"{N2} (/dev/nvme1n2): it is not free any more: foreign signature: ext4" in \
+        refused["error"], refused
+    # Looked at again at once: the kubelet is told it is gone (Unhealthy), not in an hour.
+    assert n.nvme(timeout=5) == {**HEALTHY, N2: ("Unhealthy", [1])}
 
 
 def test_once_lists_a_dirty_namespace_unhealthy(cli, case_copy) -> None:

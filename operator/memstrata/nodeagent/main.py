@@ -212,12 +212,32 @@ class Agent:
         return self.vet_namespace(device.name)
 
     def vet_namespace(self, name: str) -> str | None:
-        """The last look at namespace `name` before a container gets it: refused while a job's data is on it."""
-        why = self.scrubber.pending(name) if name else None
+        """The last look at namespace `name` before a container gets it: refused when it fails the safety rule now
+        (the last scan may be seconds old), or while a job's data is on it."""
+        if not name:
+            return None
+        unsafe = self.unsafe_now(name)
+        if unsafe is not None:
+            self.events.put("rescan")  # it leaves the offer at once, not at the next tick
+            return unsafe
+        why = self.scrubber.pending(name)
         if why is None:
             return None
         self.events.put("rescan")  # have the scrub start now, not at the next tick
         return f"{why}; the node agent scrubs it before offering it again"
+
+    def unsafe_now(self, name: str) -> str | None:
+        """Why namespace `name` is not free now, by the rule discovery applies (mounted, partitioned, a foreign
+        signature, held, read-only, not openable by the training pods' group), read afresh: the last scan may be
+        seconds old. None when it is free."""
+        try:
+            now = read_inventory(self.args)
+        except SysfsError as exc:
+            return f"the node's devices cannot be read now: {exc}"
+        ns = next((n for n in now.nvme_namespaces if n.name == name), None)
+        if ns is None:
+            return "it is gone from the node"
+        return None if ns.free else f"it is not free any more: {ns.reason}"
 
     def offer(self, resource: Resource) -> list[PluginDevice]:
         assert self.inventory is not None
