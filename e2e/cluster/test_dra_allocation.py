@@ -118,6 +118,13 @@ def test_the_scheduler_allocates_published_namespaces_and_cxl_bytes(
     after = cluster.get_json("resourceslice", slice_name(node))
     assert after["spec"]["pool"]["generation"] == 2
     assert names["nvme0n1"] not in {d["name"] for d in after["spec"]["devices"]}
+    # Deleted behind the agent's back (a starting kubelet wipes its node's slices): the next read-back writes it
+    # again, in a generation above every one the pool had.
+    cluster.kubectl("delete", "resourceslice", slice_name(node))
+    publisher.forget()
+    assert publisher.publish(partial(slice_spec, inv, node, scrubbing=frozenset({"nvme0n1"})))
+    back = cluster.get_json("resourceslice", slice_name(node))
+    assert back["spec"]["devices"] == after["spec"]["devices"] and back["spec"]["pool"]["generation"] == 3
 
 
 def plan_on_nvme(nvme_bytes: int, namespaces: int) -> Plan:

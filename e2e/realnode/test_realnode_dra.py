@@ -142,6 +142,14 @@ def test_claimed_namespaces_reach_the_container_through_cdi_and_are_scrubbed_and
     rc.kubectl("delete", "pod", "second", "too-big", "-n", ns, "--wait=true", timeout=120)
     rc.cp.wait_for("both namespaces scrubbed and published again",
                    lambda: len(slice_devices(rc)) == len(rc.loops), timeout=180)
+    # A restarting kubelet deletes its node's ResourceSlices; the agent writes its own again.
+    rc.node.restart_kubelet()
+    rc.cp.wait_for("the kubelet to wipe the slice", lambda: not slice_devices(rc), timeout=60)
+    back = time.monotonic()
+    rc.cp.wait_for("the slice back after the kubelet restart", lambda: len(slice_devices(rc)) == len(rc.loops),
+                   timeout=120)
+    rc.node.wait_ready(60)
+    _say(request, f"[realnode] DRA: the kubelet's restart wiped the slice; back {time.monotonic() - back:.1f} s later")
     _say(request, f"[realnode] DRA: a freed pair of namespaces was scrubbed and the waiting pod ran "
                   f"{waited:.1f} s after the first pod's deletion")
 

@@ -98,6 +98,9 @@ def test_the_cdi_spec_gives_each_device_node_to_the_device_group_and_the_claims_
         {"path": "/dev/loop3", "permissions": "rw", "gid": 6, "fileMode": 0o660}]
     assert "deviceNodes" not in spec["devices"][2]["containerEdits"]
     assert cdi.device_id("uid-1", "loop3") == "dra.memstrata.dev/claim=uid-1-loop3"
+    # A shared CXL node allocated to two requests of one claim is one CDI device (duplicates void the spec).
+    twice = cdi.spec("uid-1", [chosen[2], chosen[2]])
+    assert [d["name"] for d in twice["devices"]] == ["uid-1-cxl-node2"]
 
 
 # --- the gRPC service ---------------------------------------------------------------------------
@@ -120,7 +123,7 @@ def plugin() -> Iterator[tuple[DraPlugin, Claims, list[str]]]:
     claims, unprepared, refused = Claims(), [], {"loop9": "a job left it OPEN without scrubbing it"}
     root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))  # a Unix socket's path: at most 107 bytes
     p = DraPlugin(NODE, claims.read, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi", device_gid=6,
-                  vet=lambda d: refused.get(d.namespace), on_unprepare=lambda: unprepared.append("rescan"))
+                  vet=lambda d: refused.get(d.namespace), on_unprepare=unprepared.append)
     p.start()
     p.offer([DraDevice(n, dra.KIND_NVME, n, f"/dev/{n}") for n in ("loop3", "loop4", "loop9")])
     try:
@@ -158,12 +161,20 @@ def test_prepare_writes_the_claims_cdi_spec_and_unprepare_removes_it_and_asks_fo
         ("loop4", NODE, ["ns"], ["dra.memstrata.dev/claim=u1-loop4"])]
     written = json.loads(cdi.spec_path(p.cdi_dir, "u1").read_text())
     assert written == cdi.spec("u1", [DraDevice(n, dra.KIND_NVME, n, f"/dev/{n}") for n in ("loop3", "loop4")], 6)
+    # A prioritized list's subrequest is answered under its request's name: the one a container names.
+    claims["c"] = allocated_claim("u3", "loop3", request="namespaces/numa")
+    claims["c"]["metadata"]["uid"] = "u3"
+    assert [list(d.request_names) for d in call(p, "NodePrepareResources", "u3").claims["u3"].devices] == [["namespaces"]]
+    call(p, "NodeUnprepareResources", "u3")
+    claims["c"] = allocated_claim("u1", "loop3", "loop4")
     # Asked again once the namespaces are in use (out of the offered list): answered from the spec on disk.
     p.offer([])
     assert call(p, "NodePrepareResources", "u1").claims["u1"].error == ""
     call(p, "NodeUnprepareResources", "u1")
-    assert not cdi.spec_path(p.cdi_dir, "u1").exists() and unprepared == ["rescan"]
-    assert call(p, "NodeUnprepareResources", "u1").claims["u1"].error == ""  # repeated: still fine
+    # Every namespace the claim had is marked for its scrub (its pod may have written anything), then the spec goes.
+    assert not cdi.spec_path(p.cdi_dir, "u1").exists() and unprepared == [["loop3"], ["loop3", "loop4"]]
+    assert call(p, "NodeUnprepareResources", "u1").claims["u1"].error == ""  # repeated: still fine, nothing to mark
+    assert unprepared[-1] == []
 
 
 @pytest.mark.parametrize("claim,why", [

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +37,13 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
 # The two-socket-cxl case's free namespaces, by device ID: nvme0n1, nvme1n1, nvme1n2.
 N0, N1, N2 = "eui.000000000000000001", "eui.000000000000000101", "eui.000000000000000102"
 HEALTHY = {N0: ("Healthy", [0]), N1: ("Healthy", [1]), N2: ("Healthy", [1])}
+
+
+def _inventory_of(root: Path) -> NodeInventory:
+    from memstrata.node.discovery import dev_heads, discover
+
+    return discover(root / "sys", heads=dev_heads(root / "dev"), mounts_text=(root / "proc" / "mounts").read_text(),
+                    swaps_text=(root / "proc" / "swaps").read_text())
 
 
 def _inventory() -> NodeInventory:
@@ -222,3 +230,34 @@ def test_a_cleanly_closed_namespace_never_needs_the_agent(node, loop) -> None:
         n.nvme(timeout=1.5)
     assert traces_of_a(read_all(dev)) == []
     assert "scrubbing it now" not in n.log.read_text()
+
+
+@pytest.mark.loopdev
+def test_a_namespace_a_dra_claim_had_is_scrubbed_whatever_its_pod_wrote(case_copy, loop, tmp_path) -> None:
+    """A claim's pod need not be memstrata's engine: it may write raw bytes without memstrata's header, which
+    alone looks like a clean namespace. The unprepare's mark makes the scrub happen anyway, and survives the
+    agent (a new Scrubber over the same marks directory finds it)."""
+    from memstrata.nodeagent.scrubber import Scrubber
+
+    root = case_copy("two-socket-cxl")
+    dev = loop(64 * MiB)
+    wire(root, "nvme1n2", dev)
+    with open(dev, "r+b") as f:  # a user's pod: its data from byte 0, no header
+        for offset in range(0, 64 * MiB, 8 * MiB):
+            f.seek(offset)
+            f.write(b"TENANT-A-RAW-DATA" * 64)
+    inv = _inventory_of(root)
+    where = {"sysfs_root": root / "sys", "mountinfo": root / "proc" / "mounts", "swaps": root / "proc" / "swaps"}
+    assert Scrubber(root / "dev", **where, marks=tmp_path / "marks").update(inv, start=False) == frozenset()
+    Scrubber(root / "dev", **where, marks=tmp_path / "marks").mark(["nvme1n2"])  # unprepare, by an earlier agent
+    done: list[str] = []
+    scrubber = Scrubber(root / "dev", **where, marks=tmp_path / "marks", on_done=lambda: done.append("x"))
+    assert "a DRA claim's pod had it" in scrubber.pending("nvme1n2")
+    assert scrubber.update(inv) == frozenset({"nvme1n2"})  # out of the offer from now on, scrubbing
+    deadline = time.monotonic() + 60
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.1)
+    scrubber.stop()
+    assert done and b"TENANT-A-RAW-DATA" not in read_all(dev)
+    assert scrubber.pending("nvme1n2") is None and not (tmp_path / "marks" / "nvme1n2").exists()
+    assert scrubber.update(inv) == frozenset()  # offered again

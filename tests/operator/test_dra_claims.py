@@ -35,7 +35,9 @@ def test_the_template_asks_for_the_plans_namespaces_by_size_numa_and_controller_
     job, plan = placed()
     companions, (pod,) = gang_objects(job, ("n1",), plan, 1, security=DRA)
     (tmpl,) = [c for c in companions if c["kind"] == "ResourceClaimTemplate"]
-    assert tmpl["metadata"]["name"] == names.claim_template_name(job.name, job.uid)
+    assert tmpl["metadata"]["name"] == names.claim_template_name(job.name, job.uid, 1)
+    # A retry is planned anew and a template cannot change: the next attempt has a template of its own.
+    assert names.claim_template_name(job.name, job.uid, 2) != tmpl["metadata"]["name"]
     assert tmpl["metadata"]["ownerReferences"][0]["uid"] == job.uid
     devices = tmpl["spec"]["spec"]["devices"]
     ns, cxl = devices["requests"]
@@ -94,8 +96,8 @@ def test_room_now_counts_namespaces_from_the_inventory_and_what_memstrata_pods_c
     # With both namespaces claimed the next job waits for room (the scheduler would keep its pod Pending).
     second = place(job.spec, [node], usage_by_node([use]))
     assert second.outcome == "no-room" and "memstrata.dev/nvme-ns needs 2, 0 free" in second.message
-    # The annotation counts only on memstrata's own pods; another pod's annotation is no claim of ours.
-    foreign = {**pod, "metadata": {**pod["metadata"], "labels": {}}}
+    # The annotation counts only on pods a FineTuneJob owns: a label and an annotation anyone can write.
+    foreign = {**pod, "metadata": {**pod["metadata"], "ownerReferences": []}}
     assert pod_use(foreign).requests[RESOURCE_NVME] == 0
 
 

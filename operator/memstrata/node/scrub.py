@@ -311,9 +311,12 @@ def _geometry(fd: int, device: str) -> tuple[int, int]:
 
 
 def scrub_held(fd: int, path: str, *, sysfs_root: str = "/sys", mountinfo: str = "/proc/self/mountinfo",
-               swaps: str = "/proc/swaps", stop: Callable[[], bool] = lambda: False) -> str | None:
+               swaps: str = "/proc/swaps", stop: Callable[[], bool] = lambda: False,
+               used: str | None = None) -> str | None:
     """Scrub all of the block device `fd` holds (from `hold`) when its header says a job's data may be
-    on it, then stamp it SCRUBBED. Returns what was done, for the log; None when nothing was needed.
+    on it, or whatever it says when `used` says who had it (a DRA claim's pod, whose writes need not have
+    left memstrata's header), then stamp it SCRUBBED. Returns what was done, for the log; None when nothing
+    was needed.
 
     The namespace-safety rule (memstrata.node.safety.check_device) is applied first, on the held device:
     a namespace that gained a partition table, a filesystem, a holder or a mount is never written. Raises
@@ -330,7 +333,7 @@ def scrub_held(fd: int, path: str, *, sysfs_root: str = "/sys", mountinfo: str =
         head = direct_read(fd, 0, HEADER_BYTES)
     except OSError as exc:
         raise ScrubError(path, "cannot read its header", offset=0, length=HEADER_BYTES, errno=exc.errno) from None
-    reason = pending_reason(head)
+    reason = pending_reason(head) or used
     if reason is None:
         return None  # scrubbed (by its engine's close) since the agent looked
     try:

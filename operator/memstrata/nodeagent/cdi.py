@@ -38,6 +38,7 @@ def spec(claim_uid: str, chosen: Sequence[DraDevice], device_gid: int | None = N
 
     `device_gid`: the training pods' device group (the operator's --training-device-gid), which owns each node
     in the container, mode 0660, as the device plugin's path has it; None: the runtime's defaults."""
+    chosen = list({d.name: d for d in chosen}.values())  # a shared CXL device may serve two requests of a claim
     env = claim_env(chosen)
     devices = []
     for d in chosen:
@@ -83,3 +84,13 @@ def prepared_devices(cdi_dir: Path, claim_uid: str) -> list[str]:
         return []
     prefix = f"{claim_uid}-"
     return [d["name"][len(prefix):] for d in written.get("devices", []) if d.get("name", "").startswith(prefix)]
+
+
+def prepared_namespaces(cdi_dir: Path, claim_uid: str) -> list[str]:
+    """The block devices (nvme0n1, loop3) one prepared claim's spec gives its containers; [] when none is on disk."""
+    try:
+        written = json.loads(spec_path(cdi_dir, claim_uid).read_text())
+    except (OSError, ValueError):
+        return []
+    nodes = [n for d in written.get("devices", []) for n in d.get("containerEdits", {}).get("deviceNodes", [])]
+    return sorted({Path(n["path"]).name for n in nodes if str(n.get("path", "")).startswith("/dev/")})

@@ -26,13 +26,19 @@ log = logging.getLogger(__name__)
 class DraDriver:
     """The plugin (gRPC) and the publisher (API server) of one node. The constructor does no I/O."""
 
-    def __init__(self, args: argparse.Namespace, vet: Vet, on_unprepare: Callable[[], None],
-                 metrics: AgentMetrics) -> None:
+    def __init__(self, args: argparse.Namespace, vet: Vet, on_unprepare: Callable[[list[str]], None],
+                 metrics: AgentMetrics, rescan: Callable[[], None] = lambda: None) -> None:
         self.node_name = args.node_name
         self.publisher = SlicePublisher(args.node_name, args.kubeconfig)
         self.plugin = DraPlugin(args.node_name, self.publisher.claim, kubelet_dir=args.kubelet_dir,
                                 cdi_dir=args.cdi_dir, device_gid=args.training_device_gid, vet=vet,
-                                on_unprepare=on_unprepare, metrics=metrics)
+                                on_unprepare=on_unprepare, on_registered=lambda: self._registered(rescan),
+                                metrics=metrics)
+
+    def _registered(self, rescan: Callable[[], None]) -> None:
+        # A kubelet that has just started deletes its node's slices: read ours back now, not in VERIFY_S.
+        self.publisher.forget()
+        rescan()
 
     def start(self) -> None:
         self.plugin.start()

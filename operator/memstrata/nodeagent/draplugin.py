@@ -9,8 +9,9 @@ Prepare reads each claim from the API server, checks that every device allocated
 offered (free, not being scrubbed) and, for a namespace, that no finished job's data is on it (the same
 last look as the device plugin's Allocate), then writes the claim's CDI spec (memstrata.nodeagent.cdi).
 A claim prepared before (its spec is on disk) is answered from it again without a second look: its own
-job's data may be on it. Unprepare removes the spec and asks the agent for a rescan, which starts the
-scrub of every namespace no process holds any more; until the scrub is done they are out of the slice.
+job's data may be on it. Unprepare marks every namespace the claim had for a scrub (its pod may have
+written anything, memstrata's header or not), removes the spec and asks the agent for a rescan, which
+starts the scrub; until the scrub is done they are out of the slice and refused.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ from memstrata.nodeagent.proto import pluginregistration_pb2_grpc as reg_grpc
 
 log = logging.getLogger(__name__)
 
-KUBELET_DIR = Path("/var/lib/kubelet")
 SERVICE = "v1.DRAPlugin"  # the name the kubelet (>= 1.34) knows the v1 service by
 PLUGIN_TYPE = "DRAPlugin"
 
@@ -47,9 +47,10 @@ ClaimReader = Callable[[str, str], dict[str, Any]]
 class DraPlugin(pb_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
     """The driver's two gRPC services. The constructor does no I/O; start() does."""
 
-    def __init__(self, node_name: str, read_claim: ClaimReader, *, kubelet_dir: Path = KUBELET_DIR,
+    def __init__(self, node_name: str, read_claim: ClaimReader, *, kubelet_dir: Path,
                  cdi_dir: Path = cdi.CDI_DIR, device_gid: int | None = None, vet: Vet | None = None,
-                 on_unprepare: Callable[[], None] = lambda: None, metrics: AgentMetrics | None = None) -> None:
+                 on_unprepare: Callable[[list[str]], None] = lambda names: None,
+                 on_registered: Callable[[], None] = lambda: None, metrics: AgentMetrics | None = None) -> None:
         self.node_name = node_name
         self.read_claim = read_claim
         # Where the kubelet looks: its plugin watcher scans plugins_registry; the service socket is ours to place.
@@ -60,6 +61,7 @@ class DraPlugin(pb_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         self.metrics = metrics or AgentMetrics()
         self._vet = vet
         self._on_unprepare = on_unprepare
+        self._on_registered = on_registered
         self._lock = threading.Lock()  # prepare and unprepare of one node's devices, one at a time
         self._offered: list[DraDevice] = []
         self._server: grpc.Server | None = None
@@ -114,6 +116,7 @@ class DraPlugin(pb_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
             log.info("%s: registered with the kubelet", dra.DRIVER)
             self.registration_error = ""
             self.registered.set()
+            self._on_registered()
         else:
             log.error("%s: the kubelet refused the plugin: %s", dra.DRIVER, request.error)
             self.registration_error = request.error
@@ -168,16 +171,26 @@ class DraPlugin(pb_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         out = {}
         with self._lock:
             for claim in request.claims:
+                # Marked for the scrub before the spec (the record of what the claim had) goes: a crash in
+                # between leaves the spec, and the kubelet asks again.
+                used = cdi.prepared_namespaces(self.cdi_dir, claim.uid)
+                try:
+                    self._on_unprepare(used)
+                except OSError as exc:
+                    out[claim.uid] = pb.NodeUnprepareResourceResponse(
+                        error=f"{dra.DRIVER}: cannot mark {used} for their scrub: {exc}")
+                    continue
                 removed = cdi.remove_spec(self.cdi_dir, claim.uid)
-                log.info("ResourceClaim %s/%s unprepared%s", claim.namespace, claim.name,
-                         "" if removed else " (it was not prepared here)")
+                log.info("ResourceClaim %s/%s unprepared%s; %s scrubbed before they are offered again", claim.namespace,
+                         claim.name, "" if removed else " (it was not prepared here)", used or "nothing to be")
                 out[claim.uid] = pb.NodeUnprepareResourceResponse()
-        self._on_unprepare()  # the scrub of what the job left starts at the agent's next scan, now
         return pb.NodeUnprepareResourcesResponse(claims=out)
 
 
 def _device_pb(result: dict[str, Any], claim_uid: str) -> pb.Device:
-    device = pb.Device(request_names=[result["request"]], pool_name=result["pool"], device_name=result["device"],
+    # A prioritized list's result names its subrequest (namespaces/numa); a container names the request.
+    device = pb.Device(request_names=[result["request"].split("/", 1)[0]], pool_name=result["pool"],
+                       device_name=result["device"],
                        cdi_device_ids=[cdi.device_id(claim_uid, result["device"])])
     if result.get("shareID"):
         device.share_id = result["shareID"]

@@ -32,6 +32,7 @@ from memstrata.node.access import dev_ownership, vet_access
 from memstrata.node.discovery import SysfsError, dev_heads, discover, read_swaps
 from memstrata.node.loopscan import LOOP_NAME
 from memstrata.nodeagent.cdi import CDI_DIR
+from memstrata.api.dra import DRIVER
 from memstrata.nodeagent.labels import NFD_FEATURES_DIR, NFD_FILE, nfd_features, node_patch, write_atomically
 from memstrata.nodeagent.scrubber import Scrubber
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from memstrata.nodeagent.metrics import AgentMetrics
 
 log = logging.getLogger("memstrata.nodeagent")
-KUBELET_DIR = Path("/var/lib/kubelet")
+KUBELET_DIR = Path("/var/lib/kubelet")  # the kubelet's --root-dir
 PLUGIN_DIR = KUBELET_DIR / "device-plugins"  # the device plugins' (the DRA plugin's are under KUBELET_DIR)
 
 
@@ -132,10 +133,10 @@ def read_inventory(args: argparse.Namespace) -> NodeInventory:
 
 
 def scrubber(args: argparse.Namespace, on_done: Callable[[], None] = lambda: None,
-             metrics: "AgentMetrics | None" = None) -> Scrubber:
+             metrics: "AgentMetrics | None" = None, marks: Path | None = None) -> Scrubber:
     """The scrubber over the same device nodes, sysfs, mount table and swaps discovery reads."""
     return Scrubber(args.dev_root, sysfs_root=args.sysfs_root, mountinfo=args.mountinfo, swaps=args.swaps,
-                    on_done=on_done, metrics=metrics)
+                    on_done=on_done, metrics=metrics, marks=marks)
 
 
 def once(args: argparse.Namespace) -> int:
@@ -193,7 +194,8 @@ class Agent:
         self.metrics = AgentMetrics()
         self.metrics.devices.offered = lambda: [(s.resource, d) for s in self.servers for d in s.devices] + (
             self.dra.listed() if self.dra is not None else [])
-        self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"), metrics=self.metrics)
+        marks = args.kubelet_dir / "plugins" / DRIVER / "scrub-marks" if args.device_api == "dra" else None
+        self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"), metrics=self.metrics, marks=marks)
         dra = args.device_api == "dra"
         self.servers = [] if dra else [DevicePluginServer(r, args.plugin_dir, vet=self.vet, metrics=self.metrics)
                                        for r in resources()]
@@ -202,10 +204,17 @@ class Agent:
             from memstrata.nodeagent.dradriver import DraDriver
 
             self.dra = DraDriver(args, vet=lambda d: self.vet_namespace(d.namespace),
-                                 on_unprepare=lambda: self.events.put("rescan"), metrics=self.metrics)
+                                 on_unprepare=self.unprepared, metrics=self.metrics,
+                                 rescan=lambda: self.events.put("rescan"))
         self.patcher = NodePatcher(args.node_name, args.kubeconfig)
         self.inventory: NodeInventory | None = None
         self.scrubbing: frozenset[str] = frozenset()  # free namespaces holding a finished job's data
+
+    def unprepared(self, names: list[str]) -> None:
+        """A claim's pod is gone: every namespace it had is scrubbed before it is offered again (the scan asked for
+        now starts it)."""
+        self.scrubber.mark(names)
+        self.events.put("rescan")
 
     def vet(self, device: PluginDevice) -> str | None:
         """Allocate's last look at a namespace (PluginDevice.name)."""

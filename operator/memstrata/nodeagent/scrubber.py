@@ -47,8 +47,11 @@ class Scrubber:
 
     def __init__(self, dev_root: Path, *, sysfs_root: Path, mountinfo: Path, swaps: Path,
                  on_done: Callable[[], None] = lambda: None, retry_s: float = RETRY_S,
-                 metrics: AgentMetrics | None = None) -> None:
+                 metrics: AgentMetrics | None = None, marks: Path | None = None) -> None:
         self.dev_root = Path(dev_root)
+        # DRA: one empty file per namespace a claim had, from its unprepare until its scrub is done (on the host,
+        # so an agent restart keeps it): its pod may have written anything, memstrata's header or not.
+        self.marks = Path(marks) if marks is not None else None
         self.metrics = metrics  # None: not counted (`--once`, which needs no metrics library)
         if metrics is not None:
             metrics.devices.scrubbing = lambda: len(self._running)
@@ -69,7 +72,21 @@ class Scrubber:
             head = self._heads(name)
         except OSError as exc:  # unknown content may be someone's data
             return f"its first blocks are unreadable ({exc.strerror or exc})"
-        return pending_reason(head)
+        return pending_reason(head) or self.used(name)
+
+    def used(self, name: str) -> str | None:
+        """Why `name` needs a scrub whatever its header says (a claim had it), or None."""
+        if self.marks is not None and (self.marks / name).exists():
+            return "a DRA claim's pod had it, and may have written anything"
+        return None
+
+    def mark(self, names: list[str]) -> None:
+        """Remember that a claim had `names` (its unprepare): each is scrubbed before it is offered again."""
+        if self.marks is None or not names:
+            return
+        self.marks.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (self.marks / name).touch()
 
     def update(self, inventory: NodeInventory, *, start: bool = True) -> frozenset[str]:
         """Names of the free namespaces that hold a finished job's data (to be offered Unhealthy).
@@ -121,7 +138,9 @@ class Scrubber:
     def _run(self, name: str, path: str, fd: int) -> None:
         started = time.monotonic()
         try:
-            done = scrub_held(fd, path, stop=self._stopping.is_set, **self._where)
+            done = scrub_held(fd, path, stop=self._stopping.is_set, used=self.used(name), **self._where)
+            if self.marks is not None:
+                (self.marks / name).unlink(missing_ok=True)
             log.info("%s: %s; offering it again", path, done or "already scrubbed")
             if self.metrics is not None:
                 self.metrics.scrubs.labels("clean").inc()

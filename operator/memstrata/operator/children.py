@@ -102,12 +102,18 @@ async def create_inspection(kube: Kube, job: JobView, security: render.PodSecuri
     await create_pod(kube, job, inspection.pod(job, security))
 
 
+# Kinds whose spec the API server never lets change: a re-run finds the one it made, and that is all.
+IMMUTABLE = frozenset({"ResourceClaimTemplate"})
+
+
 async def ensure(kube: Kube, job: JobView, obj: Mapping[str, Any]) -> None:
-    """Create; if it exists and this job owns it (a re-run), converge it by apply."""
+    """Create; if it exists and this job owns it (a re-run), converge it by apply (an immutable kind: keep it)."""
     try:
         await kube.create(obj)
     except Conflict:
         existing = await check_owned(kube, job, obj)
+        if obj["kind"] in IMMUTABLE:
+            return
         # The version checked: if the object was swapped for another since, the apply gets a 409.
         version = (existing.get("metadata") or {}).get("resourceVersion")
         await kube.apply({**obj, "metadata": {**obj["metadata"], "resourceVersion": version}}, names.FIELD_MANAGER)

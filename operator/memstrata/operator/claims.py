@@ -23,11 +23,12 @@ from memstrata.api import dra
 from memstrata.api.inventory import RESOURCE_GPU, RESOURCE_NVME
 from memstrata.api.strata import RESOURCE_CXL_GIB
 from memstrata.api.strataplan import Plan
+from memstrata.node.header import DATA_OFFSET
 
 CLAIM = "devices"  # the pod's name for its claim (pod.spec.resourceClaims[].name)
 # Beside the pod: the counts its claim asks for, for the operator's own room-now arithmetic (nodes.pod_use).
 ANNOTATION_REQUESTS = "memstrata.dev/claimed-devices"
-HEADER_AREA = 1 << 20  # memstrata.node.header.DATA_OFFSET: where a namespace's data starts
+HEADER_AREA = DATA_OFFSET  # where a namespace's data starts, behind the engine's header
 # The extended resources the claim replaces.
 CLAIMED_RESOURCES = (RESOURCE_NVME, RESOURCE_CXL_GIB)
 

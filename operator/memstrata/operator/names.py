@@ -100,9 +100,10 @@ def configmap_name(job: str, uid: str) -> str:
     return f"{_base(job)}-runtime-config-{_uid(uid)}"
 
 
-def claim_template_name(job: str, uid: str) -> str:
-    """The job's ResourceClaimTemplate (--device-api dra): each pod's claim is made from it."""
-    return f"{_base(job)}-devices-{_uid(uid)}"
+def claim_template_name(job: str, uid: str, attempt: int) -> str:
+    """An attempt's ResourceClaimTemplate (--device-api dra): each of its pods' claims is made from it. One per
+    attempt: a template's spec cannot change, and a retry may be placed (and planned) anew."""
+    return f"{_base(job)}-devices-{attempt}-{_uid(uid)}"
 
 
 def inspect_pod_name(job: str, uid: str) -> str:

@@ -15,6 +15,7 @@ from memstrata.api.inventory import (
     RESOURCE_GPU, RESOURCE_MEMORY, NodeInventory, NodeNotManagedError, read_node, resource_capacity,
 )
 from memstrata.api.units import quantity_value
+from memstrata.api.finetunejob import KIND
 from memstrata.operator.claims import ANNOTATION_REQUESTS
 from memstrata.operator.names import LABEL_JOB_UID
 
@@ -97,7 +98,7 @@ def pod_use(pod: Mapping[str, Any]) -> PodUse | None:
     if not node or status.get("phase") in ("Succeeded", "Failed"):
         return None
     requests = pod_requests(spec)
-    for r, n in claimed_counts(meta).items():  # a memstrata pod's devices through its DRA claim
+    for r, n in annotated_claims(meta).items():  # a memstrata pod's devices through its DRA claim
         requests[r] = requests.get(r, 0) + n
     return PodUse(
         key=f"{meta.get('namespace', '')}/{meta.get('name', '')}",
@@ -107,11 +108,14 @@ def pod_use(pod: Mapping[str, Any]) -> PodUse | None:
     )
 
 
-def claimed_counts(meta: Mapping[str, Any]) -> dict[str, int]:
+def annotated_claims(meta: Mapping[str, Any]) -> dict[str, int]:
     """What a memstrata pod's claim holds (its claims.ANNOTATION_REQUESTS), in extended-resource units; {} for any
-    other pod, or an annotation that cannot be read (a pod's annotations are its creator's to write)."""
+    other pod (one a FineTuneJob does not own: anyone may write a label and an annotation), or an annotation that
+    cannot be read."""
     raw = (meta.get("annotations") or {}).get(ANNOTATION_REQUESTS)
-    if not raw or LABEL_JOB_UID not in (meta.get("labels") or {}):
+    uid = (meta.get("labels") or {}).get(LABEL_JOB_UID)
+    owners = meta.get("ownerReferences") or []
+    if not raw or not any(o.get("kind") == KIND and o.get("uid") == uid for o in owners):
         return {}
     try:
         counts = json.loads(raw)

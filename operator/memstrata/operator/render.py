@@ -267,7 +267,7 @@ def _container(job: JobView, plan: Plan, security: PodSecurity, node_rank: int) 
         # read the job (the operator bounds and sanitises even the message: observe.container_text).
         "terminationMessagePolicy": "File",
     }
-    if security.dra and claims.claimed_counts(plan, security.gpu_device_class):
+    if security.dra and claims.device_requests(plan, security.gpu_device_class)["requests"]:  # as the template
         container["resources"]["claims"] = [{"name": claims.CLAIM}]
         if namespaces := plan.requests.get(RESOURCE_NVME, 0):  # the runtime checks that CDI gave them all
             container["env"].append({"name": dra.ENV_CLAIMED_NAMESPACES, "value": str(namespaces)})
@@ -298,7 +298,8 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
     claimed: dict[str, Any] = {}
     annotations = {f"{names.LABEL_JOB_NAME}": job.name, "memstrata.dev/planned-node": node}
     if "claims" in container["resources"]:
-        entry, noted = claims.pod_parts(names.claim_template_name(job.name, job.uid), plan, security.gpu_device_class)
+        entry, noted = claims.pod_parts(names.claim_template_name(job.name, job.uid, attempt), plan,
+                                        security.gpu_device_class)
         claimed, annotations = {"resourceClaims": [entry]}, {**annotations, **noted}
     return {
         "apiVersion": "v1", "kind": "Pod",
@@ -336,7 +337,7 @@ def gang_objects(job: JobView, nodes: Sequence[str], plan: Plan, attempt: int, r
     assert job.spec is not None and len(nodes) == job.spec.resources.nodes, "one node per node rank"
     if len(nodes) > 1:
         companions.append(service(job, attempt))
-    if security.dra and (tmpl := claims.template(child_meta(job, names.claim_template_name(job.name, job.uid)), plan,
-                                                 security.gpu_device_class)):
+    if security.dra and (tmpl := claims.template(child_meta(job, names.claim_template_name(job.name, job.uid, attempt)),
+                                                 plan, security.gpu_device_class)):
         companions.append(tmpl)
     return companions, [pod(job, node, plan, attempt, security, rank) for rank, node in enumerate(nodes)]
