@@ -203,9 +203,11 @@ def test_the_chart_ships_the_device_classes_the_driver_publishes_for(tmp_path: P
     assert "--device-api=dra" in agent["containers"][0]["args"]
     mounts = {m["mountPath"] for m in agent["containers"][0]["volumeMounts"]}
     assert {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounts
-    # auto: dra where the API server serves resource.k8s.io/v1 (helm's offline capabilities do), else the plugin.
+    # auto: dra on >= 1.36 serving resource.k8s.io/v1 (helm's offline capabilities do), else the plugin.
     auto = run_helm("template", "x", str(CHART), *KUBE, tmp=tmp_path)
     assert auto.stdout.count("kind: DeviceClass") == 2 and auto.stdout.count("--device-api=dra") == 2
+    older = run_helm("template", "x", str(CHART), "--kube-version", "v1.35.2", tmp=tmp_path)  # no consumable capacity
+    assert "DeviceClass" not in older.stdout and older.stdout.count("--device-api=device-plugin") == 2
     plugin = run_helm("template", "x", str(CHART), *KUBE, "--set", "nodeAgent.deviceApi=device-plugin", tmp=tmp_path)
     assert "DeviceClass" not in plugin.stdout and plugin.stdout.count("--device-api=device-plugin") == 2
     assert "resourceslices" not in plugin.stdout and "resourceclaimtemplates" not in plugin.stdout

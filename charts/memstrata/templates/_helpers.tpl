@@ -35,7 +35,8 @@ app.kubernetes.io/component: node-agent
 {{- define "memstrata.deviceApi" -}}
 {{- $mode := .Values.nodeAgent.deviceApi | default "device-plugin" -}}
 {{- if eq $mode "auto" -}}
-{{- if .Capabilities.APIVersions.Has "resource.k8s.io/v1" }}dra{{ else }}device-plugin{{ end -}}
+{{- /* resource.k8s.io/v1 is served from 1.34, but the claims use consumable capacity and distinctAttribute, on by default from 1.36 */ -}}
+{{- if and (.Capabilities.APIVersions.Has "resource.k8s.io/v1") (semverCompare ">=1.36-0" .Capabilities.KubeVersion.Version) }}dra{{ else }}device-plugin{{ end -}}
 {{- else -}}
 {{- $mode -}}
 {{- end -}}

@@ -58,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device-api", choices=("device-plugin", "dra"), default="device-plugin",
                    help="how the kubelet and the scheduler get the devices: device-plugin (counted extended "
                         "resources) or dra (a ResourceSlice per node and the DRA kubelet plugin dra.memstrata.dev; "
-                        "Kubernetes >= 1.34). Never both: two allocators would hand one namespace to two jobs")
+                        "Kubernetes >= 1.36). Never both: two allocators would hand one namespace to two jobs")
     p.add_argument("--kubelet-dir", type=Path, default=KUBELET_DIR,
                    help="the kubelet's root directory (dra: its plugins and plugins_registry directories)")
     p.add_argument("--cdi-dir", type=Path, default=CDI_DIR,

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training pods' seccomp profile: RuntimeDefault or localhost/<file> (default: %(default)s)")
     p.add_argument("--device-api", choices=("device-plugin", "dra"), default="device-plugin",
                    help="how training pods get namespaces and CXL memory, as the node agents serve them: device-plugin "
-                        "(extended resources) or dra (a ResourceClaimTemplate per job; Kubernetes >= 1.34) "
+                        "(extended resources) or dra (a ResourceClaimTemplate per job; Kubernetes >= 1.36) "
                         "(default: %(default)s)")
     p.add_argument("--gpu-device-class", default=None, metavar="CLASS",
                    help="with --device-api dra: claim GPUs from this DeviceClass (e.g. gpu.nvidia.com) instead of "
