@@ -45,11 +45,12 @@ class Gang:
         self.created: list[CreateAttempt] = []
         self.events: list[Event] = []
         self.companions: list[dict[str, Any]] = []
+        self.devices: dict[str, tuple[str, ...]] = {}  # what each pod's DRA claim was allocated (the reconciler reads it)
 
     def step(self, t: float = 0.0, refuse: tuple[str, ...] = ()) -> Any:
         """One reconcile; the API server refuses to create the pods named in `refuse` (as a ResourceQuota would):
         the reconcile then stops there, recording the attempt as the reconciler does (gang.unfinished)."""
-        d = decide(job_view(self.job), [pod_view(p) for p in self.pods.values()], at(t),
+        d = decide(job_view(self.job), [pod_view(p, self.devices.get(n, ())) for n, p in self.pods.items()], at(t),
                    lambda spec: place(spec, self.nodes, {}), POLICY)
         for a in d.actions:
             if isinstance(a, CreateAttempt):
@@ -161,6 +162,17 @@ def test_running_only_when_every_pod_runs_and_succeeded_only_when_every_pod_succ
     g.set(second, "Succeeded", 0)
     g.step()
     assert g.status["phase"] == "Succeeded" and g.status["message"] == "pods llama-0-0, llama-0-1 completed"
+
+
+def test_a_gangs_status_names_every_nodes_claimed_devices_by_node_rank():
+    g = Gang()
+    g.step()
+    first, second = g.attempt_pods(0)
+    g.devices = {first["metadata"]["name"]: ("n1/nvme0n1-aa",), second["metadata"]["name"]: ("n2/nvme0n1-bb",)}
+    g.set(first, "Running")
+    g.set(second, "Running")
+    g.step()
+    assert g.status["devices"] == ["n1/nvme0n1-aa", "n2/nvme0n1-bb"]
 
 
 def test_a_lost_pod_fails_the_whole_attempt_once_and_the_next_attempt_is_a_new_pair():

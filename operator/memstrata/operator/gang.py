@@ -57,6 +57,9 @@ def track(b: StatusBuilder, pods: Sequence[PodView], retrying: bool) -> bool:
     b.set("attempts", max(int(b.get("attempts") or 0), attempt + 1))
     if pods[0].node:
         b.set("node", pods[0].node)
+    devices = [d for p in pods for d in p.devices]  # each node's pool names its own: no two pods' collide
+    if devices and b.get("devices") != devices:
+        b.set("devices", devices)
     bound = "; ".join(f"pod {p.name} is bound to node {p.node}" for p in pods if p.node)
     if all(p.phase in ("Running", "Succeeded") for p in pods):
         running = "; ".join(f"pod {p.name} is {'running' if p.phase == 'Running' else 'done'} on {p.node}"
