@@ -118,13 +118,6 @@ def test_the_scheduler_allocates_published_namespaces_and_cxl_bytes(
     after = cluster.get_json("resourceslice", slice_name(node))
     assert after["spec"]["pool"]["generation"] == 2
     assert names["nvme0n1"] not in {d["name"] for d in after["spec"]["devices"]}
-    # Deleted behind the agent's back (a starting kubelet wipes its node's slices): the next read-back writes it
-    # again, in a generation above every one the pool had.
-    cluster.kubectl("delete", "resourceslice", slice_name(node))
-    publisher.forget()
-    assert publisher.publish(partial(slice_spec, inv, node, scrubbing=frozenset({"nvme0n1"})))
-    back = cluster.get_json("resourceslice", slice_name(node))
-    assert back["spec"]["devices"] == after["spec"]["devices"] and back["spec"]["pool"]["generation"] == 3
 
 
 def plan_on_nvme(nvme_bytes: int, namespaces: int) -> Plan:
@@ -164,3 +157,23 @@ def test_a_jobs_claim_template_gets_the_most_preferred_namespaces_that_fit(
                  if "namespace" in d["attributes"]}
     assert {by_device[r["device"]] for r in got} == expect, got
     assert {r["request"] for r in got} == {f"namespaces/{option}"}, got
+
+
+def test_a_slice_deleted_behind_the_agents_back_is_written_again(cluster: ControlPlane, fake_nodes: Any) -> None:
+    """A starting kubelet wipes its node's slices: the next read-back writes ours again, in a generation above
+    every one the pool had."""
+    node = "dra-wiped"
+    fake_nodes.create(node)
+    inv = inventory(node)
+    publisher = SlicePublisher(node, str(cluster.kubeconfig))
+    assert publisher.publish(partial(slice_spec, inv, node))
+    assert publisher.publish(partial(slice_spec, inv, node, scrubbing=frozenset({"nvme0n1"})))
+    after = cluster.get_json("resourceslice", slice_name(node))
+    assert after["spec"]["pool"]["generation"] == 2
+    cluster.kubectl("delete", "resourceslice", slice_name(node))
+    assert not publisher.publish(partial(slice_spec, inv, node, scrubbing=frozenset({"nvme0n1"})))  # not read yet
+    publisher.forget()  # what the kubelet's registration call does
+    assert publisher.publish(partial(slice_spec, inv, node, scrubbing=frozenset({"nvme0n1"})))
+    back = cluster.get_json("resourceslice", slice_name(node))
+    assert back["spec"]["devices"] == after["spec"]["devices"] and back["spec"]["pool"]["generation"] == 3
+    assert back["metadata"]["uid"] != after["metadata"]["uid"]

@@ -254,7 +254,38 @@ class RealNode:
                  "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR}]], "routes": [{"dst": "0.0.0.0/0"}],
                           "dataDir": str(self.state / "cni-ipam")}},
                 {"type": "portmap", "capabilities": {"portMappings": True}}]}, indent=1))
-        (w / "containerd.toml").write_text(f"""version = 3
+        (w / "containerd.toml").write_text(self._containerd_toml(cni))
+        (w / "kubelet.yaml").write_text(json.dumps({
+            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+            # Kubernetes >= 1.35 refuses cgroup v1 unless told; this machine has nothing else.
+            "failCgroupV1": False, "cgroupDriver": "cgroupfs", "failSwapOn": False,
+            "containerRuntimeEndpoint": f"unix://{self.socket}",
+            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
+                               "x509": {"clientCAFile": str(pki.ca_cert)}},
+            "authorization": {"mode": "Webhook"},
+            "address": self.address, "port": 10250, "readOnlyPort": 0, "healthzPort": free_port(),
+            "healthzBindAddress": "127.0.0.1",
+            # The images are imported, never pulled: garbage-collecting one would fail the next pod.
+            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
+            # A test machine's disk is often fuller than the defaults allow; evict only when it is nearly full.
+            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
+                             "nodefs.inodesFree": "1%"},
+            "resolvConf": "/etc/resolv.conf", "serializeImagePulls": False,
+            "nodeStatusUpdateFrequency": "4s", "syncFrequency": "10s",
+        }, indent=1))
+        (w / "kube-proxy.yaml").write_text(json.dumps({
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+            "mode": "iptables", "clusterCIDR": POD_CIDR, "hostnameOverride": self.name,
+            "clientConnection": {"kubeconfig": str(w / "kube-proxy.kubeconfig")},
+            # No CAP_SYS_RESOURCE-free sysctl writes: leave the conntrack table as the host has it.
+            "conntrack": {"maxPerCore": 0, "min": 0},
+            "healthzBindAddress": f"127.0.0.1:{free_port()}", "metricsBindAddress": f"127.0.0.1:{free_port()}",
+        }, indent=1))
+
+
+    def _containerd_toml(self, cni: Path) -> str:
+        """containerd 2.x's config (version 3) for this node: its own root and state, CDI on."""
+        return f"""version = 3
 root = "{self.containerd_root}"
 state = "{self.state / 'containerd'}"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
@@ -283,33 +314,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{CNI_BIN}"]
     conf_dir = "{cni}"
-""")
-        (w / "kubelet.yaml").write_text(json.dumps({
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-            # Kubernetes >= 1.35 refuses cgroup v1 unless told; this machine has nothing else.
-            "failCgroupV1": False, "cgroupDriver": "cgroupfs", "failSwapOn": False,
-            "containerRuntimeEndpoint": f"unix://{self.socket}",
-            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
-                               "x509": {"clientCAFile": str(pki.ca_cert)}},
-            "authorization": {"mode": "Webhook"},
-            "address": self.address, "port": 10250, "readOnlyPort": 0, "healthzPort": free_port(),
-            "healthzBindAddress": "127.0.0.1",
-            # The images are imported, never pulled: garbage-collecting one would fail the next pod.
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            # A test machine's disk is often fuller than the defaults allow; evict only when it is nearly full.
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                             "nodefs.inodesFree": "1%"},
-            "resolvConf": "/etc/resolv.conf", "serializeImagePulls": False,
-            "nodeStatusUpdateFrequency": "4s", "syncFrequency": "10s",
-        }, indent=1))
-        (w / "kube-proxy.yaml").write_text(json.dumps({
-            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
-            "mode": "iptables", "clusterCIDR": POD_CIDR, "hostnameOverride": self.name,
-            "clientConnection": {"kubeconfig": str(w / "kube-proxy.kubeconfig")},
-            # No CAP_SYS_RESOURCE-free sysctl writes: leave the conntrack table as the host has it.
-            "conntrack": {"maxPerCore": 0, "min": 0},
-            "healthzBindAddress": f"127.0.0.1:{free_port()}", "metricsBindAddress": f"127.0.0.1:{free_port()}",
-        }, indent=1))
+"""
 
     # -- plumbing ---------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], append: bool = False) -> None:

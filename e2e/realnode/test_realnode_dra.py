@@ -8,6 +8,7 @@ so a FineTuneJob's pod names a claim made from the operator's template.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,7 @@ from e2e.conftest import _say
 from e2e.realnode.conftest import CHART, RELEASE_NS, RealCluster
 from e2e.realnode.jobs import JobStorage, container_env, explain, smollm2_job, wait_phase
 from memstrata.api import dra
+from memstrata.nodeagent.drapublish import slice_name
 
 pytestmark = [pytest.mark.realnode, pytest.mark.cluster, pytest.mark.slow]
 
@@ -27,11 +29,13 @@ DISK_GID = 6  # the chart's trainingPod.deviceGroup
 # the agent sees them in use; deleting the pod leaves them dirty, for the agent to scrub.
 HOLDER = """
 import os, time, uuid
-from memstrata.node.header import Header, State, render_header
+from memstrata.node.header import Header, State, parse_header, render_header
 paths = os.environ["MEMSTRATA_NVME_DEVICES"].split(",")
 for i, p in enumerate(paths):
     fd = os.open(p, os.O_RDWR | os.O_EXCL)
     size = os.lseek(fd, 0, os.SEEK_END)
+    found = parse_header(os.pread(fd, 4096, 0))
+    print("found", p, found.state.name if found else "no-header", flush=True)
     os.pwrite(fd, render_header(Header(owner_job="dra-e2e", generation=1, state=State.OPEN, set_id=uuid.uuid4(),
               set_index=i, set_size=len(paths), logical_block_size=512, capacity_bytes=size)), 0)
     os.fsync(fd)
@@ -137,21 +141,36 @@ def test_claimed_namespaces_reach_the_container_through_cdi_and_are_scrubbed_and
     waited = time.monotonic() - freed
     rc.cp.wait_for("the second pod's namespace to be held", lambda: "holding" in rc.node.container_logs(ns, "second"),
                    timeout=60)
-    assert not rc.node.container_logs(ns, "second").count("Traceback"), rc.node.container_logs(ns, "second")
+    second = rc.node.container_logs(ns, "second")
+    assert not second.count("Traceback"), second
+    # It got one of the two the first pod left OPEN, and found it scrubbed (the agent's SCRUBBED stamp).
+    assert re.search(r"found /dev/loop\d+ SCRUBBED", second), second
     assert unschedulable(rc, ns, "too-big"), "a claim larger than every namespace was placed"
     rc.kubectl("delete", "pod", "second", "too-big", "-n", ns, "--wait=true", timeout=120)
     rc.cp.wait_for("both namespaces scrubbed and published again",
                    lambda: len(slice_devices(rc)) == len(rc.loops), timeout=180)
-    # A restarting kubelet deletes its node's ResourceSlices; the agent writes its own again.
-    rc.node.restart_kubelet()
-    rc.cp.wait_for("the kubelet to wipe the slice", lambda: not slice_devices(rc), timeout=60)
-    back = time.monotonic()
-    rc.cp.wait_for("the slice back after the kubelet restart", lambda: len(slice_devices(rc)) == len(rc.loops),
-                   timeout=120)
-    rc.node.wait_ready(60)
-    _say(request, f"[realnode] DRA: the kubelet's restart wiped the slice; back {time.monotonic() - back:.1f} s later")
     _say(request, f"[realnode] DRA: a freed pair of namespaces was scrubbed and the waiting pod ran "
                   f"{waited:.1f} s after the first pod's deletion")
+
+
+def test_a_restarted_kubelets_wipe_of_the_slice_is_undone(dra_node: RealCluster, request: pytest.FixtureRequest) -> None:
+    """A starting kubelet deletes its node's ResourceSlices (no driver has registered yet); the agent, registered
+    again, writes its own back, a new object with every free namespace."""
+    rc = dra_node
+    rc.cp.wait_for("the slice to list both namespaces", lambda: len(slice_devices(rc)) == len(rc.loops), timeout=180)
+    before = rc.cp.get_json("resourceslice", slice_name(rc.node.name))["metadata"]["uid"]
+    restarted = time.monotonic()
+    rc.node.restart_kubelet()
+
+    def rewritten() -> bool:
+        found = rc.cp.get_json("resourceslices")["items"]
+        return any(s["metadata"]["name"] == slice_name(rc.node.name) and s["metadata"]["uid"] != before
+                   and len(s["spec"].get("devices") or []) == len(rc.loops) for s in found)
+
+    rc.cp.wait_for("the agent to write the slice the restarted kubelet deleted", rewritten, timeout=120)
+    rc.node.wait_ready(60)
+    _say(request, f"[realnode] DRA: the kubelet's restart wiped the slice; it was back "
+                  f"{time.monotonic() - restarted:.1f} s after the restart began")
 
 
 def test_a_finetunejob_claims_two_namespaces_through_dra_and_trains_through_them(
