@@ -74,9 +74,11 @@ def test_only_the_free_namespace_is_offered(once: dict) -> None:
     assert once["node"]["capacity"] == {"memstrata.dev/nvme-ns": "1", "memstrata.dev/cxl-gib": "0"}
 
 
-def test_the_guests_cxl_node_and_free_namespace_are_in_the_resourceslice_it_builds(once: dict, cluster) -> None:
+def test_the_guests_cxl_node_and_free_namespace_are_in_the_resourceslice_it_builds(once: dict) -> None:
     """The DRA driver's slice, built in the guest by the same discovery (`--once` prints it), names the CXL node's
-    bytes and expander and the one free namespace; the real API server accepts it as written."""
+    bytes and expander and the one free namespace. (The real API server's acceptance of a slice built from a
+    discovered CXL node: e2e/cluster/test_dra_allocation.py; asking for the control plane here would put this
+    module on a second worker, with a second QEMU boot.)"""
     from memstrata.api import dra
 
     spec = once["resourceSlice"]
@@ -89,9 +91,3 @@ def test_the_guests_cxl_node_and_free_namespace_are_in_the_resourceslice_it_buil
     free = next(n for n in once["inventory"]["nvmeNamespaces"] if n["free"])
     assert ns["attributes"]["namespace"] == {"string": free["name"]}
     assert ns["attributes"]["model"] == {"string": "QEMU NVMe Ctrl"} and ns["capacity"][dra.SIZE]["value"] == str(256 << 20)
-    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "guest-dra"}, "spec": spec}
-    cluster.create(body)
-    try:
-        assert cluster.get_json("resourceslice", "guest-dra")["spec"]["devices"] == spec["devices"]
-    finally:
-        cluster.kubectl("delete", "resourceslice", "guest-dra")

@@ -20,6 +20,7 @@ from e2e.realnode.conftest import CHART, RELEASE_NS, RealCluster
 from e2e.realnode.jobs import JobStorage, container_env, explain, smollm2_job, wait_phase
 from memstrata.api import dra
 from memstrata.nodeagent.drapublish import slice_name
+from memstrata.operator import names
 
 pytestmark = [pytest.mark.realnode, pytest.mark.cluster, pytest.mark.slow]
 
@@ -176,30 +177,37 @@ def test_a_restarted_kubelets_wipe_of_the_slice_is_undone(dra_node: RealCluster,
 def test_a_finetunejob_claims_two_namespaces_through_dra_and_trains_through_them(
         dra_node: RealCluster, job_ns: str, storage: JobStorage, request: pytest.FixtureRequest) -> None:
     """`kubectl apply` of a job whose plan stripes over two namespaces: the operator renders its claim template,
-    the scheduler allocates both loop namespaces, the runtime trains through them; once the job is deleted they
-    are published again."""
+    the scheduler allocates both loop namespaces, the runtime trains through them; a second such job waits, with
+    no pod, until they are free again, then trains; once the jobs are deleted the namespaces are published again."""
     rc, ns = dra_node, job_ns
-    job = smollm2_job("dra", rc.images.runtime, steps=4, extra_spec={
-        "memory": {"engine": "memstrata", "dramBudget": "1200Mi", "nvmeNamespaces": 2}})
+    memory = {"memory": {"engine": "memstrata", "dramBudget": "1200Mi", "nvmeNamespaces": 2}}
     began = time.monotonic()
-    rc.cp.apply(job, namespace=ns)
+    rc.cp.apply(smollm2_job("dra", rc.images.runtime, steps=3, extra_spec=memory), namespace=ns)
     env: dict[str, str] = {}
     claim_names: list[str] = []
 
     def watch(body: dict[str, Any]) -> None:
         for p in rc.cp.get_json("pods", "-n", ns)["items"]:
-            if p["metadata"].get("labels", {}).get("memstrata.dev/role") is not None:
+            meta = p["metadata"]
+            if meta.get("labels", {}).get("memstrata.dev/role") is not None or \
+                    (meta.get("annotations") or {}).get(names.LABEL_JOB_NAME) != "dra":
                 continue
             claim_names.extend(s["resourceClaimName"] for s in p["status"].get("resourceClaimStatuses") or []
                                if s.get("resourceClaimName") and s["resourceClaimName"] not in claim_names)
             if not env and (found := container_env(rc.node, p)) is not None:
                 env.update(found)
 
+    wait_phase(rc.cp, ns, "dra", {"Running", "Succeeded", "Failed"}, timeout=600, on_poll=watch)
+    rc.cp.apply(smollm2_job("dra-next", rc.images.runtime, steps=2, extra_spec=memory), namespace=ns)
+    waiting = wait_condition(rc, ns, "dra-next", "Scheduled", "False")
+    assert "memstrata.dev/nvme-ns needs 2, 0 free" in waiting["message"], waiting
+    assert not [p for p in rc.cp.get_json("pods", "-n", ns)["items"]  # waiting holds nothing: no pod, no claim
+                if (p["metadata"].get("annotations") or {}).get(names.LABEL_JOB_NAME) == "dra-next"]
     body = wait_phase(rc.cp, ns, "dra", {"Succeeded", "Failed"}, timeout=1200, on_poll=watch)
     assert body["status"]["phase"] == "Succeeded", explain(rc.cp, rc.node, ns, "dra")
     trained = time.monotonic() - began
-    template = rc.cp.get_json("resourceclaimtemplates", "-n", ns)["items"]
-    assert [t["metadata"]["ownerReferences"][0]["name"] for t in template] == ["dra"]
+    templates = rc.cp.get_json("resourceclaimtemplates", "-n", ns)["items"]
+    assert [t["metadata"]["ownerReferences"][0]["name"] for t in templates].count("dra") == 1
     assert len(claim_names) == 1, claim_names
     # The job's status names what its claim got: both loop namespaces of this node's pool.
     assert sorted(body["status"]["devices"]) == sorted(f"{rc.node.name}/{loop}" for loop in rc.loops), body["status"]
@@ -208,6 +216,25 @@ def test_a_finetunejob_claims_two_namespaces_through_dra_and_trains_through_them
     peaks = body["status"]["peakMemory"]
     assert peaks.get("nvme", 0) > 100 << 20, peaks
     rc.kubectl("delete", "finetunejob", "dra", "-n", ns, "--wait=true", timeout=180)
-    rc.cp.wait_for("the job's claim gone and both namespaces published again", lambda: len(slice_devices(rc)) == len(
+    freed = time.monotonic()
+    nxt = wait_phase(rc.cp, ns, "dra-next", {"Succeeded", "Failed"}, timeout=1200)
+    assert nxt["status"]["phase"] == "Succeeded", explain(rc.cp, rc.node, ns, "dra-next")
+    assert sorted(nxt["status"]["devices"]) == sorted(body["status"]["devices"])
+    rc.kubectl("delete", "finetunejob", "dra-next", "-n", ns, "--wait=true", timeout=180)
+    rc.cp.wait_for("the jobs' claims gone and both namespaces published again", lambda: len(slice_devices(rc)) == len(
         rc.loops) and not rc.cp.get_json("resourceclaims", "-n", ns)["items"], timeout=180)
-    _say(request, f"[realnode] DRA: a 2-namespace FineTuneJob trained through its claim in {trained:.1f} s")
+    _say(request, f"[realnode] DRA: a 2-namespace FineTuneJob trained through its claim in {trained:.1f} s; the "
+                  f"second, waiting, succeeded {time.monotonic() - freed:.1f} s after the first was deleted")
+
+
+def wait_condition(rc: RealCluster, ns: str, job: str, kind: str, status: str, timeout: float = 120) -> dict[str, Any]:
+    """The job's condition `kind` once it has `status`."""
+    found: dict[str, Any] = {}
+
+    def has() -> bool:
+        conds = (rc.cp.get_json("finetunejob", job, "-n", ns).get("status") or {}).get("conditions") or []
+        found.update(next((c for c in conds if c["type"] == kind and c["status"] == status), {}))
+        return bool(found)
+
+    rc.cp.wait_for(f"{job}'s {kind} condition {status}", has, timeout=timeout)
+    return found
