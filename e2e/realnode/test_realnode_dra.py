@@ -178,7 +178,8 @@ def test_a_finetunejob_claims_two_namespaces_through_dra_and_trains_through_them
         dra_node: RealCluster, job_ns: str, storage: JobStorage, request: pytest.FixtureRequest) -> None:
     """`kubectl apply` of a job whose plan stripes over two namespaces: the operator renders its claim template,
     the scheduler allocates both loop namespaces, the runtime trains through them; a second such job waits, with
-    no pod, until they are free again, then trains; once the jobs are deleted the namespaces are published again."""
+    no pod, until they are free again, then trains on them; once the jobs are deleted the namespaces are published
+    again."""
     rc, ns = dra_node, job_ns
     memory = {"memory": {"engine": "memstrata", "dramBudget": "1200Mi", "nvmeNamespaces": 2}}
     began = time.monotonic()
@@ -217,14 +218,19 @@ def test_a_finetunejob_claims_two_namespaces_through_dra_and_trains_through_them
     assert peaks.get("nvme", 0) > 100 << 20, peaks
     rc.kubectl("delete", "finetunejob", "dra", "-n", ns, "--wait=true", timeout=180)
     freed = time.monotonic()
-    nxt = wait_phase(rc.cp, ns, "dra-next", {"Succeeded", "Failed"}, timeout=1200)
-    assert nxt["status"]["phase"] == "Succeeded", explain(rc.cp, rc.node, ns, "dra-next")
-    assert sorted(nxt["status"]["devices"]) == sorted(body["status"]["devices"])
+    # It runs on the freed pair (training it to the end would only repeat the first job, on a busy machine).
+    def next_trains() -> bool:
+        status = rc.cp.get_json("finetunejob", "dra-next", "-n", ns).get("status") or {}
+        assert status.get("phase") != "Failed", explain(rc.cp, rc.node, ns, "dra-next")
+        return status.get("phase") in ("Running", "Succeeded") and (status.get("progress") or {}).get("step", 0) >= 1 \
+            and sorted(status.get("devices") or []) == sorted(body["status"]["devices"])
+
+    rc.cp.wait_for("the waiting job to train on the freed pair", next_trains, timeout=600)
     rc.kubectl("delete", "finetunejob", "dra-next", "-n", ns, "--wait=true", timeout=180)
     rc.cp.wait_for("the jobs' claims gone and both namespaces published again", lambda: len(slice_devices(rc)) == len(
         rc.loops) and not rc.cp.get_json("resourceclaims", "-n", ns)["items"], timeout=180)
     _say(request, f"[realnode] DRA: a 2-namespace FineTuneJob trained through its claim in {trained:.1f} s; the "
-                  f"second, waiting, succeeded {time.monotonic() - freed:.1f} s after the first was deleted")
+                  f"second, waiting, trained its first step {time.monotonic() - freed:.1f} s after the first was deleted")
 
 
 def wait_condition(rc: RealCluster, ns: str, job: str, kind: str, status: str, timeout: float = 120) -> dict[str, Any]:
