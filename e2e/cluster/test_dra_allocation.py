@@ -18,10 +18,10 @@ from e2e.cluster.controlplane import ControlPlane
 from memstrata.api import dra
 from memstrata.api.inventory import RESOURCE_NVME
 from memstrata.api.strataplan import Allocation, CategoryPlan, Plan
-from memstrata.node.discovery import dev_heads, discover
 from memstrata.nodeagent.draslice import slice_spec
 from memstrata.nodeagent.drapublish import SlicePublisher, slice_name
 from memstrata.operator import claims
+from tests.nodeagent.sysfs_cases import inventory_of
 
 pytestmark = pytest.mark.cluster
 
@@ -30,8 +30,7 @@ GIB = 1 << 30
 
 
 def inventory(node: str) -> Any:
-    return discover(TREE / "sys", heads=dev_heads(TREE / "dev"), mounts_text=(TREE / "proc" / "mounts").read_text(),
-                    swaps_text=(TREE / "proc" / "swaps").read_text(), hostname=node)
+    return inventory_of(TREE, hostname=node)
 
 
 def claim(name: str, *requests: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from memstrata.api.inventory import NodeInventory
 from memstrata.node.header import Header, State, render_header
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
@@ -189,6 +190,16 @@ def memstrata_head(state: State = State.SCRUBBED) -> bytes:
                                 set_id=uuid.UUID(int=7), set_index=0, set_size=1, logical_block_size=4096,
                                 capacity_bytes=8 * GiB))
 
+
+def inventory_of(root: Path, mounts: str | None = None, hostname: str = "n1") -> NodeInventory:
+    """What discovery makes of a case (or a capture) at `root`: its sysfs, its first blocks, its mount table (or
+    `mounts`) and its active swaps (older captures have none: no swap was active there)."""
+    from memstrata.node.discovery import dev_heads, discover
+
+    text = mounts if mounts is not None else (root / "proc" / "mounts").read_text()
+    swaps = root / "proc" / "swaps"
+    return discover(root / "sys", heads=dev_heads(root / "dev"), mounts_text=text,
+                    swaps_text=swaps.read_text() if swaps.exists() else "", hostname=hostname)
 
 def two_socket_cxl(root: Path) -> None:
     """2 sockets, 2 CXL nodes (one 2-way interleaved), an HMEM node, 2 NVMe controllers."""

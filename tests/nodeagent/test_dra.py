@@ -19,7 +19,6 @@ import yaml
 
 from memstrata.api import dra
 from memstrata.api.inventory import ENV_NVME_DEVICES, NodeInventory, NvmeNamespace
-from memstrata.node.discovery import dev_heads, discover
 from memstrata.nodeagent import cdi
 from memstrata.nodeagent.draplugin import DraPlugin
 from memstrata.nodeagent.draslice import DraDevice, offered, slice_spec
@@ -30,6 +29,7 @@ from memstrata.nodeagent.proto import pluginregistration_pb2_grpc as reg_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from helm_helpers import CHART, KUBE, run_helm  # noqa: E402
+from sysfs_cases import inventory_of  # noqa: E402
 
 TREE = Path(__file__).resolve().parents[1] / "data" / "sysfs" / "two-socket-cxl"
 NODE = "n1"
@@ -37,8 +37,7 @@ LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def two_socket() -> NodeInventory:
-    return discover(TREE / "sys", heads=dev_heads(TREE / "dev"), mounts_text=(TREE / "proc" / "mounts").read_text(),
-                    swaps_text=(TREE / "proc" / "swaps").read_text(), hostname=NODE)
+    return inventory_of(TREE, hostname=NODE)
 
 
 def test_the_slice_shows_each_free_namespace_and_cxl_node_with_what_the_scheduler_selects_by() -> None:

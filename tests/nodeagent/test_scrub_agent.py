@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from memstrata.api.inventory import RESOURCE_NVME, NodeInventory
+from memstrata.api.inventory import RESOURCE_NVME
 from memstrata.node.header import State
 from memstrata.nodeagent.devices import merge, nvme_devices
 from e2e.operator.harness import free_port
 from e2e.scrape import Samples, scrape
 from kubelet_stub import REPO, KubeletStub
-from sysfs_cases import ext4_head, memstrata_head
+from sysfs_cases import ext4_head, inventory_of, memstrata_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))  # the loop-device helpers
 
@@ -39,23 +39,11 @@ N0, N1, N2 = "eui.000000000000000001", "eui.000000000000000101", "eui.0000000000
 HEALTHY = {N0: ("Healthy", [0]), N1: ("Healthy", [1]), N2: ("Healthy", [1])}
 
 
-def _inventory_of(root: Path) -> NodeInventory:
-    from memstrata.node.discovery import dev_heads, discover
 
-    return discover(root / "sys", heads=dev_heads(root / "dev"), mounts_text=(root / "proc" / "mounts").read_text(),
-                    swaps_text=(root / "proc" / "swaps").read_text())
-
-
-def _inventory() -> NodeInventory:
-    from memstrata.node.discovery import dev_heads, discover
-
-    root = DATA / "two-socket-cxl"
-    return discover(root / "sys", heads=dev_heads(root / "dev"), mounts_text=(root / "proc" / "mounts").read_text(),
-                    swaps_text=(root / "proc" / "swaps").read_text())
 
 
 def test_a_namespace_holding_a_finished_jobs_data_is_listed_unhealthy_until_scrubbed() -> None:
-    inventory = _inventory()
+    inventory = inventory_of(DATA / "two-socket-cxl", hostname="")
     fresh = nvme_devices(inventory)
     assert [(d.name, d.healthy) for d in fresh] == [("nvme0n1", True), ("nvme1n1", True), ("nvme1n2", True)]
     dirty = nvme_devices(inventory, scrubbing={"nvme1n2"})
@@ -246,7 +234,7 @@ def test_a_namespace_a_dra_claim_had_is_scrubbed_whatever_its_pod_wrote(case_cop
         for offset in range(0, 64 * MiB, 8 * MiB):
             f.seek(offset)
             f.write(b"TENANT-A-RAW-DATA" * 64)
-    inv = _inventory_of(root)
+    inv = inventory_of(root, hostname="")
     where = {"sysfs_root": root / "sys", "mountinfo": root / "proc" / "mounts", "swaps": root / "proc" / "swaps"}
     assert Scrubber(root / "dev", **where, marks=tmp_path / "marks").update(inv, start=False) == frozenset()
     Scrubber(root / "dev", **where, marks=tmp_path / "marks").mark(["nvme1n2"])  # unprepare, by an earlier agent

@@ -13,16 +13,9 @@ from memstrata.api.units import GiB
 from memstrata.nodeagent.devices import cxl_devices, nvme_devices
 from memstrata.node.discovery import SysfsError, dev_heads, discover
 from memstrata.nodeagent.labels import nfd_features
-from sysfs_cases import ext4_head, memstrata_head
+from sysfs_cases import ext4_head, inventory_of, memstrata_head
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sysfs"
-
-
-def inventory_of(root: Path, mounts: str | None = None) -> NodeInventory:
-    text = mounts if mounts is not None else (root / "proc" / "mounts").read_text()
-    swaps = root / "proc" / "swaps"  # older captures have none: no swap was active there
-    return discover(root / "sys", heads=dev_heads(root / "dev"), mounts_text=text,
-                    swaps_text=swaps.read_text() if swaps.exists() else "", hostname="n1")
 
 
 def by_name(inv: NodeInventory) -> dict:

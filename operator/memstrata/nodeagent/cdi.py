@@ -24,12 +24,16 @@ CDI_DIR = Path("/var/run/cdi")
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 
 
-def device_id(claim_uid: str, device: str) -> str:
-    """The fully qualified CDI name of one claimed device: dra.memstrata.dev/claim=<uid>-<device>."""
+def _device_name(claim_uid: str, device: str) -> str:
     name = f"{claim_uid}-{device}"
     if not _NAME_OK.match(name):
         raise ValueError(f"claim {claim_uid!r}, device {device!r}: not a CDI device name")
-    return f"{CDI_KIND}={name}"
+    return name
+
+
+def device_id(claim_uid: str, device: str) -> str:
+    """The fully qualified CDI name of one claimed device: dra.memstrata.dev/claim=<uid>-<device>."""
+    return f"{CDI_KIND}={_device_name(claim_uid, device)}"
 
 
 def spec(claim_uid: str, chosen: Sequence[DraDevice], device_gid: int | None = None) -> dict[str, Any]:
@@ -48,7 +52,7 @@ def spec(claim_uid: str, chosen: Sequence[DraDevice], device_gid: int | None = N
             if device_gid is not None:
                 node.update(gid=device_gid, fileMode=0o660)
             edits["deviceNodes"] = [node]
-        devices.append({"name": device_id(claim_uid, d.name).split("=", 1)[1], "containerEdits": edits})
+        devices.append({"name": _device_name(claim_uid, d.name), "containerEdits": edits})
     return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
 
 
@@ -76,21 +80,23 @@ def remove_spec(cdi_dir: Path, claim_uid: str) -> bool:
     return True
 
 
+def _written(cdi_dir: Path, claim_uid: str) -> dict[str, Any]:
+    """One claim's spec as on disk; {} when none is (never prepared here, or unprepared)."""
+    try:
+        return json.loads(spec_path(cdi_dir, claim_uid).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def prepared_devices(cdi_dir: Path, claim_uid: str) -> list[str]:
     """The devices of one claim whose spec is on disk (prepared, not yet unprepared); [] when none is."""
-    try:
-        written = json.loads(spec_path(cdi_dir, claim_uid).read_text())
-    except (OSError, ValueError):
-        return []
     prefix = f"{claim_uid}-"
-    return [d["name"][len(prefix):] for d in written.get("devices", []) if d.get("name", "").startswith(prefix)]
+    return [d["name"][len(prefix):] for d in _written(cdi_dir, claim_uid).get("devices", [])
+            if d.get("name", "").startswith(prefix)]
 
 
 def prepared_namespaces(cdi_dir: Path, claim_uid: str) -> list[str]:
     """The block devices (nvme0n1, loop3) one prepared claim's spec gives its containers; [] when none is on disk."""
-    try:
-        written = json.loads(spec_path(cdi_dir, claim_uid).read_text())
-    except (OSError, ValueError):
-        return []
-    nodes = [n for d in written.get("devices", []) for n in d.get("containerEdits", {}).get("deviceNodes", [])]
+    nodes = [n for d in _written(cdi_dir, claim_uid).get("devices", [])
+             for n in d.get("containerEdits", {}).get("deviceNodes", [])]
     return sorted({Path(n["path"]).name for n in nodes if str(n.get("path", "")).startswith("/dev/")})

@@ -61,6 +61,16 @@ class ContainerGrant:
     device_paths: tuple[str, ...] = ()
 
 
+def runtime_env(dev_paths: Sequence[str], cxl_nodes: Collection[int]) -> dict[str, str]:
+    """What the runtime reads of the devices a container was given: its namespaces' /dev nodes, in order, and the
+    CXL NUMA nodes, sorted; a variable only for what it got. The device plugin's grants and DRA's CDI specs
+    (memstrata.nodeagent.draslice.claim_env) both set exactly this."""
+    env = {ENV_NVME_DEVICES: ",".join(dev_paths)} if dev_paths else {}
+    if cxl_nodes:
+        env[ENV_CXL_NODES] = ",".join(map(str, sorted(set(cxl_nodes))))
+    return env
+
+
 class AllocationError(ValueError):
     """An Allocate the plugin must refuse; the kubelet fails the pod with this message."""
 
@@ -117,7 +127,7 @@ class NvmeNamespaces(Resource):
 
     def grant(self, chosen: Sequence[PluginDevice]) -> ContainerGrant:
         paths = tuple(d.dev_path for d in chosen)
-        return ContainerGrant(envs={ENV_NVME_DEVICES: ",".join(paths)}, device_paths=paths)
+        return ContainerGrant(envs=runtime_env(paths, ()), device_paths=paths)
 
     def preferred(self, available: list[str], must_include: list[str], size: int,
                   devices: list[PluginDevice]) -> list[str]:
@@ -136,8 +146,7 @@ class CxlGib(Resource):
         return cxl_devices(inventory)
 
     def grant(self, chosen: Sequence[PluginDevice]) -> ContainerGrant:
-        nodes = sorted({d.cxl_node for d in chosen if d.cxl_node is not None})
-        return ContainerGrant(envs={ENV_CXL_NODES: ",".join(map(str, nodes))})
+        return ContainerGrant(envs=runtime_env((), [d.cxl_node for d in chosen if d.cxl_node is not None]))
 
 
 # The strata whose devices are more than counted units, by stratum name.

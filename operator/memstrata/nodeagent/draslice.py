@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from memstrata.api import dra
-from memstrata.api.inventory import ENV_CXL_NODES, ENV_NVME_DEVICES, CxlNode, NodeInventory, NvmeNamespace
+from memstrata.api.inventory import CxlNode, NodeInventory, NvmeNamespace
+from memstrata.nodeagent.devices import runtime_env
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,15 @@ def cxl_entry(node: CxlNode) -> dict[str, Any]:
             "capacity": {dra.MEMORY: capacity}}
 
 
+def _offered_namespaces(inventory: NodeInventory, scrubbing: Collection[str]) -> list[NvmeNamespace]:
+    return [ns for ns in inventory.free_namespaces if ns.name not in scrubbing]
+
+
 def offered(inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[DraDevice]:
     """Every device a claim may get now: free namespaces not being scrubbed, and every CXL node."""
     namespaces = [DraDevice(name=dra.namespace_device_name(ns.name, ns.wwid), kind=dra.KIND_NVME,
                             namespace=ns.name, dev_path=ns.dev_path)
-                  for ns in inventory.free_namespaces if ns.name not in scrubbing]
+                  for ns in _offered_namespaces(inventory, scrubbing)]
     return namespaces + [DraDevice(name=dra.cxl_device_name(c.numa_node), kind=dra.KIND_CXL, cxl_node=c.numa_node)
                          for c in inventory.cxl_nodes]
 
@@ -72,7 +77,7 @@ def offered(inventory: NodeInventory, scrubbing: Collection[str] = ()) -> list[D
 def slice_spec(inventory: NodeInventory, node_name: str, generation: int,
                scrubbing: Collection[str] = ()) -> dict[str, Any]:
     """The spec of the node's one ResourceSlice (pool = the node, one slice in it)."""
-    devices = [namespace_entry(ns, inventory) for ns in inventory.free_namespaces if ns.name not in scrubbing]
+    devices = [namespace_entry(ns, inventory) for ns in _offered_namespaces(inventory, scrubbing)]
     devices += [cxl_entry(c) for c in inventory.cxl_nodes]
     return {"driver": dra.DRIVER, "nodeName": node_name,
             "pool": {"name": node_name, "generation": generation, "resourceSliceCount": 1},
@@ -110,9 +115,8 @@ def resolve(results: Sequence[Mapping[str, Any]], devices: Sequence[DraDevice], 
 
 
 def claim_env(chosen: Sequence[DraDevice]) -> list[str]:
-    """The environment a container of one claim gets: the two variables the runtime reads, as the device
-    plugin's Allocate sets them."""
-    paths = [d.dev_path for d in chosen if d.kind == dra.KIND_NVME]
-    cxl = sorted({d.cxl_node for d in chosen if d.cxl_node is not None})
-    return ([f"{ENV_NVME_DEVICES}={','.join(paths)}"] if paths else []) + (
-        [f"{ENV_CXL_NODES}={','.join(map(str, cxl))}"] if cxl else [])
+    """The environment a container of one claim gets, as CDI writes it: what the device plugin's grant sets
+    (memstrata.nodeagent.devices.runtime_env)."""
+    env = runtime_env([d.dev_path for d in chosen if d.kind == dra.KIND_NVME],
+                      [d.cxl_node for d in chosen if d.cxl_node is not None])
+    return [f"{k}={v}" for k, v in env.items()]

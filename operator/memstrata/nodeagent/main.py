@@ -167,14 +167,12 @@ class NodePatcher:
         patch = node_patch(inventory)
         if not self.node_name or patch == self._last:
             return
-        from kubernetes import client, config
+        from kubernetes import client
+
+        from memstrata.nodeagent.drapublish import api_client
 
         if self._api is None:
-            if self.kubeconfig:
-                config.load_kube_config(self.kubeconfig)
-            else:
-                config.load_incluster_config()
-            self._api = client.CoreV1Api()
+            self._api = client.CoreV1Api(api_client(self.kubeconfig))
         self._api.patch_node(self.node_name, patch)
         self._last = patch
         log.info("labelled node %s: %s", self.node_name, patch["metadata"]["labels"])
@@ -194,9 +192,9 @@ class Agent:
         self.metrics = AgentMetrics()
         self.metrics.devices.offered = lambda: [(s.resource, d) for s in self.servers for d in s.devices] + (
             self.dra.listed() if self.dra is not None else [])
-        marks = args.kubelet_dir / "plugins" / DRIVER / "scrub-marks" if args.device_api == "dra" else None
-        self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"), metrics=self.metrics, marks=marks)
         dra = args.device_api == "dra"
+        marks = args.kubelet_dir / "plugins" / DRIVER / "scrub-marks" if dra else None
+        self.scrubber = scrubber(args, on_done=lambda: self.events.put("rescan"), metrics=self.metrics, marks=marks)
         self.servers = [] if dra else [DevicePluginServer(r, args.plugin_dir, vet=self.vet, metrics=self.metrics)
                                        for r in resources()]
         self.dra = None

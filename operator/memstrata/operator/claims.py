@@ -33,10 +33,6 @@ HEADER_AREA = DATA_OFFSET  # where a namespace's data starts, behind the engine'
 CLAIMED_RESOURCES = (RESOURCE_NVME, RESOURCE_CXL_GIB)
 
 
-def _attr(name: str) -> str:
-    return f'device.attributes["{dra.DRIVER}"].{name}'
-
-
 def _qualified(name: str) -> str:
     return f"{dra.DRIVER}/{name}"
 
