@@ -314,9 +314,9 @@ def test_duplicate_active_pods_keep_the_newest():
     assert d.of(DeletePods)[0].names == ("llama-0",) and w.status["activePod"] == "llama-1"
 
 
-def test_only_the_users_prefix_and_queue_labels_reach_the_pod():
+def test_only_the_users_prefix_reaches_the_pod():
     """`app: web` copied would make the pod an endpoint of the web app's Service; memstrata.dev/ keys are the
-    operator's selectors. Only user.memstrata.dev/ keys (and Kueue's queue) are copied."""
+    operator's selectors; Kueue's queue would queue the pod by itself. Only user.memstrata.dev/ keys are copied."""
     from memstrata.operator.render import pod
 
     w = World(labels={"team": "nlp", "app": "web", "memstrata.dev/job-uid": "spoof", "memstrata.dev/attempt": "9",
@@ -324,7 +324,7 @@ def test_only_the_users_prefix_and_queue_labels_reach_the_pod():
                       "kueue.x-k8s.io/queue-name": "team", "kueue.x-k8s.io/managed": "true"})
     create = w.decide().of(CreateAttempt)[0]
     labels = pod(job_view(w.job), create.node, create.plan, create.attempt)["metadata"]["labels"]
-    assert labels == {"user.memstrata.dev/team": "nlp", "kueue.x-k8s.io/queue-name": "team",
+    assert labels == {"user.memstrata.dev/team": "nlp",
                       "memstrata.dev/job-uid": "uid-1", "memstrata.dev/job-name": w.job["metadata"]["name"],
                       "memstrata.dev/attempt": "0", "app.kubernetes.io/managed-by": "memstrata-operator"}
 

@@ -90,8 +90,9 @@ def wire_fields(own: OperatorStatus) -> dict[str, Any]:
 
 # --- the job's status: what the operator and the job's pods report ------------------------------------
 
-Phase = Literal["Pending", "Created", "Scheduled", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
-ConditionType = Literal["Inspected", "Created", "Scheduled", "Running", "Restarting", "Succeeded", "Failed",
+Phase = Literal["Pending", "Queued", "Created", "Scheduled", "Running", "Restarting", "Suspended", "Succeeded",
+                "Failed"]
+ConditionType = Literal["Inspected", "Queued", "Created", "Scheduled", "Running", "Restarting", "Succeeded", "Failed",
                         "Suspended"]
 
 

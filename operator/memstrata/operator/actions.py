@@ -73,8 +73,24 @@ class CleanupChildren:
     release: bool
 
 
+@dataclass(frozen=True)
+class CreateWorkload:
+    """Create the job's Kueue Workload (memstrata.operator.kueue); one that exists already is left as it is."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WorkloadWrite:
+    """A merge patch of the job's Workload, or of its status (`subresource` "status")."""
+
+    name: str
+    subresource: str
+    patch: dict[str, Any]
+
+
 Action = Union[DeletePods, CreateAttempt, CreateInspection, PatchStatus, Event, DeleteJob, AddFinalizer,
-               CleanupChildren]
+               CleanupChildren, CreateWorkload, WorkloadWrite]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from memstrata.operator.observe import format_time
 # Transitions a user should notice in `kubectl get events` as warnings.
 WARNING_REASONS = frozenset({"Unschedulable", "BackoffAfterFailure", "BackoffLimitExceeded", "DeadlineExceeded",
                              "InsufficientMemory", "InsufficientNodes", "InvalidSpec", "PodFailed",
-                             "ModelInspectionFailed", "PodRejected", "NameClash", "NotAllowed"})
+                             "ModelInspectionFailed", "PodRejected", "NameClash", "NotAllowed",
+                             "Preempted", "PriorityClassNotFound"})
 
 
 class StatusBuilder:

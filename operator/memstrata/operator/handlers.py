@@ -3,8 +3,8 @@
 - indices of nodes (their memstrata inventory) and of pods holding resources: Kopf
   fills them before any other handler runs, so the first placement after a restart
   already sees every pod that holds a GPU or a namespace;
-- events of FineTuneJobs and of their pods enqueue the job; a pod ending or a node
-  changing wakes the jobs waiting for room;
+- events of FineTuneJobs, of their pods and (with --kueue) of their Kueue Workloads enqueue the job; a pod
+  ending or a node changing wakes the jobs waiting for room;
 - deletion is the reconciler's too: its own finalizer (memstrata.dev/cleanup) is released only
   once every child is gone. Kopf's on.delete is not used, because Kopf would then also write its
   finalizer and a copy of every spec (diff-base annotation) into each job: two extra writes per job.
@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 
 from memstrata.api.finetunejob import GROUP, KIND, PLURAL, VERSION
-from memstrata.operator import names
+from memstrata.operator import kueue, names
 from memstrata.operator.leadership import Elector
 from memstrata.operator import claims
 from memstrata.operator.nodes import NodeView, PodUse, node_view, pod_use
@@ -36,6 +36,8 @@ def build_registry(reconciler: Reconciler, config: OperatorConfig,
     _register_indices(registry, claims.claimed_resources(config.pod_security.gpu_device_class)
                       if config.pod_security.dra else ())
     _register_events(registry, reconciler)
+    if config.policy.kueue:
+        _register_workloads(registry, reconciler)
     return registry
 
 
@@ -112,3 +114,14 @@ def _register_events(registry: kopf.OperatorRegistry, reconciler: Reconciler) ->
     @kopf.on.event("", "v1", "nodes", registry=registry)
     async def node_event(**_: Any) -> None:
         reconciler.wake_waiting()
+
+
+def _register_workloads(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
+    """Kueue's writes to a job's Workload (admitted, evicted, requeued) enqueue the job that owns it."""
+    @kopf.on.event(kueue.GROUP, kueue.API_VERSION.split("/")[1], kueue.PLURAL, registry=registry,
+                   labels={names.LABEL_JOB_UID: kopf.PRESENT})
+    async def workload_event(event: kopf.RawEvent, **_: Any) -> None:
+        meta: Mapping[str, Any] = event["object"].get("metadata") or {}
+        owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == KIND), None)
+        if owner:
+            reconciler.enqueue((meta.get("namespace", "default"), owner["name"]))

@@ -56,7 +56,7 @@ def api_path(api_version: str, plural: str, namespace: str | None = None, name: 
 
 PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts", "Role": "roles",
            "RoleBinding": "rolebindings", "Event": "events", "Lease": "leases", "Service": "services",
-           "ResourceClaimTemplate": "resourceclaimtemplates"}
+           "ResourceClaimTemplate": "resourceclaimtemplates", "Workload": "workloads"}
 
 
 def object_path(obj: Mapping[str, Any], with_name: bool = True) -> str:

@@ -9,7 +9,8 @@ the runtime reported that the user was already told (memstrata.operator.announce
 the Checkpointed and Resumed events, once each).
 
 Phases: Pending -> Created -> Scheduled -> Running -> Succeeded | Failed, with
-Restarting between attempts and Suspended while spec.runPolicy.suspend is true. A job whose
+Restarting between attempts, Suspended while spec.runPolicy.suspend is true, and Queued while a job queued
+through Kueue waits for its Workload to be admitted (again, after a preemption: memstrata.operator.kueue). A job whose
 model.path comes without an architecture first stays Pending while an inspection pod reads the
 directory's config.json (memstrata.operator.inspection); the shape it reports is kept in
 status.modelArchitecture and every attempt is planned with it.
@@ -38,7 +39,7 @@ from typing import Callable, Sequence
 from memstrata.api.architecture import ModelArchitecture
 from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.api.report import format_duration
-from memstrata.operator import attempts, gang
+from memstrata.operator import attempts, gang, kueue
 from memstrata.operator.announce import announce
 from memstrata.operator.actions import AddFinalizer, CleanupChildren, CreateAttempt, Decision, DeletePods
 from memstrata.operator.attempts import Run
@@ -59,6 +60,8 @@ class LifecyclePolicy:
     """Re-place a waiting job this often even if no capacity event arrives (a safety net)."""
     jobs: JobPolicy = JobPolicy()
     """What a job may ask its pods for (volumes, image, command): a job that asks for more fails, with no pod."""
+    kueue: bool = False
+    """Whether jobs labelled kueue.x-k8s.io/queue-name are queued through Kueue (memstrata.operator.kueue)."""
 
     def backoff(self, failures: int) -> float:
         if failures <= 0 or self.backoff_base_seconds <= 0:
@@ -71,13 +74,14 @@ TERMINAL_PHASES = ("Succeeded", "Failed")
 
 
 def decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
-           policy: LifecyclePolicy = LifecyclePolicy()) -> Decision:
+           policy: LifecyclePolicy = LifecyclePolicy(), queue: kueue.Queue | None = None) -> Decision:
+    """`queue`: what the edge read for a job queued through Kueue (memstrata.operator.kueue); None for the rest."""
     if job.deleting:
         if FINALIZER not in job.finalizers:
             return Decision()  # released already; the API server finishes the deletion
         # Pods still listed (even terminating) keep the finalizer: no orphan outlives its job.
         return Decision((CleanupChildren(release=not pods),), requeue_after=1.0 if pods else None)
-    decision = _decide(job, pods, now, place, policy)
+    decision = _decide(job, pods, now, place, policy, queue)
     if FINALIZER not in job.finalizers:
         return Decision((AddFinalizer(),) + decision.actions, decision.requeue_after, decision.waiting_for_room)
     return decision
@@ -89,12 +93,14 @@ def fail(job: JobView, now: datetime, reason: str, message: str) -> Decision:
 
 
 def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
-            policy: LifecyclePolicy) -> Decision:
+            policy: LifecyclePolicy, queue: kueue.Queue | None) -> Decision:
     run = Run(job, [p for p in pods if not p.inspection], now, StatusBuilder(job.status, now, job.malformed),
               inspections=sorted((p for p in pods if p.inspection), key=lambda p: p.name))
     phase = job.status.get("phase")
+    workload = queue.workload if queue is not None else None
     if phase in TERMINAL_PHASES:
         run.stop_active(f"the job already {phase.lower()}")
+        run.actions += kueue.on_terminal(workload, phase, job.status.get("message") or phase, run.b.now_str)
         run.expire_after_ttl(parse_time(job.status.get("completionTime")) or now)
         return run.done()
     if job.spec is None:
@@ -107,6 +113,7 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
     run.actions += announce(run.b)
     policy_ = job.spec.run_policy
     if policy_.suspend:
+        run.actions += kueue.on_suspend(workload, run.pods, run.b.now_str)
         return _suspend(run)
     if phase == "Suspended":
         run.b.condition("Suspended", "False", "Resumed", "spec.runPolicy.suspend was set to false")
@@ -115,15 +122,8 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
     if succeeded:  # a finished run counts even if the deadline passed while we were not looking
         return run.finish("Succeeded", "PodSucceeded", f"{gang.describe(succeeded)} completed")
 
-    start = parse_time(job.status.get("startTime"))
-    if policy_.active_deadline_seconds and start is not None:
-        left = (start + timedelta(seconds=policy_.active_deadline_seconds) - now).total_seconds()
-        if left <= 0:
-            return run.finish("Failed", "DeadlineExceeded",
-                              f"the job ran longer than spec.runPolicy.activeDeadlineSeconds "
-                              f"({policy_.active_deadline_seconds}s)")
-        run.requeue.append(left)
-
+    if (expired := _deadline(run)) is not None:
+        return expired
     failures = attempts.count_failures(run)
     limit = policy_.backoff_limit
     if len(failures) > limit:
@@ -131,6 +131,8 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
         return run.finish("Failed", "BackoffLimitExceeded",
                           f"{last}; spec.runPolicy.backoffLimit is {limit}, "
                           f"so {limit + 1} attempt(s) were allowed and all failed")
+    if (held := kueue.admission(run, queue, policy.kueue)) is not None:
+        return held
 
     if job.spec.resources.nodes > 1:
         return _gang(run, failures, place, policy)
@@ -143,6 +145,20 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, place: Placer,
     if isinstance(shape, Decision):
         return shape
     return _start_attempt(run, failures, place, policy, *shape)
+
+
+def _deadline(run: Run) -> Decision | None:
+    """The job Failed when it ran longer than spec.runPolicy.activeDeadlineSeconds; else when to look again."""
+    deadline = run.job.spec.run_policy.active_deadline_seconds if run.job.spec else None
+    start = parse_time(run.job.status.get("startTime"))
+    if not deadline or start is None:
+        return None
+    left = (start + timedelta(seconds=deadline) - run.now).total_seconds()
+    if left <= 0:
+        return run.finish("Failed", "DeadlineExceeded",
+                          f"the job ran longer than spec.runPolicy.activeDeadlineSeconds ({deadline}s)")
+    run.requeue.append(left)
+    return None
 
 
 def _suspend(run: Run) -> Decision:

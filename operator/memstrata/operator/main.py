@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-device-class", default=None, metavar="CLASS",
                    help="with --device-api dra: claim GPUs from this DeviceClass (e.g. gpu.nvidia.com) instead of "
                         "requesting nvidia.com/gpu (default: the extended resource)")
+    p.add_argument("--kueue", action="store_true",
+                   help="queue jobs labelled kueue.x-k8s.io/queue-name through Kueue: a Workload per job, which "
+                        "Kueue admits, preempts and requeues (needs Kueue >= 0.17 serving kueue.x-k8s.io/v1beta2)")
     p.add_argument("--allowed-volume-type", action="append", default=[], metavar="TYPE",
                    help="a volume type jobs may use beyond " + ", ".join(SAFE_VOLUME_TYPES) + " (repeatable; "
                         "e.g. nfs, csi, hostPath: each gives every job's submitter what the type reaches)")
@@ -118,7 +121,8 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         workers=args.workers,
         policy=LifecyclePolicy(backoff_base_seconds=args.backoff_base_seconds,
                                backoff_max_seconds=args.backoff_max_seconds,
-                               unschedulable_retry_seconds=args.unschedulable_retry_seconds, jobs=jobs),
+                               unschedulable_retry_seconds=args.unschedulable_retry_seconds, jobs=jobs,
+                               kueue=args.kueue),
         report_interval_seconds=args.report_interval_seconds,
         pod_security=security,
     )

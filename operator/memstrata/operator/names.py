@@ -34,10 +34,9 @@ MANAGED_BY = "memstrata-operator"
 # pods by: `app: web` copied would make the job's pod an endpoint of the web app's Service (or put it under that
 # app's NetworkPolicy or PodDisruptionBudget), and memstrata.dev/ keys are the operator's own selectors. A key under
 # this prefix is selected only by someone who means to select jobs' pods by what their submitters wrote. Kueue's
-# queue labels are copied too (README: a queue admits a job's pods together): only Kueue reads them, and it holds
-# a queue to the namespace's own LocalQueues.
+# queue labels are not: the job is queued through its Workload (memstrata.operator.kueue), and a pod carrying
+# queue-name would be queued a second time, by itself, where Kueue's pod integration is on.
 USER_LABEL_PREFIX = "user.memstrata.dev/"
-QUEUE_LABELS = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
 
 CONTAINER = "runtime"
 INSPECT_CONTAINER = "inspect-model"
@@ -106,6 +105,11 @@ def claim_template_name(job: str, uid: str, attempt: int) -> str:
     return f"{_base(job)}-devices-{attempt}-{_uid(uid)}"
 
 
+def workload_name(job: str, uid: str) -> str:
+    """The job's Kueue Workload (memstrata.operator.kueue): one per job, kept across its attempts and preemptions."""
+    return f"{_base(job)}-workload-{_uid(uid)}"
+
+
 def inspect_pod_name(job: str, uid: str) -> str:
     """The pod that reads the model directory's config.json (one per job: it runs before any attempt)."""
     return f"{_base(job)}-inspect-{_uid(uid)}"
@@ -129,5 +133,5 @@ def child_labels(job: str, uid: str) -> dict[str, str]:
 
 
 def user_labels(labels: dict[str, str] | None) -> dict[str, str]:
-    """The job's own labels that are copied onto its pods: those under USER_LABEL_PREFIX and the QUEUE_LABELS."""
-    return {k: v for k, v in (labels or {}).items() if k.startswith(USER_LABEL_PREFIX) or k in QUEUE_LABELS}
+    """The job's own labels that are copied onto its pods: those under USER_LABEL_PREFIX."""
+    return {k: v for k, v in (labels or {}).items() if k.startswith(USER_LABEL_PREFIX)}

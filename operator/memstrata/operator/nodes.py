@@ -46,6 +46,7 @@ class NodeView:
     why_not: str = ""  # why no pod can be placed there now (cordoned, NotReady, tainted)
     error: str = ""  # why the inventory is unusable
     inventory_key: str = ""  # identical inventories share plans (see placement)
+    labels: Mapping[str, str] = field(default_factory=dict)  # a Kueue flavor's nodeLabels select nodes by them
 
 
 def node_view(node: Mapping[str, Any], claimed: Iterable[str] = ()) -> NodeView:
@@ -66,7 +67,7 @@ def node_view(node: Mapping[str, Any], claimed: Iterable[str] = ()) -> NodeView:
         allocatable.update({r: quantity(counted.get(r)) for r in claimed})
     why = _why_unschedulable(spec, status)
     return NodeView(name=name, inventory=inventory, allocatable=allocatable, schedulable=not why,
-                    why_not=why, error=error, inventory_key=key)
+                    why_not=why, error=error, inventory_key=key, labels=dict(meta.get("labels") or {}))
 
 
 def _why_unschedulable(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:

@@ -20,10 +20,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
 from memstrata.api.finetunejob import FineTuneJobSpec
-from memstrata.operator import children, gang, names, render
+from memstrata.operator import children, gang, kueue, names, render
 from memstrata.operator.actions import (
-    AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, Decision, DeleteJob, DeletePods, Event,
-    PatchStatus,
+    AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, CreateWorkload, Decision, DeleteJob, DeletePods,
+    Event, PatchStatus, WorkloadWrite,
 )
 from memstrata.operator.kube import Kube, KubeError, NotFound, api_path, gather_ok
 from memstrata.operator.leadership import AlwaysLeading
@@ -32,6 +32,7 @@ from memstrata.operator.metrics import OperatorMetrics, phase_of
 from memstrata.operator.nodes import NodeView, PodUse, pod_requests, usage_by_node
 from memstrata.operator.observe import JobView, allocated_devices, claim_names, format_time, job_view, pod_view
 from memstrata.operator.scheduling import PlanCache, Placement, place
+from memstrata.operator.workloads import Workloads
 from memstrata.operator.workqueue import Gate, JobKey, WorkQueue
 
 log = logging.getLogger("memstrata.operator")
@@ -69,6 +70,7 @@ class Reconciler(WorkQueue):
         self.report_interval_seconds = report_interval_seconds
         self.plans = PlanCache()
         self.nodes: Callable[[], Iterable[NodeView]] = lambda: ()
+        self.workloads = Workloads(kube, lambda: self.nodes(), self.plans)  # used when policy.kueue
         self.pod_uses: Callable[[], Iterable[PodUse]] = lambda: ()
         self._bodies: dict[JobKey, dict[str, Any]] = {}
         self._assumed: dict[str, tuple[PodUse, float]] = {}
@@ -195,7 +197,13 @@ class Reconciler(WorkQueue):
         for pod_key in claimed - listed:
             self._assumed.pop(pod_key, None)
         claimed &= listed
-        return job, decide(job, views, datetime.now(timezone.utc), self._place, self.policy)
+        place: Callable[[FineTuneJobSpec], Placement] = self._place
+        queue = None
+        if self.policy.kueue and kueue.queue_of(job) and job.spec is not None and not job.deleting:
+            queue = await self.workloads.queue(job)
+            if queue.workload is not None and queue.workload.admitted:
+                place = await self.workloads.placer(queue.workload, self._place)
+        return job, decide(job, views, datetime.now(timezone.utc), place, self.policy, queue)
 
     async def _claimed(self, namespace: str, pod: Mapping[str, Any]) -> tuple[str, ...]:
         """The devices a pod's DRA claims were allocated (cached: an allocation does not change); () when it has
@@ -216,7 +224,8 @@ class Reconciler(WorkQueue):
             found += self._claims[(namespace, name)]
         return tuple(found)
 
-    def _place(self, spec: FineTuneJobSpec) -> Placement:
+    def _place(self, spec: FineTuneJobSpec, nodes: list[NodeView] | None = None) -> Placement:
+        """`nodes`: those the job may use (an admitted Kueue Workload's: memstrata.operator.workloads); None: all."""
         uses = list(self.pod_uses())
         seen = {u.key for u in uses}
         stale = time.monotonic() - ASSUME_SECONDS
@@ -224,7 +233,7 @@ class Reconciler(WorkQueue):
             if key in seen or at < stale:
                 del self._assumed[key]
         usage = usage_by_node(uses + [u for u, _ in self._assumed.values()])
-        return place(spec, list(self.nodes()), usage, self.plans)
+        return place(spec, list(self.nodes()) if nodes is None else nodes, usage, self.plans)
 
     async def apply(self, job: JobView, decision: Decision) -> None:
         finalizer: asyncio.Task[str] | None = None
@@ -266,6 +275,9 @@ class Reconciler(WorkQueue):
                     await self.kube.delete(api_path(API_VERSION, PLURAL, job.namespace, job.name))
                 elif isinstance(action, CleanupChildren):
                     await self._cleanup(job, action.release)
+                elif isinstance(action, (CreateWorkload, WorkloadWrite)):
+                    if not await self.workloads.apply(job, action):
+                        self.enqueue((job.namespace, job.name), 0.5)
         finally:
             if finalizer is not None:
                 await finalizer
@@ -297,6 +309,9 @@ class Reconciler(WorkQueue):
     async def _cleanup(self, job: JobView, release: bool) -> None:
         key = (job.namespace, job.name)
         await children.delete_children(self.kube, job.namespace, job.uid)
+        if self.policy.kueue:  # its owner reference would have the garbage collector do it, later
+            await gather_ok(self.kube.delete_collection(api_path(kueue.API_VERSION, kueue.PLURAL, job.namespace),
+                                                        names.selector(job.uid)))
         tries = self._cleanups[key] = self._cleanups.get(key, 0) + 1
         if not release and tries < self.cleanup_tries:
             return

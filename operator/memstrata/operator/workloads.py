@@ -1,0 +1,94 @@
+"""The edge of the Kueue integration (memstrata.operator.kueue decides): reading a queued job's Workload, the
+WorkloadPriorityClass its label names and its admitted ResourceFlavors, and writing what the decision asks."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable
+
+from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.operator import children, kueue, names
+from memstrata.operator.actions import CreateWorkload, WorkloadWrite
+from memstrata.operator.kube import Conflict, Kube, NotFound, api_path
+from memstrata.operator.nodes import NodeView
+from memstrata.operator.observe import JobView
+from memstrata.operator.render import container_requests
+from memstrata.operator.scheduling import Placement, PlanCache, place
+
+log = logging.getLogger("memstrata.operator")
+FLAVOR_SECONDS = 30.0  # how long a ResourceFlavor's nodeLabels are trusted before they are read again
+
+Placer = Callable[[FineTuneJobSpec], Placement]
+
+
+class Workloads:
+    def __init__(self, kube: Kube, nodes: Callable[[], Iterable[NodeView]], plans: PlanCache) -> None:
+        self.kube = kube
+        self.nodes = nodes
+        self.plans = plans
+        self._flavors: dict[str, tuple[dict[str, str], float]] = {}
+
+    async def queue(self, job: JobView) -> kueue.Queue:
+        """What the lifecycle needs to decide for a job queued through Kueue."""
+        name = names.workload_name(job.name, job.uid)
+        try:
+            workload: kueue.Workload | None = kueue.workload_view(
+                await self.kube.get(api_path(kueue.API_VERSION, kueue.PLURAL, job.namespace, name)))
+        except NotFound:
+            workload = None
+        if workload is not None and workload.owner_uid != job.uid:
+            raise children.NameClash(f"Workload {job.namespace}/{name} exists and is not this job's "
+                                     f"(its controller is {workload.owner_uid or 'nobody'})")
+        priority, error = None, ""
+        wanted = job.labels.get(kueue.PRIORITY_LABEL)
+        if workload is None and wanted:
+            try:
+                found = await self.kube.get(api_path(kueue.API_VERSION, "workloadpriorityclasses", None, wanted))
+                priority = (wanted, int(found.get("value") or 0))
+            except NotFound:
+                error = (f"metadata.labels[{kueue.PRIORITY_LABEL}] names WorkloadPriorityClass {wanted!r}, which does "
+                         "not exist; create it or correct the label")
+        # The quota is the plan on an empty cluster: what the job's pods will ask wherever they are placed.
+        quota: Placer = lambda spec: place(spec, list(self.nodes()), {}, self.plans)  # noqa: E731
+        return kueue.Queue(workload, quota, priority, error)
+
+    async def placer(self, workload: kueue.Workload, base: Callable[[FineTuneJobSpec, list[NodeView]], Placement]
+                     ) -> Placer:
+        """Placement for an admitted job: among the nodes its admission allows (kueue.allows)."""
+        labels: dict[str, str] = {}
+        for flavor in workload.flavors:
+            labels.update(await self._flavor_labels(flavor))
+
+        def placer(spec: FineTuneJobSpec) -> Placement:
+            allowed = [n for n in self.nodes() if n.inventory is not None and kueue.allows(
+                workload, labels, n.labels, container_requests(spec, self.plans(spec, n)))]
+            return base(spec, allowed)
+        return placer
+
+    async def _flavor_labels(self, flavor: str) -> dict[str, str]:
+        cached = self._flavors.get(flavor)
+        if cached is not None and time.monotonic() - cached[1] < FLAVOR_SECONDS:
+            return cached[0]
+        body = await self.kube.get(api_path(kueue.API_VERSION, "resourceflavors", None, flavor))
+        labels = {str(k): str(v) for k, v in ((body.get("spec") or {}).get("nodeLabels") or {}).items()}
+        self._flavors[flavor] = (labels, time.monotonic())
+        return labels
+
+    async def apply(self, job: JobView, action: CreateWorkload | WorkloadWrite) -> bool:
+        """Write what the decision asks; False when the Workload changed since it was read (the job is decided
+        again on a fresh read: Kueue writes it too)."""
+        if isinstance(action, CreateWorkload):
+            try:
+                await self.kube.create(action.body)
+            except Conflict:  # created by an earlier reconcile whose status write failed: it is read next time
+                return False
+            return True
+        path = api_path(kueue.API_VERSION, kueue.PLURAL, job.namespace, action.name, action.subresource or None)
+        try:
+            await self.kube.merge_patch(path, action.patch)
+        except (Conflict, NotFound) as exc:
+            log.info("%s/%s: Workload %s changed under us (%s); deciding again", job.namespace, job.name,
+                     action.name, type(exc).__name__)
+            return False
+        return True
+
