@@ -12,6 +12,7 @@ import pytest
 
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
 from e2e.cluster.kwok import pod_failure_stage
+from e2e.kueue.peer import Kueue, kueue_dir_from_env
 from e2e.operator.harness import (
     CHART, CRD, LEASE, OperatorProcess, claims, inventory, lease_holder, memstrata_node, succeed_stage,
 )
@@ -66,9 +67,36 @@ def quiet_cluster() -> Iterator[ControlPlane]:
 
 
 @pytest.fixture(scope="session")
-def operator(memstrata_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+def kueue_peer(memstrata_cluster: Any) -> Iterator[Kueue | None]:
+    """Kueue's controller (e2e.kueue.peer) on the session's control plane, when `make kueue-bins` built it: the
+    operator then runs with --kueue for every test, as in a cluster that has Kueue. None (and the Kueue tests
+    skipped) without it; under CI=true its absence fails."""
+    kueue_dir, reason = kueue_dir_from_env()
+    if kueue_dir is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Kueue is required under CI: {reason}")
+        yield None
+        return
+    peer = Kueue(memstrata_cluster, kueue_dir).start()
+    print(f"\n[kueue] {kueue_dir.name} serving its webhooks in {peer.startup_seconds:.1f} s (log {peer.log})")
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+@pytest.fixture
+def kueue(kueue_peer: Kueue | None) -> Kueue:
+    if kueue_peer is None:
+        pytest.skip(f"no Kueue: {kueue_dir_from_env()[1]}")
+    return kueue_peer
+
+
+@pytest.fixture(scope="session")
+def operator(memstrata_cluster: Any, kueue_peer: Kueue | None,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(memstrata_cluster.kubeconfig, log).start()
+    op = OperatorProcess(memstrata_cluster.kubeconfig, log, "op", *(["--kueue"] if kueue_peer else [])).start()
     try:
         wait_active(memstrata_cluster, op)
         yield op

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from e2e.cluster.controlplane import ControlPlane, ControlPlaneError, bin_dir_from_env
+from e2e.kueue.peer import install_crds, kueue_dir_from_env
 from e2e.operator.harness import CHART, REPO, inventory, job, memstrata_node
 
 pytestmark = pytest.mark.cluster
@@ -96,8 +97,16 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
             cp.create_namespace(ns)
         # Two memstrata nodes (each can hold one job) that kwok runs; the DaemonSet puts an agent on each.
         cp.create(*(memstrata_node(n, inventory(n, dram_gib=64)) for n in (NODE_A, NODE_B)))
+        # Kueue's CRDs, as a cluster with Kueue has them: the chart's kueue.enabled=auto then gives the operator
+        # --kueue and its rights on Workloads.
+        kueue_dir, reason = kueue_dir_from_env(to_run=False)
+        if kueue_dir is None:
+            unavailable(reason)
+        assert kueue_dir is not None
+        install_crds(cp, kueue_dir / "share" / "kueue")
         rendered = cp.helm("template", "memstrata", str(CHART), "--namespace", RELEASE_NS, "--include-crds",
-                           "--kube-version", "v1.36.4", "--set", f"operator.watchNamespaces={{{WATCHED}}}")
+                           "--kube-version", "v1.36.4", "--api-versions", "kueue.x-k8s.io/v1beta2",
+                           "--set", f"operator.watchNamespaces={{{WATCHED}}}")
         docs = [d for d in yaml.safe_load_all(rendered) if d]
         cp.kubectl("apply", "--server-side", "-f", "-", input=rendered)
         cp.wait_established("finetunejobs.memstrata.dev")
@@ -236,6 +245,17 @@ def test_the_operator_writes_in_the_watched_namespace_only(installed: Installed,
         refused = installed.kubectl_with(as_op, *args)
         assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), (args, refused.stderr)
 
+    # Kueue: a job's Workload and its status in the watched namespace; WorkloadPriorityClasses and ResourceFlavors
+    # read cluster-wide; no Workload elsewhere.
+    for verb, resource, where in (("create", "workloads.kueue.x-k8s.io", WATCHED),
+                                  ("patch", "workloads.kueue.x-k8s.io/status", WATCHED),
+                                  ("watch", "workloads.kueue.x-k8s.io", WATCHED),
+                                  ("get", "workloadpriorityclasses.kueue.x-k8s.io", None),
+                                  ("get", "resourceflavors.kueue.x-k8s.io", None)):
+        can = installed.kubectl_with(as_op, "auth", "can-i", verb, resource, *(["-n", where] if where else []))
+        assert can.stdout.strip() == "yes", (verb, resource, can.stdout, can.stderr)
+    can = installed.kubectl_with(as_op, "auth", "can-i", "create", "workloads.kueue.x-k8s.io", "-n", OTHER)
+    assert can.stdout.strip() == "no", can.stdout
     # Cluster-wide it reads nodes (placement) and the CRDs (Kopf), and writes no node.
     for allowed in (("get", "nodes"), ("get", "customresourcedefinitions"), ("get", "pods", "-n", WATCHED)):
         read = installed.kubectl_with(as_op, *allowed)
@@ -292,6 +312,7 @@ def test_the_operator_runs_a_watched_namespaces_job_under_the_charts_identity(
     args = [a for a in container["args"] if not a.startswith("--liveness")]
     assert container["command"] == ["memstrata"] and args[0] == "operator"
     assert f"--namespace={WATCHED}" in args and f"--namespace={OTHER}" not in args
+    assert "--kueue" in args  # kueue.enabled=auto on a cluster serving Kueue's API: its Workloads are watched too
 
     log = tmp_path / "operator.log"
     env = {**os.environ, "POD_NAME": "memstrata-operator-rbac", "PYTHONPATH": os.pathsep.join(

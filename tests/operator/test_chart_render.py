@@ -66,3 +66,29 @@ def test_the_deployments_args_are_what_the_operator_accepts(tmp_path, sets, expe
     assert config.pod_security.seccomp_profile == expect["seccomp"]
     assert config.policy.jobs == expect["jobs"]  # what a job may ask for: the same values the job policy holds
     assert any(e["name"] == "POD_NAME" for e in c["env"])  # the replica's name in the Lease
+
+
+@pytest.mark.parametrize("flags,on", [
+    ((), False),  # auto, on a cluster without Kueue's API
+    (("--api-versions", "kueue.x-k8s.io/v1beta2"), True),  # auto, with it
+    (("--set", "kueue.enabled=false", "--api-versions", "kueue.x-k8s.io/v1beta2"), False),
+    (("--set", "kueue.enabled=true"), True),
+])
+def test_kueue_gives_the_operator_its_flag_and_its_rights_on_workloads_together(tmp_path, flags, on):
+    """The flag without the rights would fail every queued job's Workload create; the rights without the flag are
+    rights unused."""
+    from memstrata.operator.main import build_parser, config_from_args
+
+    proc = run_helm("template", "x", str(CHART), *KUBE, "--namespace", "memstrata-system", *flags, tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    (c,) = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert config_from_args(build_parser().parse_args(c["args"][1:])).policy.kueue is on
+    rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+    kueue = {res for r in rules if "kueue.x-k8s.io" in r["apiGroups"] for res in r["resources"]}
+    assert kueue == ({"workloads", "workloads/status", "workloadpriorityclasses", "resourceflavors"} if on else set())
+
+
+def test_an_unknown_kueue_mode_is_refused_naming_the_value(tmp_path):
+    proc = run_helm("template", "x", str(CHART), *KUBE, "--set", "kueue.enabled=yes", tmp=tmp_path)
+    assert proc.returncode != 0 and "kueue/enabled" in proc.stderr, proc.stderr

@@ -41,3 +41,14 @@ app.kubernetes.io/component: node-agent
 {{- $mode -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* Whether the operator queues jobs through Kueue (memstrata operator --kueue): `auto` when the cluster serves
+Kueue's v1beta2 API (Kueue >= 0.17), whose Workloads the operator creates. */ -}}
+{{- define "memstrata.kueue" -}}
+{{- $mode := .Values.kueue.enabled -}}
+{{- if eq (toString $mode) "auto" -}}
+{{- if .Capabilities.APIVersions.Has "kueue.x-k8s.io/v1beta2" }}true{{ else }}false{{ end -}}
+{{- else -}}
+{{- ternary "true" "false" (eq (toString $mode) "true") -}}
+{{- end -}}
+{{- end -}}
