@@ -245,3 +245,35 @@ def test_preempted_by_a_higher_priority_job_it_resumes_from_its_checkpoint(
           f"high-priority job had its pod deleted {preempted_in:.1f} s after it was submitted; steps lost: {lost} "
           f"(it had run to step {last_step}, resumed from checkpoint {last_ckpt}, every {every}); re-admitted "
           f"{readmitted:.1f} s after the high-priority job finished")
+
+
+def test_the_queued_example_is_admitted_onto_its_flavors_nodes_only(memstrata_cluster: Any, kueue: Any,
+                                                                    operator: Any, nodes: Any) -> None:
+    """examples/finetune-queued.yaml applied whole, as its header says (Kueue's webhooks check its queues): the job
+    gets its priority class's value and runs on the node with the flavor's label, never on the other."""
+    import yaml
+
+    cluster = memstrata_cluster
+    docs = [d for d in yaml.safe_load_all((Path(__file__).resolve().parents[2] / "examples" /
+                                           "finetune-queued.yaml").read_text()) if d]
+    job_doc = next(d for d in docs if d["kind"] == "FineTuneJob")
+    ns, name = job_doc["metadata"]["namespace"], job_doc["metadata"]["name"]
+    flavor = next(d for d in docs if d["kind"] == "ResourceFlavor")["spec"]["nodeLabels"]
+    plain = nodes.add("any", dram_gib=1024)  # holds the job, and sorts first (placement's last tie-break), but is
+    # not of the flavor
+    h100 = nodes.add("h100", dram_gib=1024)
+    cluster.kubectl("label", "node", h100, *(f"{k}={v}" for k, v in flavor.items()))
+    cluster.create_namespace(ns)
+    try:
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+        (pod,) = wait(f"{name}'s pod", lambda: pods_of(cluster, ns, name) or None, timeout=60)
+        wl = workload_of(cluster, ns, name)
+        assert wl is not None and wl["spec"]["priority"] == 100 and wl["spec"]["queueName"] == "ml-team", wl
+        assert (pod["spec"].get("nodeName") or str(pod["spec"].get("affinity"))).count(h100) >= 1, pod["spec"]
+        assert plain not in str(pod["spec"].get("nodeName")) + str(pod["spec"].get("affinity")), pod["spec"]
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+        cluster.wait_for(f"pods of {ns} gone", lambda: not cluster.get_json("pods", "-n", ns)["items"], timeout=120)
+        cluster.kubectl("delete", "--ignore-not-found", "--wait=false", *(
+            f"{d['kind'].lower()}.kueue.x-k8s.io/{d['metadata']['name']}" for d in docs
+            if d["apiVersion"].startswith("kueue") and "namespace" not in d["metadata"]))
