@@ -58,6 +58,9 @@ def configuration(webhook_port: int, health_port: int, cert_dir: Path) -> dict[s
         # framework, so that Kueue's pod integration (were it on) leaves a FineTuneJob's pods alone.
         "integrations": {"frameworks": [], "externalFrameworks": [f"{KIND}.{VERSION}.{GROUP}"]},
         "manageJobsWithoutQueueName": False,
+        # All-or-nothing: a Workload whose pods do not all run within the timeout is evicted. On, and short, so
+        # that a job whose operator never reports PodsReady is evicted within the tests' time.
+        "waitForPodsReady": {"timeout": "10s", "blockAdmission": False},
     }
 
 

@@ -106,12 +106,18 @@ def test_quota_admits_one_of_two_and_the_second_runs_when_the_first_finishes(
         {r: int(v) for r, v in asked.items() if r != "memory" and r != "cpu"}, (requests, asked)
     assert requests["memory"] == str(int(_bytes(asked["memory"]))), (requests, asked)
     assert QUEUE_LABEL not in pod["metadata"]["labels"]  # queued once, through the Workload, never by itself
+    # Kueue's waitForPodsReady (10 s here) would evict a Workload whose pods never report ready.
+    wait("first's Workload PodsReady", lambda: condition(workload_of(cluster, ns, "first") or {}, "PodsReady")
+         .get("status") == "True", timeout=30)
 
     apply_yaml(cluster, job("second", labels=on_queue), ns)
     waiting = wait("second Queued by Kueue", lambda: queued(cluster, ns, "second", "Pending"), timeout=60)
+    time.sleep(12)  # past waitForPodsReady's timeout: the first, whose pod runs, is not evicted
+    assert condition(workload_of(cluster, ns, "first") or {}, "Evicted").get("status") != "True"
+    assert phase(cluster, ns, "first") == "Running"
     assert "insufficient unused quota for nvidia.com/gpu" in waiting["message"], waiting
     assert "LocalQueue team" in waiting["message"], waiting
-    time.sleep(3)  # nothing sneaks past the queue
+    # (and nothing sneaked past the queue meanwhile)
     second_uid = ftj(cluster, ns, "second")["metadata"]["uid"]
     assert children_of(cluster, ns, second_uid) == [f"workload.kueue.x-k8s.io/{names.workload_name('second', second_uid)}"]
     row = cluster.kubectl("get", "ftj", "second", "-n", ns).splitlines()[1]
@@ -216,8 +222,11 @@ def test_preempted_by_a_higher_priority_job_it_resumes_from_its_checkpoint(
         last_step = max(_steps(first.lines, PROGRESS_LINE))
         last_ckpt = max(_steps(first.lines, CHECKPOINT_LINE))
         assert last_step < steps, first.tail()
-        told = wait("long Queued: Preempted", lambda: queued(cluster, ns, "long", "Preempted"), timeout=60)
-        assert "evicted by Kueue (Preempted)" in told["message"], told
+        # Told as it happened (the condition moves on to Kueue's Pending once the admission is cleared).
+        told = wait("a Preempted warning for long", lambda: next((e for e in events_of(cluster, ns, "long")
+                                                                  if (e["reason"], e["type"]) == ("Preempted", "Warning")),
+                                                                 None), timeout=60)
+        assert "Queued=True: evicted by Kueue (Preempted)" in told["message"], told
         wait("urgent Succeeded", lambda: phase(cluster, ns, "urgent") == "Succeeded", timeout=90)
         urgent_done = time.monotonic()
 

@@ -151,12 +151,18 @@ def test_waiting_says_why_in_kueues_words_and_starts_nothing():
     assert "LocalQueue team-a" in queued["message"]
 
 
-def test_admission_starts_the_first_attempt():
+def test_admission_starts_the_first_attempt_and_its_running_pod_makes_the_workload_pods_ready():
     w = KueueWorld()
     w.step()
     w.admit()
     d = w.step()
     assert [a.attempt for a in d.of(CreateAttempt)] == [0]
+    ready = [c for a in d.of(WorkloadWrite) for c in a.patch["status"]["conditions"] if c["type"] == "PodsReady"]
+    assert [(c["status"], c["reason"]) for c in ready] == [("False", "WaitForStart")]  # what waitForPodsReady reads
+    d = w.step()  # its pod runs
+    ready = [c for a in d.of(WorkloadWrite) for c in a.patch["status"]["conditions"] if c["type"] == "PodsReady"]
+    assert [c["status"] for c in ready] == ["True"]
+    assert not w.step().of(WorkloadWrite)  # written once
     assert w.condition("Queued")["status"] == "False" and w.condition("Queued")["reason"] == "Admitted"
     assert "ClusterQueue cq" in w.condition("Queued")["message"]
 
@@ -255,3 +261,16 @@ def test_an_admitted_job_goes_only_where_its_flavor_and_quota_allow():
     assert not kueue.allows(wl, pool, {"pool": "a100"}, {"nvidia.com/gpu": 1, "memory": 100})
     assert not kueue.allows(wl, pool, {"pool": "h100"}, {"nvidia.com/gpu": 1, "memory": 101})
     assert not kueue.allows(wl, {}, {}, {"memstrata.dev/nvme-ns": 1})  # a resource it was not admitted for
+
+
+def test_a_job_stays_queued_when_its_queue_label_is_removed_and_follows_a_new_queue_while_it_waits():
+    w = KueueWorld()
+    w.step()
+    w.pending()
+    assert w.status["workload"] == "llama-workload-uid1"
+    w.job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "team-b"
+    d = w.step()
+    assert [a.patch for a in d.of(WorkloadWrite)] == [{"spec": {"queueName": "team-b"}}]
+    del w.job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]  # past its quota? no: it has a Workload
+    d = w.step()
+    assert not d.of(CreateAttempt) and w.status["phase"] == "Queued" and "LocalQueue team-b" in w.status["message"]

@@ -56,6 +56,8 @@ class OperatorStatus(ApiModel):
                                              description="The checkpoint step last told in an event.")
     announced_resume: int | None = Field(None, ge=0, strict=True,
                                          description="The attempt whose resume was last told in an event.")
+    workload: str | None = Field(None, max_length=253, description="The job's Kueue Workload, once made: the job stays "
+                                 "queued through it even if its kueue.x-k8s.io/queue-name label is removed.")
     # Its fields keep the planner's snake_case names on the wire: the name every plan was written under.
     plan: Plan | None = Field(None, description="The plan of the current attempt, for its node rank 0's node "
                                                 "(memstrata.plan); the missing pods of an attempt created in part "

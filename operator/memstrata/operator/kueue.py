@@ -45,8 +45,14 @@ REQUEUED_BY_KUEUE = ("Preempted", "NodeFailures")
 
 
 def queue_of(job: JobView) -> str | None:
-    """The LocalQueue the job asks for; None when it is not queued through Kueue."""
+    """The LocalQueue the job asks for; None when it asks for none."""
     return job.labels.get(QUEUE_LABEL) or None
+
+
+def is_queued(job: JobView) -> bool:
+    """Whether the job is queued through Kueue: it asks for a queue, or it has a Workload already (a label removed
+    later would otherwise let a job run past its quota)."""
+    return bool(queue_of(job) or job.status.get("workload"))
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Workload:
     conditions: Mapping[str, Mapping[str, Any]]  # by type
     admission: Mapping[str, Any] | None
     active: bool = True
+    queue: str = ""
     count: int = 1
     requests: Mapping[str, int] = field(default_factory=dict)  # each pod's, as the podSet states them
 
@@ -112,6 +119,7 @@ def workload_view(body: Mapping[str, Any]) -> Workload:
         resource_version=str(meta.get("resourceVersion") or ""),
         conditions={str(c.get("type")): c for c in status.get("conditions") or []},
         admission=status.get("admission"), active=spec.get("active", True) is not False,
+        queue=str(spec.get("queueName") or ""),
         count=int(podsets[0].get("count") or 1), requests={str(k): _quantity(v) for k, v in requests.items()})
 
 
@@ -195,6 +203,22 @@ def finish(workload: Workload, phase: str, message: str, now: str) -> WorkloadWr
                                                    "status": {"conditions": conditions}})
 
 
+def pods_ready(workload: Workload, pods: Sequence[PodView], nodes: int, now: str) -> list[Action]:
+    """The Workload's PodsReady condition, which Kueue's waitForPodsReady waits on (and evicts a Workload whose
+    pods do not all run in time): True once every pod of the current attempt runs."""
+    ready = sum(1 for p in pods if p.active and p.phase == "Running") >= nodes
+    old = workload.conditions.get("PodsReady")
+    if old is not None and old.get("status") == ("True" if ready else "False"):
+        return []
+    if ready:
+        cond = ("PodsReady", "True", "PodsReady", "All pods reached readiness and the workload is running")
+    else:
+        cond = ("PodsReady", "False", "WaitForRecovery" if old is not None else "WaitForStart",
+                "Not all pods are ready or succeeded")
+    return [WorkloadWrite(workload.name, "status", {"metadata": {"resourceVersion": workload.resource_version},
+                                                    "status": {"conditions": _with(workload, now, cond)}})]
+
+
 def activate(workload: Workload, active: bool) -> WorkloadWrite:
     return WorkloadWrite(workload.name, "", {"spec": {"active": active}})
 
@@ -236,14 +260,17 @@ class Held:
 def hold(job: JobView, workload: Workload | None, pods: Sequence[PodView], now: str) -> Held | None:
     """None when the job's Workload is admitted and its pods may run; otherwise why not and what to do: pods of a
     job that is not admitted are stopped, and an evicted Workload's admission cleared once they are gone."""
-    queue = queue_of(job)
     if workload is None:
         return None  # the caller creates it (it needs the plan)
+    queue = queue_of(job) or workload.queue
     actions: list[Action] = []
     if workload.active is False and not (job.spec and job.spec.run_policy.suspend):
         actions.append(activate(workload, True))  # unsuspended by its user
+    if queue and queue != workload.queue and workload.admission is None:  # moved to another queue while it waits
+        actions.append(WorkloadWrite(workload.name, "", {"spec": {"queueName": queue}}))
     if workload.admitted and workload.evicted is None:
-        return None if not actions else Held("Pending", "Workload reactivated", tuple(actions))
+        # (still admitted though deactivated: Kueue has not evicted it yet; reactivated, it runs on)
+        return None if not actions else Held("Pending", f"Workload {workload.name} reactivated", tuple(actions))
     # The pods are deleted once the job's status no longer names them (activePod, written by this decision): a pod
     # deleted first and gone before that write lands would count as a failed attempt.
     stopping = tuple(p.name for p in pods if p.active) if job.status.get("activePod") is None else ()
@@ -281,7 +308,7 @@ def admission(run: Run, queue: Queue | None, enabled: bool) -> Decision | None:
     queued through Kueue; `enabled`: whether this operator queues jobs through Kueue at all (--kueue)."""
     if queue is not None:
         return gate(run, queue)
-    if queue_of(run.job) and not enabled:
+    if is_queued(run.job) and not enabled:
         not_queued(run)
     return None
 
@@ -295,6 +322,8 @@ def gate(run: Run, queue: Queue) -> Decision | None:
     if held is None:
         b.condition("Queued", "False", "Admitted", f"Workload {queue.workload.name} admitted by ClusterQueue "
                                                    f"{queue.workload.cluster_queue}")
+        run.actions += pods_ready(queue.workload, run.pods, run.job.spec.resources.nodes if run.job.spec else 1,
+                                  b.now_str)
         return None
     run.actions += held.actions
     _queued(run, held.reason, held.message)
@@ -336,6 +365,7 @@ def _create(run: Run, queue: Queue) -> Decision:
     body = workload_body(run.job, spec, container_requests(spec, placement.plan), queue.priority)
     run.actions.append(CreateWorkload(body))
     name = body["metadata"]["name"]
+    run.b.set("workload", name)
     _queued(run, "WorkloadCreated", f"waiting in LocalQueue {queue_of(run.job)}: Workload {name} created; "
                                     "the job runs once Kueue admits it")
     return run.done()

@@ -199,7 +199,7 @@ class Reconciler(WorkQueue):
         claimed &= listed
         place: Callable[[FineTuneJobSpec], Placement] = self._place
         queue = None
-        if self.policy.kueue and kueue.queue_of(job) and job.spec is not None and not job.deleting:
+        if self.policy.kueue and kueue.is_queued(job) and job.spec is not None and not job.deleting:
             queue = await self.workloads.queue(job)
             if queue.workload is not None and queue.workload.admitted:
                 place = await self.workloads.placer(queue.workload, self._place)
