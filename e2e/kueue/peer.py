@@ -97,6 +97,7 @@ class Kueue:
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_seconds = 0.0
         self._webhooks: list[str] = []
+        self._placed: list[Path] = []
 
     def start(self, timeout: float = 90) -> "Kueue":
         began = time.monotonic()
@@ -109,6 +110,7 @@ class Kueue:
             d.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(pki.server_cert, d / "tls.crt")
             shutil.copyfile(pki.server_key, d / "tls.key")
+        self._placed = [METRICS_CERTS / "tls.crt", METRICS_CERTS / "tls.key"]
         webhook_port, health_port = free_port(), free_port()
         config = self.workdir / "config.yaml"
         config.write_text(yaml.safe_dump(configuration(webhook_port, health_port, certs)))
@@ -162,7 +164,13 @@ class Kueue:
         if self.proc is not None:
             terminate(self.proc, grace_s=10)  # type: ignore[arg-type]
             self.proc = None
-        shutil.rmtree(METRICS_CERTS.parent.parent, ignore_errors=True)
+        for f in self._placed:  # what this session put there, and the directories it leaves empty
+            f.unlink(missing_ok=True)
+        for d in (METRICS_CERTS, METRICS_CERTS.parent, METRICS_CERTS.parent.parent):
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
     def tail(self, lines: int = 30) -> str:
         try:

@@ -87,6 +87,11 @@ def test_kueue_gives_the_operator_its_flag_and_its_rights_on_workloads_together(
     rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
     kueue = {res for r in rules if "kueue.x-k8s.io" in r["apiGroups"] for res in r["resources"]}
     assert kueue == ({"workloads", "workloads/status", "workloadpriorityclasses", "resourceflavors"} if on else set())
+    # Kueue's controller reads FineTuneJobs (its pod webhook follows a pod's owner to an external framework's job).
+    readers = [s for d in docs if d["kind"] == "ClusterRoleBinding" for s in d["subjects"]
+               if s["name"] == "kueue-controller-manager"]
+    assert readers == ([{"kind": "ServiceAccount", "name": "kueue-controller-manager", "namespace": "kueue-system"}]
+                       if on else [])
 
 
 def test_an_unknown_kueue_mode_is_refused_naming_the_value(tmp_path):

@@ -303,12 +303,10 @@ def test_a_gang_created_in_part_by_a_reconcile_that_recorded_nothing_is_deleted_
     assert "failedPods" not in g.status and g.status["activePod"] == "llama-1-0"
 
 
-def test_suspend_deletes_every_pod_and_never_copies_the_queue_label():
-    """A pod labelled with the queue would be queued again by itself where Kueue's pod integration is on: the job is
-    queued through its Workload (test_kueue.py)."""
-    g = Gang(labels={"kueue.x-k8s.io/queue-name": "team"})
+def test_suspend_deletes_every_pod():
+    g = Gang()
     g.step()
-    assert len(g.pods) == 2 and not any("kueue.x-k8s.io/queue-name" in p["metadata"]["labels"] for p in g.pods.values())
+    assert len(g.pods) == 2
     g.job["spec"]["runPolicy"]["suspend"] = True
     d = g.step()
     assert set(d.of(DeletePods)[0].names) == {"llama-0-0", "llama-0-1"} and g.status["phase"] == "Suspended"

@@ -1,7 +1,7 @@
 """A FineTuneJob queued through Kueue (memstrata.operator.kueue): the decisions, pure.
 
 The Workload statuses fed here are those the real Kueue 0.17 writes (copied from e2e/kueue's runs: the condition
-types, reasons and messages); e2e/kueue/test_kueue.py runs the same lifecycle against the real Kueue.
+types, reasons and messages); e2e/operator/test_kueue.py runs the same lifecycle against the real Kueue.
 """
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 from ftj_factories import at, inventory, job_dict, node_dict, pod_dict
 
 from memstrata.api.jobstatus import FineTuneJobStatus
-from memstrata.operator import kueue
+from memstrata.operator import kueue, kueuewire
 from memstrata.operator.actions import (
     AddFinalizer, CreateAttempt, CreateWorkload, Decision, DeletePods, Event, PatchStatus, WorkloadWrite,
 )
 from memstrata.operator.lifecycle import LifecyclePolicy, decide
 from memstrata.operator.nodes import node_view
 from memstrata.operator.observe import job_view, pod_view
-from memstrata.operator.render import container_requests
+from memstrata.operator.render import container_requests, pod
 from memstrata.operator.scheduling import place
 
 POLICY = LifecyclePolicy(backoff_base_seconds=10.0, kueue=True)
@@ -48,7 +48,7 @@ class KueueWorld:
         self.priority, self.priority_error = priority, ""
 
     def decide(self, t: float = 0.0) -> Decision:
-        wl = kueue.workload_view(self.workload) if self.workload is not None else None
+        wl = kueuewire.workload_view(self.workload) if self.workload is not None else None
         queue = kueue.Queue(wl, lambda spec: place(spec, self.nodes, {}), self.priority, self.priority_error)
         return decide(job_view(self.job), [pod_view(p) for p in self.pods.values()], at(t),
                       lambda spec: place(spec, self.nodes, {}), POLICY, queue)
@@ -61,10 +61,13 @@ class KueueWorld:
             elif isinstance(a, WorkloadWrite):
                 self.writes.append(a)
                 assert self.workload is not None
-                target = self.workload if not a.subresource else self.workload
-                for key, value in a.patch.get("spec" if not a.subresource else "status", {}).items():
-                    section = target.setdefault("spec" if not a.subresource else "status", {})
+                where = "status" if a.subresource else "spec"
+                for key, value in a.patch.get(where, {}).items():
+                    section = self.workload.setdefault(where, {})
                     section.pop(key, None) if value is None else section.__setitem__(key, value)
+                notes = self.workload["metadata"].setdefault("annotations", {})
+                for key, value in ((a.patch.get("metadata") or {}).get("annotations") or {}).items():
+                    notes.pop(key, None) if value is None else notes.__setitem__(key, value)
             elif isinstance(a, CreateAttempt):
                 for rank, node in a.creates:
                     name = f"{self.job['metadata']['name']}-{a.attempt}" + (f"-{rank}" if len(a.placed) > 1 else "")
@@ -157,6 +160,9 @@ def test_admission_starts_the_first_attempt_and_its_running_pod_makes_the_worklo
     w.admit()
     d = w.step()
     assert [a.attempt for a in d.of(CreateAttempt)] == [0]
+    create = d.of(CreateAttempt)[0]
+    labels = pod(job_view(w.job), create.node, create.plan, create.attempt)["metadata"]["labels"]
+    assert "kueue.x-k8s.io/queue-name" not in labels  # or Kueue's pod integration would queue the pod by itself
     ready = [c for a in d.of(WorkloadWrite) for c in a.patch["status"]["conditions"] if c["type"] == "PodsReady"]
     assert [(c["status"], c["reason"]) for c in ready] == [("False", "WaitForStart")]  # what waitForPodsReady reads
     d = w.step()  # its pod runs
@@ -182,9 +188,9 @@ def test_preemption_stops_the_pods_clears_the_admission_and_the_next_admission_i
     assert any(e.type == "Warning" and e.reason == "Preempted" for e in w.events)
     d = w.step()  # ... then it is deleted
     assert d.of(DeletePods)[0].names == ("llama-0",) and "Preempted" in d.of(DeletePods)[0].why
-    assert not d.of(WorkloadWrite)  # the admission is cleared only once the pods have stopped
-    assert not w.step().of(WorkloadWrite)  # still Running while it is deleted: it holds its GPU until it exits
-    w.pods["llama-0"]["status"]["phase"] = "Failed"  # SIGTERM: 143, while it is deleted
+    assert not d.of(WorkloadWrite)  # the admission is cleared only once no pod runs undeleted
+    # Being deleted, it counts no more (as in Kueue's Job integration: a pod on a lost node may never finish
+    # terminating; the scheduler still counts its room until it is gone).
     d = w.step()
     release = d.of(WorkloadWrite)[0]
     assert release.subresource == "status" and release.patch["metadata"]["resourceVersion"] == "1"
@@ -194,6 +200,8 @@ def test_preemption_stops_the_pods_clears_the_admission_and_the_next_admission_i
     assert conds["Admitted"]["status"] == "False"
     assert (conds["Requeued"]["status"], conds["Requeued"]["reason"]) == ("True", "Preempted")
     assert conds["Evicted"]["status"] == "True"  # Kueue's own condition, kept
+    # Not admitted, so not ready: waitForPodsReady's clock starts anew at the next admission.
+    assert (conds["PodsReady"]["status"], conds["PodsReady"]["reason"]) == ("False", "WaitForStart")
     del w.pods["llama-0"]
     w.admit()  # Kueue admits it again
     d = w.step()
@@ -222,11 +230,32 @@ def test_suspending_deactivates_the_workload_and_resuming_activates_it():
     w.step()
     w.job["spec"]["runPolicy"]["suspend"] = True
     d = w.step()
-    assert d.of(WorkloadWrite)[0].patch == {"spec": {"active": False}} and w.status["phase"] == "Suspended"
+    assert d.of(WorkloadWrite)[0].patch["spec"] == {"active": False} and w.status["phase"] == "Suspended"
+    assert w.workload is not None and w.workload["metadata"]["annotations"] == {kueuewire.SUSPENDED: "true"}
     w.job["spec"]["runPolicy"]["suspend"] = False
     d = w.step()
-    assert any(a.patch == {"spec": {"active": True}} for a in d.of(WorkloadWrite))
-    assert not d.of(CreateAttempt)
+    assert any(a.patch.get("spec") == {"active": True} for a in d.of(WorkloadWrite))
+    assert not w.workload["metadata"]["annotations"] and not d.of(CreateAttempt)
+
+
+def test_a_workload_kueue_deactivated_stays_so_and_the_job_says_why():
+    """Kueue deactivates a Workload past its requeuing limit or its maximum execution time: that ends the run,
+    and the operator must not undo it."""
+    w = KueueWorld()
+    w.step()
+    w.admit()
+    w.step()
+    w.step()
+    assert w.workload is not None
+    w.workload["spec"]["active"] = False
+    w.workload["status"]["conditions"].append(cond("Evicted", "True", "DeactivatedDueToRequeuingLimitExceeded",
+                                                   "exceeded the requeuing limit"))
+    for _ in range(4):
+        d = w.step()
+        assert not any(a.patch.get("spec", {}).get("active") for a in d.of(WorkloadWrite))
+    assert "llama-0" in w.pods and w.pods["llama-0"]["metadata"].get("deletionTimestamp")
+    assert w.workload["status"].get("admission") is None  # released, as after a preemption
+    assert w.status["phase"] == "Queued" and "Kueue deactivated its Workload" in w.status["message"]
 
 
 def test_a_missing_priority_class_is_named_and_no_workload_is_made():
@@ -244,23 +273,24 @@ def test_a_job_no_node_can_hold_fails_before_it_queues():
     assert not d.of(CreateWorkload) and w.status["phase"] == "Failed"
 
 
-def test_a_queue_label_under_an_operator_without_kueue_runs_unqueued_and_says_so():
+def test_a_queue_label_under_an_operator_without_kueue_waits_and_says_so():
+    """Run, it would run past the quota its submitter asked to be held to."""
     w = KueueWorld()
     d = decide(job_view(w.job), [], at(0), lambda spec: place(spec, w.nodes, {}), LifecyclePolicy())
-    assert d.of(CreateAttempt) and not d.of(CreateWorkload)
+    assert not d.of(CreateAttempt) and not d.of(CreateWorkload)
     patch = d.of(PatchStatus)[0].patch
     queued = next(c for c in patch["conditions"] if c["type"] == "Queued")
-    assert queued["reason"] == "NotQueued" and "--kueue" in queued["message"]
+    assert patch["phase"] == "Pending" and queued["reason"] == "NotQueued" and "--kueue" in queued["message"]
 
 
 def test_an_admitted_job_goes_only_where_its_flavor_and_quota_allow():
-    wl = kueue.Workload("w", "uid-1", "1", {}, {"clusterQueue": "cq"},
+    wl = kueuewire.Workload("w", "uid-1", "1", {}, {"clusterQueue": "cq"},
                         requests={"nvidia.com/gpu": 1, "memory": 100})
     pool = {"pool": "h100"}
-    assert kueue.allows(wl, pool, {"pool": "h100", "x": "y"}, {"nvidia.com/gpu": 1, "memory": 100})
-    assert not kueue.allows(wl, pool, {"pool": "a100"}, {"nvidia.com/gpu": 1, "memory": 100})
-    assert not kueue.allows(wl, pool, {"pool": "h100"}, {"nvidia.com/gpu": 1, "memory": 101})
-    assert not kueue.allows(wl, {}, {}, {"memstrata.dev/nvme-ns": 1})  # a resource it was not admitted for
+    assert kueuewire.allows(wl, pool, {"pool": "h100", "x": "y"}, {"nvidia.com/gpu": 1, "memory": 100})
+    assert not kueuewire.allows(wl, pool, {"pool": "a100"}, {"nvidia.com/gpu": 1, "memory": 100})
+    assert not kueuewire.allows(wl, pool, {"pool": "h100"}, {"nvidia.com/gpu": 1, "memory": 101})
+    assert not kueuewire.allows(wl, {}, {}, {"memstrata.dev/nvme-ns": 1})  # a resource it was not admitted for
 
 
 def test_a_job_stays_queued_when_its_queue_label_is_removed_and_follows_a_new_queue_while_it_waits():
@@ -270,7 +300,7 @@ def test_a_job_stays_queued_when_its_queue_label_is_removed_and_follows_a_new_qu
     assert w.status["workload"] == "llama-workload-uid1"
     w.job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "team-b"
     d = w.step()
-    assert [a.patch for a in d.of(WorkloadWrite)] == [{"spec": {"queueName": "team-b"}}]
+    assert [a.patch["spec"] for a in d.of(WorkloadWrite)] == [{"queueName": "team-b"}]
     del w.job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]  # past its quota? no: it has a Workload
     d = w.step()
     assert not d.of(CreateAttempt) and w.status["phase"] == "Queued" and "LocalQueue team-b" in w.status["message"]

@@ -316,12 +316,13 @@ def test_duplicate_active_pods_keep_the_newest():
 
 def test_only_the_users_prefix_reaches_the_pod():
     """`app: web` copied would make the pod an endpoint of the web app's Service; memstrata.dev/ keys are the
-    operator's selectors; Kueue's queue would queue the pod by itself. Only user.memstrata.dev/ keys are copied."""
+    operator's selectors; Kueue's would have Kueue act on the pod itself. Only user.memstrata.dev/ keys are copied
+    (a queued job's pods: test_kueue.py)."""
     from memstrata.operator.render import pod
 
     w = World(labels={"team": "nlp", "app": "web", "memstrata.dev/job-uid": "spoof", "memstrata.dev/attempt": "9",
                       "app.kubernetes.io/name": "web", "user.memstrata.dev/team": "nlp",
-                      "kueue.x-k8s.io/queue-name": "team", "kueue.x-k8s.io/managed": "true"})
+                      "kueue.x-k8s.io/managed": "true"})
     create = w.decide().of(CreateAttempt)[0]
     labels = pod(job_view(w.job), create.node, create.plan, create.attempt)["metadata"]["labels"]
     assert labels == {"user.memstrata.dev/team": "nlp",

@@ -45,7 +45,8 @@ app.kubernetes.io/component: node-agent
 {{- /* Whether the operator queues jobs through Kueue (memstrata operator --kueue): `auto` when the cluster serves
 Kueue's v1beta2 API (Kueue >= 0.17), whose Workloads the operator creates. */ -}}
 {{- define "memstrata.kueue" -}}
-{{- $mode := .Values.kueue.enabled -}}
+{{- $k := .Values.kueue | default dict -}}
+{{- $mode := ternary $k.enabled "auto" (hasKey $k "enabled") -}}
 {{- if eq (toString $mode) "auto" -}}
 {{- if .Capabilities.APIVersions.Has "kueue.x-k8s.io/v1beta2" }}true{{ else }}false{{ end -}}
 {{- else -}}

@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 
 from memstrata.api.finetunejob import GROUP, KIND, PLURAL, VERSION
-from memstrata.operator import kueue, names
+from memstrata.operator import kueuewire, names
 from memstrata.operator.leadership import Elector
 from memstrata.operator import claims
 from memstrata.operator.nodes import NodeView, PodUse, node_view, pod_use
@@ -118,7 +118,7 @@ def _register_events(registry: kopf.OperatorRegistry, reconciler: Reconciler) ->
 
 def _register_workloads(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     """Kueue's writes to a job's Workload (admitted, evicted, requeued) enqueue the job that owns it."""
-    @kopf.on.event(kueue.GROUP, kueue.API_VERSION.split("/")[1], kueue.PLURAL, registry=registry,
+    @kopf.on.event(kueuewire.GROUP, kueuewire.API_VERSION.split("/")[1], kueuewire.PLURAL, registry=registry,
                    labels={names.LABEL_JOB_UID: kopf.PRESENT})
     async def workload_event(event: kopf.RawEvent, **_: Any) -> None:
         meta: Mapping[str, Any] = event["object"].get("metadata") or {}

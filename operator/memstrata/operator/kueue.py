@@ -23,204 +23,19 @@ What the job does with it (decide):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
-from memstrata.api.finetunejob import API_VERSION as JOB_API_VERSION, KIND as JOB_KIND, FineTuneJobSpec
-from memstrata.operator import attempts, names
-from memstrata.operator.actions import Action, CreateWorkload, Decision, DeletePods, Event, WorkloadWrite
+from memstrata.api.finetunejob import FineTuneJobSpec
+from memstrata.operator import attempts
+from memstrata.operator.actions import Action, CreateWorkload, Decision, DeletePods, WorkloadWrite
 from memstrata.operator.attempts import Run
+from memstrata.operator.kueuewire import (
+    QUEUE_LABEL, Workload, activate, finish, is_queued, pods_ready, queue_of, release, workload_body,
+)
 from memstrata.operator.observe import JobView, PodView
 from memstrata.operator.render import container_requests
 from memstrata.operator.scheduling import Placement
-
-GROUP = "kueue.x-k8s.io"
-API_VERSION = f"{GROUP}/v1beta2"
-PLURAL = "workloads"
-QUEUE_LABEL = f"{GROUP}/queue-name"
-PRIORITY_LABEL = f"{GROUP}/priority-class"
-PODSET = "workers"
-# Kueue's eviction reasons after which it puts the Workload back in its queue by itself (Requeued=True).
-REQUEUED_BY_KUEUE = ("Preempted", "NodeFailures")
-
-
-def queue_of(job: JobView) -> str | None:
-    """The LocalQueue the job asks for; None when it asks for none."""
-    return job.labels.get(QUEUE_LABEL) or None
-
-
-def is_queued(job: JobView) -> bool:
-    """Whether the job is queued through Kueue: it asks for a queue, or it has a Workload already (a label removed
-    later would otherwise let a job run past its quota)."""
-    return bool(queue_of(job) or job.status.get("workload"))
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the operator reads of the job's Workload."""
-
-    name: str
-    owner_uid: str
-    resource_version: str
-    conditions: Mapping[str, Mapping[str, Any]]  # by type
-    admission: Mapping[str, Any] | None
-    active: bool = True
-    queue: str = ""
-    count: int = 1
-    requests: Mapping[str, int] = field(default_factory=dict)  # each pod's, as the podSet states them
-
-    def true(self, type_: str) -> Mapping[str, Any] | None:
-        cond = self.conditions.get(type_)
-        return cond if cond is not None and cond.get("status") == "True" else None
-
-    @property
-    def admitted(self) -> bool:
-        return self.admission is not None and self.true("Admitted") is not None
-
-    @property
-    def evicted(self) -> Mapping[str, Any] | None:
-        return self.true("Evicted")
-
-    @property
-    def finished(self) -> bool:
-        return self.true("Finished") is not None
-
-    @property
-    def cluster_queue(self) -> str:
-        return str((self.admission or {}).get("clusterQueue") or "")
-
-    @property
-    def flavors(self) -> tuple[str, ...]:
-        found = {str(f) for a in (self.admission or {}).get("podSetAssignments") or []
-                 for f in (a.get("flavors") or {}).values()}
-        return tuple(sorted(found))
-
-    def waiting(self) -> tuple[str, str]:
-        """Why Kueue has not admitted it, in Kueue's words: (reason, message)."""
-        for type_ in ("QuotaReserved", "Admitted"):
-            cond = self.conditions.get(type_)
-            if cond is not None and cond.get("status") == "False" and cond.get("message"):
-                return str(cond.get("reason") or "Pending"), str(cond["message"])
-        if not self.active:
-            return "Inactive", f"Workload {self.name} is deactivated (spec.active is false)"
-        return "Pending", f"Workload {self.name} waits for Kueue to consider it"
-
-
-def workload_view(body: Mapping[str, Any]) -> Workload:
-    meta = body.get("metadata") or {}
-    spec = body.get("spec") or {}
-    status = body.get("status") or {}
-    owner: Mapping[str, Any] = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), {})
-    podsets = spec.get("podSets") or [{}]
-    container = ((podsets[0].get("template") or {}).get("spec") or {}).get("containers") or [{}]
-    requests = (container[0].get("resources") or {}).get("requests") or {}
-    return Workload(
-        name=str(meta.get("name") or ""), owner_uid=str(owner.get("uid") or ""),
-        resource_version=str(meta.get("resourceVersion") or ""),
-        conditions={str(c.get("type")): c for c in status.get("conditions") or []},
-        admission=status.get("admission"), active=spec.get("active", True) is not False,
-        queue=str(spec.get("queueName") or ""),
-        count=int(podsets[0].get("count") or 1), requests={str(k): _quantity(v) for k, v in requests.items()})
-
-
-def _quantity(value: Any) -> int:
-    """The operator's own quantities: plain integers (bytes for memory), as workload_body writes them."""
-    try:
-        return int(str(value))
-    except ValueError:
-        return -1  # not the operator's write: no node fits it, so nothing is placed against it
-
-
-def workload_body(job: JobView, spec: FineTuneJobSpec, requests: Mapping[str, int],
-                  priority: tuple[str, int] | None) -> dict[str, Any]:
-    """The job's Workload: `requests` each pod's (render.container_requests); `priority`: the
-    WorkloadPriorityClass named by the job's label and its value."""
-    quantities = {r: str(n) for r, n in sorted(requests.items())}
-    container = {"name": names.CONTAINER, "image": spec.image,
-                 "resources": {"requests": quantities, "limits": quantities}}
-    body: dict[str, Any] = {
-        "apiVersion": API_VERSION, "kind": "Workload",
-        "metadata": {
-            "name": names.workload_name(job.name, job.uid), "namespace": job.namespace,
-            "labels": names.child_labels(job.name, job.uid),
-            "ownerReferences": [{"apiVersion": JOB_API_VERSION, "kind": JOB_KIND, "name": job.name,
-                                 "uid": job.uid, "controller": True, "blockOwnerDeletion": True}]},
-        "spec": {
-            "queueName": queue_of(job),
-            "active": not spec.run_policy.suspend,
-            "podSets": [{"name": PODSET, "count": spec.resources.nodes,
-                         "template": {"spec": {"restartPolicy": "Never", "containers": [container]}}}]},
-    }
-    if priority is not None:
-        body["spec"]["priorityClassRef"] = {"group": GROUP, "kind": "WorkloadPriorityClass", "name": priority[0]}
-        body["spec"]["priority"] = priority[1]
-    return body
-
-
-def allows(workload: Workload, node_labels: Mapping[str, str], labels: Mapping[str, str],
-           requests: Mapping[str, int]) -> bool:
-    """Whether an admitted job may be placed on a node with `labels` where its plan asks `requests` of each pod:
-    the node carries every label of the admitted flavors (`node_labels`, merged), and the plan asks no more of any
-    resource than was admitted. A node where the plan needs more would run the job over its quota."""
-    if any(labels.get(k) != v for k, v in node_labels.items()):
-        return False
-    return all(n <= workload.requests.get(r, 0) for r, n in requests.items() if n)
-
-
-# -- status writes on the Workload (each a compare-and-swap on the version read) ------------------------------------
-
-def _condition(type_: str, status: str, reason: str, message: str, now: str,
-               old: Mapping[str, Any] | None) -> dict[str, Any]:
-    since = old.get("lastTransitionTime", now) if old is not None and old.get("status") == status else now
-    return {"type": type_, "status": status, "reason": reason, "message": message[:32768],
-            "lastTransitionTime": since}
-
-
-def _with(workload: Workload, now: str, *conds: tuple[str, str, str, str]) -> list[dict[str, Any]]:
-    out = {t: dict(c) for t, c in workload.conditions.items()}
-    for type_, status, reason, message in conds:
-        out[type_] = _condition(type_, status, reason, message, now, workload.conditions.get(type_))
-    return list(out.values())
-
-
-def release(workload: Workload, now: str) -> WorkloadWrite:
-    """Clear an evicted Workload's admission once the job's pods are gone: Kueue then queues it again (what
-    Kueue's own integrations write, jobframework's UnsetQuotaReservationWithCondition)."""
-    evicted = workload.evicted or {}
-    reason, message = str(evicted.get("reason") or "Evicted"), str(evicted.get("message") or "evicted")
-    conditions = _with(workload, now,
-                       ("QuotaReserved", "False", "Pending", message),
-                       ("Admitted", "False", "NoReservation", "The workload has no reservation"),
-                       ("Requeued", "True" if reason in REQUEUED_BY_KUEUE else "False", reason, message))
-    return WorkloadWrite(workload.name, "status", {"metadata": {"resourceVersion": workload.resource_version},
-                                                   "status": {"admission": None, "conditions": conditions}})
-
-
-def finish(workload: Workload, phase: str, message: str, now: str) -> WorkloadWrite:
-    """The job ended: Finished, so Kueue releases its quota."""
-    conditions = _with(workload, now, ("Finished", "True", phase, message))
-    return WorkloadWrite(workload.name, "status", {"metadata": {"resourceVersion": workload.resource_version},
-                                                   "status": {"conditions": conditions}})
-
-
-def pods_ready(workload: Workload, pods: Sequence[PodView], nodes: int, now: str) -> list[Action]:
-    """The Workload's PodsReady condition, which Kueue's waitForPodsReady waits on (and evicts a Workload whose
-    pods do not all run in time): True once every pod of the current attempt runs."""
-    ready = sum(1 for p in pods if p.active and p.phase == "Running") >= nodes
-    old = workload.conditions.get("PodsReady")
-    if old is not None and old.get("status") == ("True" if ready else "False"):
-        return []
-    if ready:
-        cond = ("PodsReady", "True", "PodsReady", "All pods reached readiness and the workload is running")
-    else:
-        cond = ("PodsReady", "False", "WaitForRecovery" if old is not None else "WaitForStart",
-                "Not all pods are ready or succeeded")
-    return [WorkloadWrite(workload.name, "status", {"metadata": {"resourceVersion": workload.resource_version},
-                                                    "status": {"conditions": _with(workload, now, cond)}})]
-
-
-def activate(workload: Workload, active: bool) -> WorkloadWrite:
-    return WorkloadWrite(workload.name, "", {"spec": {"active": active}})
 
 
 # -- the decisions --------------------------------------------------------------------------------------------
@@ -232,8 +47,10 @@ def on_terminal(workload: Workload | None, phase: str, message: str, now: str) -
 
 
 def _running(pods: Sequence[PodView]) -> bool:
-    """Whether a pod of the job may still hold what it was admitted for: one being deleted runs until it exits."""
-    return any(not p.terminal for p in pods)
+    """Whether a pod of the job still runs and is not being deleted. A deleted pod counts no more, as in Kueue's
+    own Job integration: one on a lost node may stay Terminating for ever, and the node's room is still the
+    scheduler's to guard until it is gone."""
+    return any(p.active for p in pods)
 
 
 def on_suspend(workload: Workload | None, pods: Sequence[PodView], now: str) -> list[Action]:
@@ -264,10 +81,11 @@ def hold(job: JobView, workload: Workload | None, pods: Sequence[PodView], now: 
         return None  # the caller creates it (it needs the plan)
     queue = queue_of(job) or workload.queue
     actions: list[Action] = []
-    if workload.active is False and not (job.spec and job.spec.run_policy.suspend):
+    if not workload.active and workload.suspended and not (job.spec and job.spec.run_policy.suspend):
         actions.append(activate(workload, True))  # unsuspended by its user
     if queue and queue != workload.queue and workload.admission is None:  # moved to another queue while it waits
-        actions.append(WorkloadWrite(workload.name, "", {"spec": {"queueName": queue}}))
+        actions.append(WorkloadWrite(workload.name, "", {"metadata": {"resourceVersion": workload.resource_version},
+                                                         "spec": {"queueName": queue}}))
     if workload.admitted and workload.evicted is None:
         # (still admitted though deactivated: Kueue has not evicted it yet; reactivated, it runs on)
         return None if not actions else Held("Pending", f"Workload {workload.name} reactivated", tuple(actions))
@@ -281,6 +99,10 @@ def hold(job: JobView, workload: Workload | None, pods: Sequence[PodView], now: 
             actions.insert(0, DeletePods(stopping, f"Kueue evicted the job's Workload: {reason}"))
         elif workload.admission is not None and not _running(pods):
             actions.append(release(workload, now))
+        if not workload.active and not workload.suspended:
+            return Held(reason, f"Kueue deactivated its Workload {workload.name} ({reason}): {message}; it runs "
+                                "again only if the Workload is reactivated (spec.active: true), from its latest "
+                                "checkpoint", tuple(actions), evicted=True)
         return Held(reason, f"evicted by Kueue ({reason}): {message}; it waits in LocalQueue {queue} to be "
                             "admitted again, and resumes from its latest checkpoint", tuple(actions), evicted=True)
     if stopping:  # a Workload that lost its admission some other way: its pods may not run either
@@ -309,7 +131,7 @@ def admission(run: Run, queue: Queue | None, enabled: bool) -> Decision | None:
     if queue is not None:
         return gate(run, queue)
     if is_queued(run.job) and not enabled:
-        not_queued(run)
+        return not_queued(run)
     return None
 
 
@@ -344,7 +166,14 @@ def _queued(run: Run, reason: str, message: str) -> None:
 
 def _create(run: Run, queue: Queue) -> Decision:
     """The job has no Workload (a new job, or its Workload was deleted): stop what runs, and create it."""
+    if run.active and run.job.status.get("activePod") is not None:  # as in hold: the status first, then the pods
+        _queued(run, "WorkloadGone", "its Kueue Workload is gone: its pods are stopped, and it queues again")
+        return run.done()
     run.stop_active("its Kueue Workload is gone")
+    if not queue_of(run.job):
+        _queued(run, "NoQueue", f"its Workload is gone and its {QUEUE_LABEL} label was removed: label it with a "
+                                "LocalQueue to queue it again")
+        return run.done()
     shape = attempts.planned_spec(run)  # a model read from its directory is inspected first: the plan needs it
     if isinstance(shape, Decision):
         return shape
@@ -371,8 +200,13 @@ def _create(run: Run, queue: Queue) -> Decision:
     return run.done()
 
 
-def not_queued(run: Run) -> None:
-    """A job labelled with a queue, under an operator that runs without Kueue: it runs unqueued, and says so."""
+def not_queued(run: Run) -> Decision:
+    """A job labelled with a queue, under an operator that runs without Kueue: it waits, rather than run past the
+    quota its submitter asked to be held to."""
     message = (f"metadata.labels[{QUEUE_LABEL}] is {queue_of(run.job)!r}, but this operator runs without Kueue "
-               "(the chart's kueue.enabled; the operator's --kueue): the job is not queued and counts against no quota")
+               "(the chart's kueue.enabled; the operator's --kueue): install Kueue and upgrade the chart, or remove "
+               "the label to run the job unqueued")
+    run.b.phase("Pending", message)
     run.b.condition("Queued", "False", "NotQueued", message)
+    run.requeue.append(RECHECK_SECONDS)
+    return run.done()

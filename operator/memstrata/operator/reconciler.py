@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from memstrata.api.finetunejob import API_VERSION, KIND, PLURAL
 from memstrata.api.finetunejob import FineTuneJobSpec
-from memstrata.operator import children, gang, kueue, names, render
+from memstrata.operator import children, gang, kueuewire, names, render
 from memstrata.operator.actions import (
     AddFinalizer, CleanupChildren, CreateAttempt, CreateInspection, CreateWorkload, Decision, DeleteJob, DeletePods,
     Event, PatchStatus, WorkloadWrite,
@@ -199,8 +199,11 @@ class Reconciler(WorkQueue):
         claimed &= listed
         place: Callable[[FineTuneJobSpec], Placement] = self._place
         queue = None
-        if self.policy.kueue and kueue.is_queued(job) and job.spec is not None and not job.deleting:
-            queue = await self.workloads.queue(job)
+        if self.policy.kueue and kueuewire.is_queued(job) and job.spec is not None and not job.deleting:
+            try:
+                queue = await self.workloads.queue(job)
+            except children.NameClash as exc:  # retrying cannot help: fail the job, naming the object
+                return job, fail(job, datetime.now(timezone.utc), "NameClash", str(exc))
             if queue.workload is not None and queue.workload.admitted:
                 place = await self.workloads.placer(queue.workload, self._place)
         return job, decide(job, views, datetime.now(timezone.utc), place, self.policy, queue)
@@ -310,7 +313,7 @@ class Reconciler(WorkQueue):
         key = (job.namespace, job.name)
         await children.delete_children(self.kube, job.namespace, job.uid)
         if self.policy.kueue:  # its owner reference would have the garbage collector do it, later
-            await gather_ok(self.kube.delete_collection(api_path(kueue.API_VERSION, kueue.PLURAL, job.namespace),
+            await gather_ok(self.kube.delete_collection(api_path(kueuewire.API_VERSION, kueuewire.PLURAL, job.namespace),
                                                         names.selector(job.uid)))
         tries = self._cleanups[key] = self._cleanups.get(key, 0) + 1
         if not release and tries < self.cleanup_tries:

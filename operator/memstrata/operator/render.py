@@ -91,6 +91,10 @@ def memory_bytes(plan: Plan, ranks: int) -> int:
     return -(-total // MiB) * MiB
 
 
+# Every training pod's: GPU nodes are commonly tainted so that only GPU pods land there (a Kueue Workload states it too).
+TOLERATIONS = ({"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"},)
+
+
 def container_requests(spec: FineTuneJobSpec, plan: Plan) -> dict[str, int]:
     """What the training container requests (and is limited to): the plan's extended resources and
     `memory_bytes`. The operator's placement fits exactly this to a node's allocatable."""
@@ -315,7 +319,7 @@ def pod(job: JobView, node: str, plan: Plan, attempt: int,
             "securityContext": pod_security_context(security, device_group=bool(plan.requests.get(RESOURCE_NVME))),
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchExpressions": node_terms}]}}},
-            "tolerations": [{"key": RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}],
+            "tolerations": list(TOLERATIONS),
             "containers": [container],
             **claimed,
             "volumes": [*user_volumes(spec), {"name": names.CONFIG_VOLUME, "configMap": {
