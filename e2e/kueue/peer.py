@@ -116,7 +116,7 @@ class Kueue:
         config.write_text(yaml.safe_dump(configuration(webhook_port, health_port, certs)))
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [str(self.binary), f"--config={config}", "--zap-log-level=2",
+                [str(self.binary), f"--config={config}",
                  # Its API server (pending workloads) wants a certificate at a fixed path, /visibility.
                  "--feature-gates=VisibilityOnDemand=false"], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir, preexec_fn=die_with_parent,
