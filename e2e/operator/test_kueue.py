@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from memstrata.api.units import quantity_value
 from memstrata.operator import names
 from e2e.operator.harness import SUCCEED_LABEL, apply_yaml, events_of, example, ftj, job, pods_of, wait
 from e2e.operator.runtimepod import CHECKPOINT_LINE, PROGRESS_LINE, Attempt, past_checkpoint, running_pod
@@ -104,7 +105,7 @@ def test_quota_admits_one_of_two_and_the_second_runs_when_the_first_finishes(
     asked = pod["spec"]["containers"][0]["resources"]["requests"]
     assert {r: int(v) for r, v in requests.items() if r != "memory"} == \
         {r: int(v) for r, v in asked.items() if r != "memory" and r != "cpu"}, (requests, asked)
-    assert requests["memory"] == str(int(_bytes(asked["memory"]))), (requests, asked)
+    assert quantity_value(requests["memory"]) == quantity_value(asked["memory"]), (requests, asked)
     assert QUEUE_LABEL not in pod["metadata"]["labels"]  # queued once, through the Workload, never by itself
     # Kueue's waitForPodsReady (10 s here) would evict a Workload whose pods never report ready.
     wait("first's Workload PodsReady", lambda: condition(workload_of(cluster, ns, "first") or {}, "PodsReady")
@@ -144,14 +145,6 @@ def test_quota_admits_one_of_two_and_the_second_runs_when_the_first_finishes(
     wait("second Succeeded", lambda: phase(cluster, ns, "second") == "Succeeded", timeout=60)
     print(f"\n[kueue] first job admitted and its pod created {first_admitted:.1f} s after submission; the second "
           f"(queued on a one-GPU quota) {second_admitted:.1f} s after the first finished")
-
-
-def _bytes(quantity: str) -> int:
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-    for suffix, factor in units.items():
-        if quantity.endswith(suffix):
-            return int(quantity[:-len(suffix)]) * factor
-    return int(quantity)
 
 
 def test_a_two_node_job_is_admitted_whole_or_not_at_all(memstrata_cluster: Any, ns: str, nodes: Any,

@@ -284,7 +284,7 @@ def test_a_queue_label_under_an_operator_without_kueue_waits_and_says_so():
 
 
 def test_an_admitted_job_goes_only_where_its_flavor_and_quota_allow():
-    wl = kueuewire.Workload("w", "uid-1", "1", {}, {"clusterQueue": "cq"},
+    wl = kueuewire.Workload("w", "1", {}, {"clusterQueue": "cq"},
                         requests={"nvidia.com/gpu": 1, "memory": 100})
     pool = {"pool": "h100"}
     assert kueuewire.allows(wl, pool, {"pool": "h100", "x": "y"}, {"nvidia.com/gpu": 1, "memory": 100})

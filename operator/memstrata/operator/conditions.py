@@ -21,6 +21,18 @@ WARNING_REASONS = frozenset({"Unschedulable", "BackoffAfterFailure", "BackoffLim
                              "Preempted", "PriorityClassNotFound"})
 
 
+def with_condition(conds: list[dict[str, Any]], type_: str, status: str, reason: str, message: str,
+                   now: str) -> list[dict[str, Any]]:
+    """`conds` (a Kubernetes conditions list: a job's, a Kueue Workload's) with this condition set in place, or
+    added; its lastTransitionTime moves only when its status does. Unchanged, the same list."""
+    old = next((c for c in conds if c.get("type") == type_), None)
+    if old and (old.get("status"), old.get("reason"), old.get("message", "")) == (status, reason, message):
+        return conds
+    since = old.get("lastTransitionTime", now) if old is not None and old.get("status") == status else now
+    new = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+    return [new if c is old else c for c in conds] if old else conds + [new]
+
+
 class StatusBuilder:
     def __init__(self, status: Mapping[str, Any], now: datetime, malformed: Mapping[str, str] | None = None) -> None:
         """`status` as read (JobView.status); `malformed`: the operator's own fields taken out of it as unreadable,
@@ -49,15 +61,7 @@ class StatusBuilder:
 
     def condition(self, type_: str, status: str, reason: str, message: str) -> None:
         """Set a condition; lastTransitionTime moves only when its status does."""
-        conds = self._conditions()
-        old = next((c for c in conds if c.get("type") == type_), None)
-        if old and (old.get("status"), old.get("reason"), old.get("message", "")) == (status, reason, message):
-            return
-        since = self.now_str
-        if old is not None and old.get("status") == status:
-            since = old.get("lastTransitionTime", self.now_str)
-        new = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
-        self._new["conditions"] = [new if c is old else c for c in conds] if old else conds + [new]
+        self._new["conditions"] = with_condition(self._conditions(), type_, status, reason, message, self.now_str)
 
     def condition_if_true(self, type_: str, status: str, reason: str, message: str) -> None:
         """Close a condition that is currently True; leave absent ones absent."""

@@ -71,7 +71,6 @@ class Held:
     reason: str
     message: str
     actions: tuple[Action, ...] = ()
-    evicted: bool = False
 
 
 def hold(job: JobView, workload: Workload | None, pods: Sequence[PodView], now: str) -> Held | None:
@@ -102,9 +101,9 @@ def hold(job: JobView, workload: Workload | None, pods: Sequence[PodView], now: 
         if not workload.active and not workload.suspended:
             return Held(reason, f"Kueue deactivated its Workload {workload.name} ({reason}): {message}; it runs "
                                 "again only if the Workload is reactivated (spec.active: true), from its latest "
-                                "checkpoint", tuple(actions), evicted=True)
+                                "checkpoint", tuple(actions))
         return Held(reason, f"evicted by Kueue ({reason}): {message}; it waits in LocalQueue {queue} to be "
-                            "admitted again, and resumes from its latest checkpoint", tuple(actions), evicted=True)
+                            "admitted again, and resumes from its latest checkpoint", tuple(actions))
     if stopping:  # a Workload that lost its admission some other way: its pods may not run either
         actions.insert(0, DeletePods(stopping, f"its Workload {workload.name} is not admitted"))
     reason, message = workload.waiting()

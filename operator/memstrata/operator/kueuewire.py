@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from memstrata.api.finetunejob import API_VERSION as JOB_API_VERSION, KIND as JOB_KIND, FineTuneJobSpec
+from memstrata.api.finetunejob import FineTuneJobSpec
 from memstrata.operator import names
 from memstrata.operator.actions import Action, WorkloadWrite
+from memstrata.operator.conditions import with_condition
+from memstrata.operator.nodes import quantity
 from memstrata.operator.observe import JobView, PodView
-from memstrata.operator.render import TOLERATIONS
+from memstrata.operator.render import TOLERATIONS, child_meta
 
 GROUP = "kueue.x-k8s.io"
 API_VERSION = f"{GROUP}/v1beta2"
@@ -45,14 +47,12 @@ class Workload:
     """What the operator reads of the job's Workload."""
 
     name: str
-    owner_uid: str
     resource_version: str
     conditions: Mapping[str, Mapping[str, Any]]  # by type
     admission: Mapping[str, Any] | None
     active: bool = True
     queue: str = ""
     suspended: bool = False  # deactivated by the operator for its job's suspension (SUSPENDED)
-    count: int = 1
     requests: Mapping[str, int] = field(default_factory=dict)  # each pod's, as the podSet states them
 
     def true(self, type_: str) -> Mapping[str, Any] | None:
@@ -96,25 +96,23 @@ def workload_view(body: Mapping[str, Any]) -> Workload:
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
     status = body.get("status") or {}
-    owner: Mapping[str, Any] = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), {})
     podsets = spec.get("podSets") or [{}]
     container = ((podsets[0].get("template") or {}).get("spec") or {}).get("containers") or [{}]
     requests = (container[0].get("resources") or {}).get("requests") or {}
     return Workload(
-        name=str(meta.get("name") or ""), owner_uid=str(owner.get("uid") or ""),
-        resource_version=str(meta.get("resourceVersion") or ""),
+        name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
         conditions={str(c.get("type")): c for c in status.get("conditions") or []},
         admission=status.get("admission"), active=spec.get("active", True) is not False,
         queue=str(spec.get("queueName") or ""), suspended=SUSPENDED in (meta.get("annotations") or {}),
-        count=int(podsets[0].get("count") or 1), requests={str(k): _quantity(v) for k, v in requests.items()})
+        requests={str(k): _quantity(v) for k, v in requests.items()})
 
 
 def _quantity(value: Any) -> int:
-    """The operator's own quantities: plain integers (bytes for memory), as workload_body writes them."""
+    """A podSet's request, as a node's allocatable is read (nodes.quantity: Kubernetes' Quantity.Value())."""
     try:
-        return int(str(value))
+        return quantity(value)
     except ValueError:
-        return -1  # not the operator's write: no node fits it, so nothing is placed against it
+        return -1  # not a quantity: no node fits it, so nothing is placed against it
 
 
 def workload_body(job: JobView, spec: FineTuneJobSpec, requests: Mapping[str, int],
@@ -126,11 +124,7 @@ def workload_body(job: JobView, spec: FineTuneJobSpec, requests: Mapping[str, in
                  "resources": {"requests": quantities, "limits": quantities}}
     body: dict[str, Any] = {
         "apiVersion": API_VERSION, "kind": "Workload",
-        "metadata": {
-            "name": names.workload_name(job.name, job.uid), "namespace": job.namespace,
-            "labels": names.child_labels(job.name, job.uid),
-            "ownerReferences": [{"apiVersion": JOB_API_VERSION, "kind": JOB_KIND, "name": job.name,
-                                 "uid": job.uid, "controller": True, "blockOwnerDeletion": True}]},
+        "metadata": child_meta(job, names.workload_name(job.name, job.uid)),  # owned by the job: deleted with it
         "spec": {
             "queueName": queue_of(job),
             "active": not spec.run_policy.suspend,
@@ -157,18 +151,12 @@ def allows(workload: Workload, node_labels: Mapping[str, str], labels: Mapping[s
 
 # -- status writes on the Workload (each a compare-and-swap on the version read) ------------------------------------
 
-def _condition(type_: str, status: str, reason: str, message: str, now: str,
-               old: Mapping[str, Any] | None) -> dict[str, Any]:
-    since = old.get("lastTransitionTime", now) if old is not None and old.get("status") == status else now
-    return {"type": type_, "status": status, "reason": reason, "message": message[:32768],
-            "lastTransitionTime": since}
-
-
 def _with(workload: Workload, now: str, *conds: tuple[str, str, str, str]) -> list[dict[str, Any]]:
-    out = {t: dict(c) for t, c in workload.conditions.items()}
+    """The Workload's conditions with `conds` set (a condition's message is at most 32768 characters)."""
+    out = [dict(c) for c in workload.conditions.values()]
     for type_, status, reason, message in conds:
-        out[type_] = _condition(type_, status, reason, message, now, workload.conditions.get(type_))
-    return list(out.values())
+        out = with_condition(out, type_, status, reason, message[:32768], now)
+    return out
 
 
 def release(workload: Workload, now: str) -> WorkloadWrite:

@@ -32,13 +32,13 @@ class Workloads:
         """What the lifecycle needs to decide for a job queued through Kueue."""
         name = names.workload_name(job.name, job.uid)
         try:
-            workload: kueuewire.Workload | None = kueuewire.workload_view(
-                await self.kube.get(api_path(kueuewire.API_VERSION, kueuewire.PLURAL, job.namespace, name)))
+            body = await self.kube.get(api_path(kueuewire.API_VERSION, kueuewire.PLURAL, job.namespace, name))
         except NotFound:
-            workload = None
-        if workload is not None and workload.owner_uid != job.uid:
-            raise children.NameClash(f"Workload {job.namespace}/{name} exists and is not this job's "
-                                     f"(its controller is {workload.owner_uid or 'nobody'})")
+            body = None
+        if body is not None and not children.owned_by(body, job.uid):
+            raise children.NameClash(f"Workload {job.namespace}/{name} exists and is not this job's; memstrata "
+                                     "never adopts an object it did not create for this job")
+        workload = kueuewire.workload_view(body) if body is not None else None
         priority, error = None, ""
         wanted = job.labels.get(kueuewire.PRIORITY_LABEL)
         if workload is None and wanted:
