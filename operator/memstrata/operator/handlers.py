@@ -104,9 +104,7 @@ def _register_events(registry: kopf.OperatorRegistry, reconciler: Reconciler) ->
         pod: Mapping[str, Any] = event["object"]
         meta: Mapping[str, Any] = pod.get("metadata") or {}
         if names.LABEL_JOB_UID in (meta.get("labels") or {}):
-            owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == KIND), None)
-            if owner:
-                reconciler.enqueue((meta.get("namespace", "default"), owner["name"]))
+            _enqueue_owner(reconciler, meta)
         ended = event.get("type") == "DELETED" or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
         if ended and holds_resources(pod):
             reconciler.wake_waiting()
@@ -121,7 +119,11 @@ def _register_workloads(registry: kopf.OperatorRegistry, reconciler: Reconciler)
     @kopf.on.event(kueuewire.GROUP, kueuewire.API_VERSION.split("/")[1], kueuewire.PLURAL, registry=registry,
                    labels={names.LABEL_JOB_UID: kopf.PRESENT})
     async def workload_event(event: kopf.RawEvent, **_: Any) -> None:
-        meta: Mapping[str, Any] = event["object"].get("metadata") or {}
-        owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == KIND), None)
-        if owner:
-            reconciler.enqueue((meta.get("namespace", "default"), owner["name"]))
+        _enqueue_owner(reconciler, event["object"].get("metadata") or {})
+
+
+def _enqueue_owner(reconciler: Reconciler, meta: Mapping[str, Any]) -> None:
+    """Enqueue the FineTuneJob that owns an object of one of its children (a pod, a Workload)."""
+    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == KIND), None)
+    if owner:
+        reconciler.enqueue((meta.get("namespace", "default"), owner["name"]))
