@@ -136,3 +136,36 @@ def test_failure_stage_makes_a_labelled_pod_fail(cluster: ControlPlane, fake_nod
     cluster.wait_for("healthy Running", lambda: _phase(cluster, namespace, "healthy") == "Running", timeout=30)
     time.sleep(2)
     assert _phase(cluster, namespace, "healthy") == "Running"
+
+
+def test_get_json_reads_what_kubectl_prints(cluster: ControlPlane, fake_nodes: FakeNodes, namespace: str) -> None:
+    """The tests' polls are read in-process (e2e.cluster.reader), not by a kubectl process each: every form they
+    use reads exactly what `kubectl get -o json` prints, a missing object fails as kubectl's does, and a form the
+    reader does not serve still goes to kubectl."""
+    from e2e.cluster.controlplane import ControlPlaneError
+
+    fake_nodes.create("read-node", labels={"memstrata.dev/cxl": "true"}, capacity={NVME: "1"})
+    cluster.create(_pod("read-me", {NVME: "1"}, labels={"app": "reader"}), namespace=namespace)
+    forms = [("node", "read-node"), ("nodes", "-l", "memstrata.dev/cxl=true"), ("pods", "-n", namespace),
+             ("pod", "read-me", "-n", namespace), ("po", "-n", namespace, "-l", "app=reader"),
+             ("serviceaccount", "default", "-n", namespace), ("sa", "--all-namespaces"),
+             ("customresourcedefinitions.apiextensions.k8s.io",)]
+    for form in forms:
+        for _ in range(20):  # kwok is still writing the new node's and pod's status: compare a settled object
+            before, theirs = cluster.get_json(*form), json.loads(cluster.kubectl("get", *form, "-o", "json"))
+            ours = cluster.get_json(*form)
+            if _versions(before) == _versions(ours) == _versions(theirs):
+                break
+            time.sleep(0.25)
+        assert json.dumps(ours, sort_keys=True) == json.dumps(theirs, sort_keys=True), form
+    assert [i["metadata"]["name"] for i in cluster.get_json("pods", "-n", namespace)["items"]] == ["read-me"]
+    assert cluster.find_json("pod", "gone", "-n", namespace) is None
+    with pytest.raises(ControlPlaneError, match=r"\(NotFound\)"):
+        cluster.get_json("pod", "gone", "-n", namespace)
+    by_kubectl = cluster.get_json("pod/read-me", "-n", namespace)  # TYPE/NAME: not the reader's form
+    assert by_kubectl["metadata"]["name"] == "read-me"
+
+
+def _versions(obj: dict[str, Any]) -> list[str]:
+    """The resourceVersion of an object, or of each item of a List."""
+    return [str((o.get("metadata") or {}).get("resourceVersion")) for o in obj.get("items", [obj])]

@@ -16,7 +16,6 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster.controlplane import ControlPlaneError
 from e2e.cluster.kwok import fake_node
 from memstrata.api import NodeInventory, render_node
 
@@ -201,12 +200,7 @@ def free_port() -> int:
 
 def lease_holder(cluster: Any) -> str:
     """Who holds the operators' Lease now ("" if nobody)."""
-    try:
-        lease = cluster.get_json("lease", LEASE, "-n", "default")
-    except ControlPlaneError as exc:
-        if "NotFound" in str(exc):  # nobody has created it yet
-            return ""
-        raise
+    lease = cluster.find_json("lease", LEASE, "-n", "default") or {}  # none: nobody has created it yet
     return (lease.get("spec") or {}).get("holderIdentity") or ""
 
 

@@ -196,7 +196,7 @@ class RealNode:
 
     def wait_ready(self, timeout: float) -> None:
         def ready() -> bool:
-            node = json.loads(self.cluster.kubectl("get", "node", self.name, "-o", "json", "--ignore-not-found") or "{}")
+            node = self.cluster.find_json("node", self.name) or {}
             conds = (node.get("status") or {}).get("conditions") or []
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
