@@ -22,9 +22,16 @@ G = 1 << 30
 
 
 def test_caps_are_base_plus_bytes_per_param_with_the_all_fits_cap_last() -> None:
-    caps = budget.caps(1000, 100, [16, 2.2, 8])
+    caps = budget.caps(1000, 100, [16, 2.2, 8], all_fits=20.0)
     assert [(c["k"], c["bytes"], c["all_fits"]) for c in caps] == [
         (2.2, 1220, False), (8, 1800, False), (16, 2600, False), (20.0, 3000, True)]
+
+
+def test_the_all_fits_cap_holds_stock_cpu_offloads_state_with_room() -> None:
+    # 16-bit weights and gradients, fp32 gradient partitions, master and two moments: 20 B/param, and room beyond
+    assert budget.ALL_FITS_BYTES_PER_PARAM > 2 + 2 + 4 + 4 + 8
+    assert budget.caps(1000, 100, [])[-1] == {"k": budget.ALL_FITS_BYTES_PER_PARAM, "all_fits": True,
+                                               "bytes": int(1000 + budget.ALL_FITS_BYTES_PER_PARAM * 100)}
 
 
 DISKSTATS = """\
@@ -144,7 +151,7 @@ def _model(ours: list[float | None], tuned: list[float | None], cpu_fits: float 
                      "runs": [_run("memstrata", o, rss, io=(1 << 30, 1 << 29)), _run("stock-tuned", t, 4 * G)]})
     caps.append({"k": 20, "bytes": 0, "all_fits": True,
                  "runs": [_run("memstrata", ours_fits, rss), _run("stock-cpu", cpu_fits, 2 * G)]})
-    m: dict[str, Any] = {"caps": caps, "params": 100, "base_bytes": 1000}
+    m: dict[str, Any] = {"caps": caps, "params": 100, "base_bytes": 1000, "all_fits_k": 20.0}
     if floors is not None:
         m["floors"] = {n: {"probes": [_probe(k, how) for k, how in p]} for n, p in floors.items()}
     return m
@@ -192,7 +199,7 @@ def _bisect(floor: float | None, crash_at: float | None = None, top: float = 20.
 def test_bisection_converges_on_the_floor_within_its_resolution(floor: float) -> None:
     tried = _bisect(floor)
     assert tried[0] == (20.0, "ok")  # the all-fits k runs first
-    got = budget.floor_of([{"k": k, "ok": o == "ok", "oom_killed": o == "oom"} for k, o in tried])
+    got = budget.floor_of([{"k": k, "ok": o == "ok", "oom_killed": o == "oom"} for k, o in tried], 20.0)
     assert got["status"] == "found" and got["k"] >= floor
     assert got["k"] - got["failing_k"] <= max(budget.FLOOR_RESOLUTION, budget.FLOOR_RELATIVE * got["k"])
     assert got["failing_k"] < floor and len(tried) <= 8
@@ -200,14 +207,14 @@ def test_bisection_converges_on_the_floor_within_its_resolution(floor: float) ->
 
 def test_a_contender_that_never_passes_is_above_all_fits_after_one_run() -> None:
     assert _bisect(None) == [(20.0, "oom")]
-    got = budget.floor_of([_probe(20.0, "oom")])
+    got = budget.floor_of([_probe(20.0, "oom")], 20.0)
     assert got["status"] == "above all-fits" and got["k"] is None and "OOM killer" in got["reason"]
 
 
 def test_a_contender_that_passes_at_every_k_stops_near_zero() -> None:
     tried = _bisect(0.0)
     assert all(o == "ok" for _, o in tried)
-    got = budget.floor_of([_probe(k, True) for k, _ in tried])
+    got = budget.floor_of([_probe(k, True) for k, _ in tried], 20.0)
     assert got["status"] == "found" and 0 < got["k"] <= budget.FLOOR_RESOLUTION
     assert got["failing_k"] is None and got["reason"] == "passes at every k tried"
 
@@ -215,7 +222,7 @@ def test_a_contender_that_passes_at_every_k_stops_near_zero() -> None:
 def test_a_crash_stops_the_bisection_and_is_reported_not_read_as_short_of_memory() -> None:
     tried = _bisect(3.0, crash_at=10.0)
     assert tried == [(20.0, "ok"), (10.0, "error")]
-    got = budget.floor_of([_probe(20.0, True), _probe(10.0, "crash")])
+    got = budget.floor_of([_probe(20.0, True), _probe(10.0, "crash")], 20.0)
     assert got["status"] == "error" and got["k"] is None and got["upper_k"] == 20.0
     assert got["reason"] == "stopped at k=10: timed out after 900 s"
 
@@ -225,9 +232,9 @@ def test_outcomes_short_of_memory_keep_bisecting_and_the_planners_refusal_counts
         "oom", "enomem", "refused", "error", "ok"]
     assert budget.outcome({"ok": False, "error": "no plan: budget too small"}) == "refused"
     tried = [(20.0, "ok"), (10.0, "refused"), (15.0, "enomem")]
-    assert budget.next_k(tried) == 17.5
-    assert budget.next_k(tried + [(17.5, "ok")]) == 16.25  # [15, 17.5] is wider than 10% of 17.5
-    assert budget.next_k(tried + [(17.5, "ok"), (16.25, "oom")]) is None  # [16.25, 17.5]: 1.25 <= 1.75
+    assert budget.next_k(tried, 20.0) == 17.5
+    assert budget.next_k(tried + [(17.5, "ok")], 20.0) == 16.25  # [15, 17.5] is wider than 10% of 17.5
+    assert budget.next_k(tried + [(17.5, "ok"), (16.25, "oom")], 20.0) is None  # [16.25, 17.5]: 1.25 <= 1.75
 
 
 def test_floor_ratio_is_memstrata_k_over_the_best_stock_k() -> None:
@@ -258,9 +265,9 @@ def test_floor_ratio_is_unknown_when_a_stock_bisection_crashed_and_an_upper_boun
 
 def test_measured_caps_run_from_memstrata_floor_through_stock_floors_to_all_fits() -> None:
     f = {"memstrata": {"k": 3.1}, "stock-tuned": {"k": 6.9}, "stock-default": {"k": 7.2}, "stock-cpu": {"k": None}}
-    assert budget.measure_ks(f) == [3.1, 6.9, 20.0]  # 7.2 is within 0.5 of 6.9
-    assert budget.measure_ks({"memstrata": {"k": 4.0}, "stock-cpu": {"k": None}}) == [4.0, 12.0, 20.0]
-    assert budget.measure_ks({"memstrata": {"k": None}}) == [20.0]
+    assert budget.measure_ks(f, 20.0) == [3.1, 6.9, 20.0]  # 7.2 is within 0.5 of 6.9
+    assert budget.measure_ks({"memstrata": {"k": 4.0}, "stock-cpu": {"k": None}}, 20.0) == [4.0, 12.0, 20.0]
+    assert budget.measure_ks({"memstrata": {"k": None}}, 20.0) == [20.0]
     f = {"memstrata": {"k": 3.1, "upper_k": 3.1}, "stock-tuned": {"k": 6.9, "upper_k": 6.9},
          "stock-cpu": {"k": None, "upper_k": 20.0}}
     assert budget.fits_at(f, 3.1) == ["memstrata"] and budget.fits_at(f, 20.0) == list(f)
