@@ -12,13 +12,10 @@ logs stay in the work dir (`cp.logs_tail()` shows the end of each).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -30,6 +27,7 @@ from typing import Any
 
 from e2e.cluster.pki import SERVICE_CIDR, Pki, kubeconfig_yaml, make_pki
 from e2e.cluster.kwok import MANAGED_ANNOTATION, MANAGED_VALUE
+from e2e.cluster.procs import die_with_parent, free_port, terminate
 from e2e.cluster.reader import ApiReader, NotFound
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
@@ -74,22 +72,6 @@ def bin_dir_from_env() -> tuple[Path | None, str]:
     if not (path / ".built").exists() or missing:
         return None, f"control-plane binaries not built in {path} (missing: {missing or ['.built']}); run `make cluster-bins`"
     return path, ""
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    # The port is released before the server binds it; a clash with another
-    # program is possible but rare, and start() then fails loudly. Ports
-    # already handed out in this process are never repeated.
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 class ControlPlane:
@@ -386,28 +368,3 @@ class ControlPlane:
                 return False
 
         self.wait_for(what, ok, timeout=self.startup_timeout_s, interval=0.1)
-
-
-def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM the process group, SIGKILL it after grace_s, and reap it."""
-    if proc.poll() is None:
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
-    proc.wait()
-
-
-def die_with_parent() -> None:
-    # Runs in the child before exec: if the test process is killed outright
-    # (no finalizers run), the kernel kills the component too, so nothing is
-    # left holding ports. PR_SET_PDEATHSIG = 1.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass

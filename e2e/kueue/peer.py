@@ -23,9 +23,8 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster.controlplane import (
-    ControlPlane, ControlPlaneError, cache_root, cluster_versions, die_with_parent, free_port, terminate,
-)
+from e2e.cluster.controlplane import ControlPlane, ControlPlaneError, cache_root, cluster_versions
+from e2e.cluster.procs import die_with_parent, free_port, terminate
 from memstrata.api.finetunejob import GROUP, KIND, VERSION
 
 METRICS_CERTS = Path("/etc/kueue/metrics/certs")  # fixed in Kueue 0.17's main.go

@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import yaml
 
 from e2e.cluster.kwok import fake_node
+from e2e.cluster.procs import free_port
 from memstrata.api import NodeInventory, render_node
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,12 +190,6 @@ class OperatorProcess:
     def tail(self, lines: int = 40) -> str:
         text = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
         return "\n".join(text[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def lease_holder(cluster: Any) -> str:

@@ -27,6 +27,7 @@ from memstrata.operator.observe import job_view
 from memstrata.operator.render import gang_objects
 from memstrata.plan import plan_job
 
+from e2e.cluster.procs import free_port
 from e2e.operator.harness import token_kubeconfig
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -35,13 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "finetune-tiny.yaml"
 STEPS = 6
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_two_real_pods_report_without_overwriting_each_other(memstrata_cluster: Any, namespace: str,
@@ -69,7 +63,7 @@ def test_two_real_pods_report_without_overwriting_each_other(memstrata_cluster: 
     account = names.runtime_account_name("pair-pods", body["metadata"]["uid"])
     kubeconfig = token_kubeconfig(cluster, namespace, account, tmp_path / "runtime.kubeconfig")
 
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank, pod in enumerate(pods):
         env = {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.cluster.controlplane import (
-    ControlPlane, ControlPlaneError, cache_root, cluster_versions, die_with_parent, free_port, terminate,
-)
+from e2e.cluster.controlplane import ControlPlane, ControlPlaneError, cache_root, cluster_versions
+from e2e.cluster.procs import die_with_parent, free_port, terminate
 from e2e.cluster.pki import client_kubeconfig, sign_client
 from e2e.realnode.images import ctr_command
 from e2e.realnode.hoststate import (
