@@ -64,7 +64,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstrata.runtime.swap.cpufacts import cpu_info_answered
-from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, node_ranks, release_free_heap
+from memstrata.runtime.swap.layer import (SwapLayer, SwapSettings, activate, bound_host_heap, node_ranks,
+                                          release_free_heap)
 from memstrata.runtime.swap.stratamap import unplanned_namespace_bytes
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
 from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed
@@ -213,6 +214,11 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
     unplanned layer makes its file-backed namespace (`_unplanned_dir`)."""
     check_version()
     ensure_verified()
+    # The heap the runtime gives every run (memstrata.runtime.train.recipe), wherever the engine is opened (a
+    # script calling memstrata.runtime.initialize, the offload benchmark): without it a run's host peak varies
+    # with its threads' timing (gpt-350m at a 1.99 GiB budget: 3.3-3.9 GiB, OOM-killed under a 3.78 GiB cap in
+    # half the runs the benchmark watched; with it 3.07-3.08 GiB in every run).
+    bound_host_heap()
     import deepspeed
     from deepspeed import comm as dist
 
