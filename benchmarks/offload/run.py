@@ -11,7 +11,7 @@ defaults ('stock-default'), with the buffer counts memstrata's stock config uses
 everything offloaded to the CPU ('stock-cpu'). Both engines build the model under zero.Init in bf16.
 
 Per model, first each contender's floor: the smallest k it completes under, bisected with short runs
-(--probe-warmup 1 + --probe-measured 2 steps; budget.next_k: the all-fits k 20 first, then midpoints until the
+(--probe-warmup 1 + --probe-measured 2 steps; budget.next_k: the all-fits k (24) first, then midpoints until the
 interval is max(0.5 B/param, 10% of k); an OOM kill, MemoryError/ENOMEM or the planner's refusal means "more
 memory", a crash or timeout stops that contender's bisection with its reason). Then full runs (--warmup +
 --measured steps) at memstrata's floor k, each stock floor k above it (or a midpoint) and the all-fits k, by

@@ -172,9 +172,9 @@ class ControlPlane:
         """`kubectl get ARGS -o json`, parsed: read in-process where ARGS is a plain form (e2e.cluster.reader),
         else, or when that read fails in any other way than NotFound, by kubectl itself (its errors are the ones
         the tests know)."""
-        if self._reader is None and self.kubeconfig.is_file():
-            self._reader = ApiReader(self.kubeconfig)
         try:
+            if self._reader is None and self.kubeconfig.is_file():
+                self._reader = ApiReader(self.kubeconfig)
             got = self._reader.get(args) if self._reader is not None else None
         except NotFound as exc:
             raise ControlPlaneError(f"kubectl get {' '.join(args)} failed (1): Error from server (NotFound): {exc}"

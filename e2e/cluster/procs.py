@@ -24,7 +24,6 @@ def free_port() -> int:
             return port
 
 
-
 def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM the process group, SIGKILL it after grace_s, and reap it."""
     if proc.poll() is None:

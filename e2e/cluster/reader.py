@@ -11,11 +11,14 @@ the caller runs kubectl itself, so no form the tests use reads differently.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 _FLAGS_WITH_VALUE = {"-n": "namespace", "--namespace": "namespace", "-l": "selector", "--selector": "selector"}
 _ALL_NAMESPACES = ("-A", "--all-namespaces")
+REQUEST_TIMEOUT_S = 60  # what a kubectl poll was given (ControlPlane.kubectl)
+MISS_RETRY_S = 10.0  # a name discovery did not know is looked up again (a full re-read) at most this often
 
 
 class NotFound(LookupError):
@@ -36,6 +39,8 @@ def parse_get(args: tuple[str, ...]) -> dict[str, Any] | None:
             return None  # another flag, a TYPE/NAME or a list of types: kubectl's own
         else:
             out["positional"].append(arg)
+    if len(out["positional"]) == 2 and (out["all"] or out["selector"]):
+        return None  # a name with -A or -l: kubectl refuses it, in its own words
     return out if 1 <= len(out["positional"]) <= 2 else None
 
 
@@ -57,6 +62,7 @@ class ApiReader:
                                              cache_file=str(kubeconfig.parent / "discovery.json"))
         self._lock = threading.Lock()
         self._resources: dict[str, Any] = {}
+        self._missed: dict[str, float] = {}
 
     def get(self, args: tuple[str, ...]) -> dict[str, Any] | None:
         """What `kubectl get ARGS -o json` prints, parsed; None where ARGS is not a form served here or names a
@@ -73,8 +79,13 @@ class ApiReader:
         namespace = None if not resource.namespaced or (parsed["all"] and name is None) else (
             parsed["namespace"] or "default")
         try:
-            got = resource.get(name=name, namespace=namespace, label_selector=parsed["selector"]).to_dict()
+            got = resource.get(name=name, namespace=namespace, label_selector=parsed["selector"],
+                               _request_timeout=REQUEST_TIMEOUT_S).to_dict()
         except NotFoundError as exc:
+            if name is None:  # the resource itself is gone (a CRD deleted): forget it, kubectl says so
+                with self._lock:
+                    self._resources = {k: r for k, r in self._resources.items() if r is not resource}
+                return None
             raise NotFound(f'{resource.kind} "{name}" not found ({exc.status} {exc.reason})') from None
         if name is not None:
             return _as_printed(got)
@@ -84,12 +95,16 @@ class ApiReader:
 
     def _resource(self, name: str) -> Any:
         """The API resource `name` stands for, memoised; discovery is read again when no resource matches (a CRD
-        installed since it was read)."""
+        installed since it was read), at most every MISS_RETRY_S for one name."""
+        name = name.lower()
         with self._lock:
             for attempt in range(2):
                 if name in self._resources:
                     break
                 if attempt:
+                    if time.monotonic() - self._missed.get(name, -MISS_RETRY_S) < MISS_RETRY_S:
+                        break
+                    self._missed[name] = time.monotonic()
                     self._client.resources.invalidate_cache()
                 found = [r for r in self._client.resources.search() if _names(r, name)]
                 if found:
@@ -105,4 +120,5 @@ def _names(resource: Any, name: str) -> bool:
     plural, _, group = name.partition(".")
     if group:
         return bool(own == plural and resource.group == group)
-    return name in (own, getattr(resource, "singular_name", None), *(getattr(resource, "short_names", None) or ()))
+    kind = str(getattr(resource, "kind", "")).lower()
+    return name in (own, kind, getattr(resource, "singular_name", None), *(getattr(resource, "short_names", None) or ()))

@@ -158,6 +158,7 @@ def test_get_json_reads_what_kubectl_prints(cluster: ControlPlane, fake_nodes: F
                 break
             time.sleep(0.25)
         assert json.dumps(ours, sort_keys=True) == json.dumps(theirs, sort_keys=True), form
+        assert cluster._reader is not None and cluster._reader.get(form) is not None, f"{form} went to kubectl"
     assert [i["metadata"]["name"] for i in cluster.get_json("pods", "-n", namespace)["items"]] == ["read-me"]
     assert cluster.find_json("pod", "gone", "-n", namespace) is None
     with pytest.raises(ControlPlaneError, match=r"\(NotFound\)"):

@@ -37,7 +37,6 @@ TINY = REPO / "examples" / "finetune-tiny.yaml"
 STEPS = 6
 
 
-
 def test_two_real_pods_report_without_overwriting_each_other(memstrata_cluster: Any, namespace: str,
                                                              tmp_path: Path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: run `make install`")

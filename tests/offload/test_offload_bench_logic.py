@@ -333,7 +333,7 @@ def test_probes_that_run_out_bound_the_floor_and_the_ratio_stays_conservative() 
     failing k, so the ratio is an upper bound."""
     probes = [_probe(k, h) for k, h in ((20, True), (10, True), (5, True), (2.5, "refused"), (3.75, True),
                                         (3.125, "refused"))]
-    got = budget.floor_of(probes)
+    got = budget.floor_of(probes, 20.0)
     assert got["status"] == "bounded" and got["k"] == 3.75 and got["failing_k"] == 3.125
     assert "probes ran out" in got["reason"]
     floors = {"memstrata": [(k, o) for k, o in ((20, True), (10, True), (5, True), (2.5, "refused"), (3.75, True),
