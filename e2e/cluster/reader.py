@@ -113,7 +113,8 @@ class ApiReader:
 
 
 def _names(resource: Any, name: str) -> bool:
-    """Whether kubectl would take `name` for `resource`: its plural, singular or a short name, or `plural.group`."""
+    """Whether kubectl would take `name` (lowercased) for `resource`: its plural, kind, singular or a short name, or
+    `plural.group`."""
     own = getattr(resource, "name", None)  # discovery's List pseudo-resource has none
     if not own or "/" in own:  # nor is a subresource (pods/log) read here
         return False

@@ -207,7 +207,7 @@ def test_deleting_a_namespace_with_jobs_in_it(memstrata_cluster, operator, ns, n
     cluster.kubectl("delete", "namespace", doomed, "--wait=false")
 
     def gone() -> bool:
-        return not cluster.kubectl("get", "namespace", doomed, "--ignore-not-found", "-o", "name").strip()
+        return cluster.find_json("namespace", doomed) is None
 
     try:
         wait(f"namespace {doomed} gone", gone, timeout=180, interval=1)

@@ -176,5 +176,4 @@ def test_ttl_after_finished_deletes_the_job(memstrata_cluster, ns, nodes):
     cluster = memstrata_cluster
     nodes.add("gpu", dram_gib=64, gpus=1)
     apply_yaml(cluster, job("brief", labels={SUCCEED_LABEL: "true"}, run_policy={"ttlSecondsAfterFinished": 2}), ns)
-    wait("job deleted after its TTL", lambda: cluster.kubectl("get", "ftj", "-n", ns, "-o", "name").strip() == "",
-         timeout=60)
+    wait("job deleted after its TTL", lambda: cluster.get_json("ftj", "-n", ns)["items"] == [], timeout=60)

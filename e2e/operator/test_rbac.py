@@ -346,7 +346,7 @@ def test_the_operator_runs_a_watched_namespaces_job_under_the_charts_identity(
             "owned", cp.get_json("finetunejob", "owned", "-n", WATCHED)["metadata"]["uid"])
 
         def made() -> bool:
-            return all(cp.kubectl("get", kind, account, "-n", WATCHED, "--ignore-not-found", "-o", "name").strip()
+            return all(cp.find_json(kind, account, "-n", WATCHED) is not None
                        for kind in ("serviceaccount", "role", "rolebinding"))
 
         try:
