@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from memstrata.runtime.swap.hostheap import thp_offered
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "finetune-tiny.yaml"
 
@@ -74,6 +76,9 @@ def test_tiny_example_on_the_memstrata_engine(deepspeed_ready: None, tmp_path: P
     assert ms["nvme"]["bytesWritten"] >= moved["optimizer"]["written"]
     assert ms["dram"]["residentStateBytes"] > 0, ms["dram"]
     assert ms["dram"]["lockedBytes"] > 0
+    # The run bounded its heap before its first tensor, so torch's big CPU blocks are backed by huge pages
+    # (memstrata.runtime.swap.hostheap); None only where the kernel offers none.
+    assert ms["dram"]["hugePageTensors"] is (True if thp_offered() else None), ms["dram"]
     # The report's nvme stratum is memstrata's engine, not block I/O guessed from outside.
     assert r["strata"]["nvme"]["bytes_written"] == ms["nvme"]["bytesWritten"]
     assert "memstrata swap layer" in out and "optimizer state written / read" in out

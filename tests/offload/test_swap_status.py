@@ -16,7 +16,7 @@ NVME_KEYS = ["namespaces", "bytesWritten", "bytesRead", "bytesLive", "bytesLiveP
              "ioTokenWaitSeconds", "ioTokenBypasses"]
 DRAM_KEYS = ["lockedBytes", "lockedPeakInUse", "trimmedBytes", "pinnedBytes", "optimizerCacheBytes",
              "residentStateBytes", "residentSubgroups", "residentWeightBytes", "prefetchHits", "optimizerCacheHits",
-             "slicedSubgroups", "slicesUpdated", "subGroupOrders", "gradients", "vmLockedBytes"]
+             "slicedSubgroups", "slicesUpdated", "subGroupOrders", "gradients", "vmLockedBytes", "hugePageTensors"]
 
 
 def test_status_json_has_the_keys_its_readers_use_and_counts_what_moved(tmp_path: Path) -> None:

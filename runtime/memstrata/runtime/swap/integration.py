@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstrata.runtime.swap.cpufacts import cpu_info_answered
-from memstrata.runtime.swap.layer import (SwapLayer, SwapSettings, activate, bound_host_heap, node_ranks,
-                                          release_free_heap)
+from memstrata.runtime.swap.hostheap import bound_host_heap, release_free_heap, warn_without_huge_pages
+from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, node_ranks
 from memstrata.runtime.swap.stratamap import unplanned_namespace_bytes
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
 from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed
@@ -217,8 +217,10 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
     # The heap the runtime gives every run (memstrata.runtime.train.recipe), wherever the engine is opened (a
     # script calling memstrata.runtime.initialize, the offload benchmark): without it a run's host peak varies
     # with its threads' timing (gpt-350m at a 1.99 GiB budget: 3.3-3.9 GiB, OOM-killed under a 3.78 GiB cap in
-    # half the runs the benchmark watched; with it 3.07-3.08 GiB in every run).
+    # half the runs the benchmark watched; with it 3.07-3.08 GiB in every run). Its page faults are taken back by
+    # huge pages, where torch has not allocated yet (memstrata.runtime.swap.hostheap).
     bound_host_heap()
+    huge_pages = warn_without_huge_pages()
     import deepspeed
     from deepspeed import comm as dist
 
@@ -231,10 +233,12 @@ def open_layer(config: dict[str, Any] | str | os.PathLike[str] | None,
         # at speed, and NCCL nothing else), gloo on the CPU.
         init_distributed(accelerator.communication_backend_name())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank,
-                          local_world=node_ranks(settings, os.environ),
-                          fallback_dir=_unplanned_dir(settings, config, swap_dir),
-                          needed_bytes=unplanned_namespace_bytes(numel), device=accelerator.current_device_name())
+    layer = SwapLayer.open(settings, rank=dist.get_rank(), local_rank=local_rank,
+                           local_world=node_ranks(settings, os.environ),
+                           fallback_dir=_unplanned_dir(settings, config, swap_dir),
+                           needed_bytes=unplanned_namespace_bytes(numel), device=accelerator.current_device_name())
+    layer.huge_page_tensors = huge_pages
+    return layer
 
 
 @contextlib.contextmanager

@@ -8,8 +8,6 @@ classes (which DeepSpeed instantiates with its own fixed arguments) find it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -25,12 +23,13 @@ from memstrata.runtime.strata.pinned import LockedPool, vm_locked_bytes
 from memstrata.runtime.strata.affinity import TensorKind, place
 from memstrata.runtime.strata.dma import DmaDevice, dma_device
 from memstrata.runtime.swap.handle import ExtentSwapHandle, SwapCounters
+from memstrata.runtime.swap.hostheap import release_free_heap
 from memstrata.runtime.swap.pinning import Pins
 from memstrata.runtime.swap.status import (ActivationStatus, DramStatus, MovedBytes, NvmeStatus, OverlapStatus,
                                            SwapStatus)
 from memstrata.runtime.swap.tokens import IoTokens
 
-__all__ = ["SwapSettings", "SwapLayer", "active", "activate", "node_ranks", "release_free_heap"]
+__all__ = ["SwapSettings", "SwapLayer", "active", "activate", "node_ranks"]
 
 
 class SwapSettings(BaseModel):
@@ -147,43 +146,6 @@ def activate(layer: SwapLayer) -> Iterator[SwapLayer]:
         _active = None
 
 
-@functools.cache
-def _glibc(name: str) -> Any:
-    """glibc's function `name` from this process's own symbols, or None where there is no glibc."""
-    try:
-        return getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):
-        return None
-
-
-def release_free_heap() -> None:
-    """Return malloc's free pages to the kernel (glibc `malloc_trim(0)`; a no-op elsewhere).
-
-    Tensors under glibc's dynamic mmap threshold (up to 32 MiB) come from the
-    heap, and what they free stays resident until trimmed."""
-    trim = _glibc("malloc_trim")
-    if trim is not None:
-        trim(0)
-
-
-# glibc's mallopt parameter number and the size from which every allocation gets its own mapping.
-_M_MMAP_THRESHOLD = -3
-HEAP_MMAP_THRESHOLD = 1 << 20
-
-
-def bound_host_heap() -> bool:
-    """Serve every host allocation of HEAP_MMAP_THRESHOLD bytes or more from its own mapping, unmapped when freed
-    (glibc `mallopt(M_MMAP_THRESHOLD)`; False where there is no glibc).
-
-    glibc's default moves the threshold up to the largest block freed so far (at most 32 MiB), after which a
-    layer's activations of a few MiB come from the heap, and the holes they leave stay resident: SmolLM2-135M at
-    4 x 1024 tokens held 1.1 GiB above its saved tensors (4.8 GiB for 3.7), which no plan can count. A fixed
-    threshold makes the host's peak the tensors the planner counts (memstrata.plan.accounting.activation_bytes);
-    its price is a page fault per fresh page, measured 20% more forward and backward time on the CPU."""
-    mallopt = _glibc("mallopt")
-    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
-
-
 def locked_pool(settings: SwapSettings, kind: TensorKind, *, dma: DmaDevice | None = None,
                 chunk_bytes: int | None = None) -> LockedPool:
     """A locked pool for buffers of `kind`; it allocates nothing until asked.
@@ -251,6 +213,7 @@ class SwapLayer:
         self.prefetch_hits = 0  # counted by the optimizer swapper's read-ahead
         self.overflow_checks = 0
         self.trimmed_bytes = 0
+        self.huge_page_tensors: bool | None = None  # set by whoever opens it (integration.open_layer)
         self.subgroup_order: Any = None  # memstrata.runtime.swap.suborder.SubGroupOrder, once installed
         self.dram_gradients: Any = None  # memstrata.runtime.swap.gradients.DramGradients, once installed
         self.sliced: Any = None  # memstrata.runtime.swap.sliced.SlicedUpdate, once installed
@@ -366,6 +329,7 @@ class SwapLayer:
                 sub_group_orders=order.history[-8:] if order is not None else [],
                 gradients=self.dram_gradients.status() if self.dram_gradients is not None else None,
                 vm_locked_bytes=vm_locked_bytes(),
+                huge_page_tensors=self.huge_page_tensors,
             ),
             activations=self._activation_status(),
             update_overlap=(self.overlap.report() if self.overlap is not None

@@ -69,6 +69,9 @@ class DramStatus(_Status):
     sub_group_orders: list[list[int]] = Field(description="Update order of the last walks (at most 8).")
     gradients: GradientStatus | None = Field(description="None: gradients are not kept in DRAM by memstrata.")
     vm_locked_bytes: int = Field(description="The kernel's VmLck for this process.")
+    huge_page_tensors: bool | None = Field(None, description="Whether torch's CPU blocks of 2 MiB or more are "
+                                           "advised huge pages (memstrata.runtime.swap.hostheap); None: the kernel "
+                                           "offers none, or the layer was not opened by the runtime.")
 
 
 class ActivationStatus(_Status):

@@ -54,7 +54,7 @@ from memstrata.runtime.train.preflight import (
 )
 from memstrata.runtime.train.building import build_engine, setup_distributed, torch_dtype
 from memstrata.runtime.swap.protocols import TrainingEngine
-from memstrata.runtime.swap.layer import bound_host_heap
+from memstrata.runtime.swap.hostheap import bound_host_heap
 from memstrata.runtime.swap.status import SwapStatus
 from memstrata.runtime.swap.stratamap import SwapStrata, create_file_namespaces, swap_settings
 
