@@ -140,7 +140,9 @@ def test_quota_admits_one_of_two_and_the_second_runs_when_the_first_finishes(
          .get("status") == "True", timeout=30)
     (second_pod,) = wait("second's pod", lambda: pods_of(cluster, ns, "second") or None, timeout=60)
     second_admitted = time.monotonic() - finished_at
-    assert condition(ftj(cluster, ns, "second"), "Queued")["reason"] == "Admitted"
+    # The operator creates the pod, then records the admission on the job: the condition may land a moment later.
+    wait("second's Queued condition Admitted",
+         lambda: condition(ftj(cluster, ns, "second"), "Queued").get("reason") == "Admitted", timeout=30)
     cluster.kubectl("label", "pod", second_pod["metadata"]["name"], "-n", ns, f"{SUCCEED_LABEL}=true")
     wait("second Succeeded", lambda: phase(cluster, ns, "second") == "Succeeded", timeout=60)
     print(f"\n[kueue] first job admitted and its pod created {first_admitted:.1f} s after submission; the second "

@@ -128,7 +128,7 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                  "optimizerCacheBytes": 12 << 20, "residentStateBytes": 36 << 20, "residentSubgroups": 3,
                  "residentWeightBytes": 4 << 20, "prefetchHits": 5, "optimizerCacheHits": 7,
                  "slicedSubgroups": 1, "slicesUpdated": 12, "subGroupOrders": [[0, 1], [1, 0]],
-                 "gradients": None, "vmLockedBytes": 96 << 20},
+                 "gradients": None, "vmLockedBytes": 96 << 20, "hugePageTensors": False},
         "activations": {"stratum": "cxl", "numaNodes": [2, 3], "livePeakBytes": 24 << 20,
                         "offloadedBytes": 120 << 20, "returnedBytes": 120 << 20, "prefetched": 19, "tensors": 20, "lockedBytes": 32 << 20},
         "updateOverlap": {"on": True, "refused": "", "updates": 4, "updateSeconds": 2.0, "forwardWaits": 9,
@@ -150,6 +150,7 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
     assert "memstrata swap layer" in text and "written through 1 namespace(s)" in text
     assert "optimizer state written / read" in text and "500.0 MiB / 450.0 MiB" in text
     assert "12.0 MiB, 7 hits" in text
+    assert "torch's CPU blocks on huge pages" in text and "NO (torch allocated first" in text
     assert "pinned for ZeRO-3 (weights, gradients; exact)" in text and "3.0 MiB" in text
     assert "activation checkpoints, peak held (NUMA 2,3)" in text and "24.0 MiB" in text
     assert "activation checkpoints moved, 19 prefetched" in text and "120.0 MiB" in text

@@ -242,6 +242,9 @@ def render_memstrata(status: SwapStatus, console: Console) -> None:
         t.add_row("dram", "pinned for ZeRO-3 (weights, gradients; exact)", format_bytes(dram.pinned_bytes))
     t.add_row("dram", "optimizer sub-groups cached", f"{format_bytes(dram.optimizer_cache_bytes)}, "
               f"{dram.optimizer_cache_hits} hits")
+    if dram.huge_page_tensors is not None:  # False costs the forward and backward a page fault per 4 KiB
+        t.add_row("dram", "torch's CPU blocks on huge pages", "yes" if dram.huge_page_tensors else
+                  "NO (torch allocated first; start with THP_MEM_ALLOC_ENABLE=1)")
     act = status.activations
     if act is not None:
         nodes = f" (NUMA {','.join(map(str, act.numa_nodes))})" if act.numa_nodes else ""
