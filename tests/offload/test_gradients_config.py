@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from memstrata.runtime.swap.gradients import accumulation_config
 
@@ -34,3 +35,29 @@ def test_a_config_file_is_read(tmp_path: Path) -> None:
     assert accumulation_config(path)["data_types"]["grad_accum_dtype"] == "bf16"
     missing = tmp_path / "missing.json"
     assert accumulation_config(missing) == missing  # DeepSpeed names the unreadable file itself
+
+
+def test_the_boundary_norm_is_stocks_without_widening_the_whole_partition() -> None:
+    """gpt-125m's embedding gradient is 38.6M elements: stock widens it whole to fp64 for its norm (309 MB, the
+    backward's host peak); memstrata's norm widens NORM_CHUNK_ELEMENTS at a time and agrees with stock's."""
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from torch.profiler import ProfilerActivity, profile
+
+    from memstrata.runtime.swap.gradients import NORM_CHUNK_ELEMENTS, partition_norm
+
+    grad = (torch.randn(5 * NORM_CHUNK_ELEMENTS + 123, generator=torch.Generator().manual_seed(3)) * 1e-3
+            ).to(torch.bfloat16)
+
+    def biggest_block(fn: Any) -> tuple[Any, int]:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+            out = fn()
+        return out, max(e.cpu_memory_usage for e in p.events())
+
+    stock, stock_block = biggest_block(lambda: DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2(None, grad))
+    ours, our_block = biggest_block(lambda: partition_norm(grad))
+    assert ours.dtype == stock.dtype == torch.float64
+    assert abs(ours.item() - stock.item()) <= 1e-12 * stock.item()
+    assert stock_block >= grad.numel() * 8  # the whole partition, widened
+    assert our_block <= NORM_CHUNK_ELEMENTS * 8, our_block
+    assert partition_norm(torch.zeros(0, dtype=torch.bfloat16)).item() == 0.0

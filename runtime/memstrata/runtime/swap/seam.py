@@ -204,8 +204,8 @@ SEAM: tuple[Dependency, ...] = (
                set_in="__init__"),
     Dependency(Kind.ATTRIBUTE, _Z3, "fp16_partitioned_groups_flat_numel", "each sub-group's size, which the resident "
                "budget is spent on", set_in="__init__"),
-    Dependency(Kind.CALLED, _Z3, "_constant_buffered_norm2", "the gradient norm stock records at the boundary",
-               params=("input",)),
+    Dependency(Kind.CALLED, f"{_ZERO}.utils", "get_norm_dtype", "the dtype stock sums gradient norms in, which "
+               "memstrata's boundary norm (memstrata.runtime.swap.gradients.partition_norm) sums in too", params=()),
     Dependency(Kind.CALLED, _Z3, "get_param_id", "keys of grad_position and of the swapper's state",
                params=("param",)),
     Dependency(Kind.WRAPPED, _Z3, "initialize_optimizer_states", "replaced while ZeRO-3 is built: its walk over "
