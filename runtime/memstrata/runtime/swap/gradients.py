@@ -152,11 +152,9 @@ def partition_norm(grad: torch.Tensor) -> torch.Tensor:
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
     dtype = get_norm_dtype()
-    total: torch.Tensor | None = None
+    total = torch.zeros((), dtype=dtype, device=grad.device)  # 0 + the first square is that square, exactly
     for part in grad.reshape(-1).split(NORM_CHUNK_ELEMENTS):
-        square = torch.linalg.vector_norm(part, dtype=dtype) ** 2.0
-        total = square if total is None else total + square
-    assert total is not None  # split yields at least one (possibly empty) chunk
+        total += torch.linalg.vector_norm(part, dtype=dtype) ** 2.0
     return total ** 0.5
 
 

@@ -45,8 +45,8 @@ def _glibc(name: str) -> Any:
 def release_free_heap() -> None:
     """Return malloc's free pages to the kernel (glibc `malloc_trim(0)`; a no-op elsewhere).
 
-    Tensors under glibc's dynamic mmap threshold (up to 32 MiB) come from the
-    heap, and what they free stays resident until trimmed."""
+    Blocks under the mmap threshold come from the heap, and what they free stays resident until trimmed: up to
+    HEAP_TRIM_THRESHOLD at the heap's top under `bound_host_heap`, and more where something freed below it."""
     trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)
@@ -119,6 +119,7 @@ def warn_without_huge_pages() -> bool | None:
     advised = huge_page_tensors()
     if advised is False and os.environ.get(THP_ENV) != "0":
         log.warning("host tensors get no huge pages: torch allocated a tensor before memstrata set %s=1, so "
-                    "forward and backward run up to 25%% slower on the CPU; import memstrata.runtime and open "
-                    "the engine before building the model, or start the process with %s=1", THP_ENV, THP_ENV)
+                    "forward and backward run up to 25%% slower on the CPU; open the engine "
+                    "(memstrata.runtime.swap.integration.open_layer) before building the model, or start the "
+                    "process with %s=1", THP_ENV, THP_ENV)
     return advised
