@@ -37,17 +37,35 @@ def _submit(cluster, ns, docs):
                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}), timeout=120)
 
 
+def _kill_mid_transition(operator, busy_jobs, timeout: float = 60) -> int:
+    """SIGKILL the operator at a moment some job is mid-transition, and how many were: each time one is seen, the
+    operator is frozen (SIGSTOP) and looked at again, and killed only if it still has one; else it is thawed and
+    watched again. Without the freeze it can finish every job it had begun between the look and the kill (a
+    loaded CI machine did, and the run proved nothing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if busy_jobs():
+            operator.signal(signal.SIGSTOP)
+            busy = busy_jobs()  # only the operator begins or records a job; what it had sent lands before this look's reply
+            if busy:
+                operator.stop(signal.SIGKILL)  # no cleanup, no goodbye: a crash
+                return busy
+            operator.signal(signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError(f"no job was seen mid-transition in {timeout:.0f} s")
+
+
 def test_operator_killed_mid_flight_loses_no_job_and_duplicates_no_pod(memstrata_cluster, operator, ns, nodes):
     cluster = memstrata_cluster
     n = 40
     for i in range(n // 4):  # room for every job: one GPU each
         nodes.add(f"n{i}", dram_gib=64, gpus=4)
-    submitter = threading.Thread(target=_submit, args=(cluster, ns, [job(f"j{i:02d}") for i in range(n)]))
-    submitter.start()  # the kill comes while jobs are still arriving and being handled
+    docs = [job(f"j{i:02d}") for i in range(n)]
+    # In batches, so that there is work in flight for a while: the kill comes while jobs are still arriving.
+    submitter = threading.Thread(target=lambda: [_submit(cluster, ns, docs[i:i + 5]) for i in range(0, n, 5)])
+    submitter.start()
     try:
-        wait("the operator at work on a job", lambda: mid_transition(cluster, ns), timeout=30, interval=0.05)
-        operator.stop(signal.SIGKILL)  # no cleanup, no goodbye: a crash
-        busy = mid_transition(cluster, ns)
+        busy = _kill_mid_transition(operator, lambda: mid_transition(cluster, ns))
         created_while_up = len(_pods_per_job(cluster, ns))
     finally:
         submitter.join()
