@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -125,8 +126,32 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 _last_on_worker = [False]
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     _last_on_worker[0] = nextitem is None
+    out = yield  # the test's own fixtures first: they may still use the peers
+    # Once every test of a shared peer's group has run here, its peers are stopped (e2e.lifetime) instead of idling
+    # through the rest of the suite. Counted, not inferred from `nextitem`: in a serial run a group's tests need
+    # not be in a row; where its tests were spread over workers (not --dist loadgroup) the count is never reached.
+    group = _worker_group(item)
+    if group is not None:
+        if not _group_sizes:
+            _group_sizes.update(_worker_group(i) for i in item.session.items)
+        _group_runs[group] += 1
+        if _group_runs[group] == _group_sizes[group]:
+            from e2e.lifetime import group_ended
+
+            group_ended(group)
+    return out
+
+
+_group_sizes: Counter[str | None] = Counter()
+_group_runs: Counter[str] = Counter()
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return str(marker.args[0]) if marker and marker.args else None
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

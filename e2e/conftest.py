@@ -19,6 +19,7 @@ import pytest
 
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
 from e2e.cluster.kwok import fake_node
+from e2e.lifetime import until_group_ends
 
 
 @pytest.fixture(scope="session")
@@ -29,14 +30,18 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     cp = ControlPlane(bin_dir)
     cp.start()
     _say(request, f"[cluster] control plane up in {cp.startup_seconds:.1f} s at {cp.server} (work dir {cp.workdir}; phases {cp.phase_seconds})")
-    try:
-        yield cp
-    finally:
+    def stop() -> None:
         # After a failure the component logs usually say why: show and keep them.
         failed = request.session.testsfailed > 0
         if failed:
             _say(request, f"[cluster] tests failed; component logs kept in {cp.workdir}\n{cp.logs_tail()}")
         cp.stop(keep_workdir=failed)
+
+    stop = until_group_ends("cluster", stop)
+    try:
+        yield cp
+    finally:
+        stop()
 
 
 def _say(request: pytest.FixtureRequest, line: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env
 from e2e.cluster.kwok import pod_failure_stage
 from e2e.kueue.peer import Kueue, kueue_dir_from_env
+from e2e.lifetime import until_group_ends
 from e2e.operator.harness import (
     CHART, CRD, LEASE, OperatorProcess, claims, inventory, lease_holder, memstrata_node, succeed_stage,
 )
@@ -57,13 +58,14 @@ def quiet_cluster() -> Iterator[ControlPlane]:
         pytest.skip(f"no real control plane: {reason}")
     cp = ControlPlane(bin_dir)
     cp.start()
+    stop = until_group_ends("cluster", cp.stop)
     try:
         cp.kubectl("apply", "--server-side", "-f", str(CRD))
         cp.wait_established("finetunejobs.memstrata.dev")
         install_status_policy(cp)
         yield cp
     finally:
-        cp.stop()
+        stop()
 
 
 @pytest.fixture(scope="session")
@@ -77,10 +79,11 @@ def kueue_peer(memstrata_cluster: Any) -> Iterator[Kueue | None]:
         return
     peer = Kueue(memstrata_cluster, kueue_dir).start()
     print(f"\n[kueue] {kueue_dir.name} serving its webhooks in {peer.startup_seconds:.1f} s (log {peer.log})")
+    stop = until_group_ends("cluster", peer.stop)
     try:
         yield peer
     finally:
-        peer.stop()
+        stop()
 
 
 @pytest.fixture
@@ -98,12 +101,17 @@ def operator(memstrata_cluster: Any, kueue_peer: Kueue | None,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     op = OperatorProcess(memstrata_cluster.kubeconfig, log, "op", *(["--kueue"] if kueue_peer else [])).start()
+
+    def stop() -> None:
+        op.stop()
+        print(f"\n[operator] log: {log}\n{op.tail(30)}")
+
+    stop = until_group_ends("cluster", stop)
     try:
         wait_active(memstrata_cluster, op)
         yield op
     finally:
-        op.stop()
-        print(f"\n[operator] log: {log}\n{op.tail(30)}")
+        stop()
 
 
 def wait_active(cluster: Any, op: OperatorProcess, timeout: float = 60) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 from e2e.cluster.controlplane import ControlPlane, bin_dir_from_env, cache_root, cluster_versions
 from e2e.conftest import _say
+from e2e.lifetime import until_group_ends
 from e2e.scrape import Samples, parse
 from memstrata.api.serving import METRICS_PORT
 from e2e.realnode.images import ImageSet
@@ -111,6 +112,17 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     node = RealNode(cp, bins, cache_root() / f"containerd-{cluster_versions()['CONTAINERD_VERSION']}")
 
     ok = False
+
+    def stop() -> None:
+        failed = not ok or request.session.testsfailed > 0
+        if failed:
+            _say(request, f"[realnode] logs kept in {cp.workdir}\n{node.logs_tail()}")
+        try:
+            node.stop()  # the loop devices too
+        finally:
+            cp.stop(keep_workdir=failed)
+
+    stop = until_group_ends("realnode", stop)
     try:
         node.start_runtime(images.pause)
         t = time.monotonic()
@@ -129,13 +141,7 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
         ok = True
         yield rc
     finally:
-        failed = not ok or request.session.testsfailed > 0
-        if failed:
-            _say(request, f"[realnode] logs kept in {cp.workdir}\n{node.logs_tail()}")
-        try:
-            node.stop()  # the loop devices too
-        finally:
-            cp.stop(keep_workdir=failed)
+        stop()
 
 
 @pytest.fixture
