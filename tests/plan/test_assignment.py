@@ -154,9 +154,11 @@ def test_dram_budget_spills_to_nvme() -> None:
 
 def test_a_tight_budget_streams_smaller_sub_groups() -> None:
     """gpt-125m on the CPU, seq 512: at 0.75 GiB the model's unit (a layer, 7,087,872 elements) fits; below, the
-    planner halves the unit (and the slices of the embedding with it) until the update's buffers fit: 3,543,936 at
-    0.6 GiB, 1,771,968 at 0.5 GiB, without read-ahead at 0.45 GiB, never below MIN_SUBGROUP_UNIT. The runtime's
-    ZeRO-3 sub_group_size is the plan's unit (memstrata.runtime.train.dsconfig)."""
+    planner shrinks the unit by UNIT_STEP (7/10, whole slices: 4,960,256, 3,471,360, 2,428,928, 1,699,840,
+    1,189,888) and takes the largest that fits still reading one sub-group ahead: 3,471,360 at 0.6 GiB, 2,428,928 at
+    0.5, 1,699,840 at 0.45, 1,189,888 at 0.4. Only at 0.39 GiB, where no unit fits so, does it read each one when it
+    needs it, at the largest unit that fits without (the smallest here). Never below MIN_SUBGROUP_UNIT. The
+    runtime's ZeRO-3 sub_group_size is the plan's unit (memstrata.runtime.train.dsconfig)."""
     from memstrata.plan.assignment import MIN_SUBGROUP_UNIT
 
     shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0, engine="memstrata")
@@ -165,16 +167,34 @@ def test_a_tight_budget_streams_smaller_sub_groups() -> None:
     def at(gib: float) -> Plan:
         return plan_for_node(JobShape(**shape), node, MemoryPolicy(engine="memstrata", dram_budget=int(gib * GiB)))
 
-    plans = {gib: at(gib) for gib in (0.75, 0.6, 0.5, 0.45)}
+    plans = {gib: at(gib) for gib in (0.75, 0.6, 0.5, 0.45, 0.4, 0.39)}
     assert all(p.feasible for p in plans.values()), {g: p.verdict() for g, p in plans.items()}
-    assert [p.sub_group_elements for p in plans.values()] == [7_087_872, 3_543_936, 1_771_968, 1_771_968]
-    assert [p.optimizer_read_ahead for p in plans.values()] == [1, 1, 1, 0]
+    assert [p.sub_group_elements for p in plans.values()] == [7_087_872, 3_471_360, 2_428_928, 1_699_840,
+                                                              1_189_888, 1_189_888]
+    assert [p.optimizer_read_ahead for p in plans.values()] == [1, 1, 1, 1, 1, 0]
     pinned = [p.category("pinned").bytes for p in plans.values()]
     assert pinned == sorted(pinned, reverse=True) and pinned[0] == 105_619_456 + 415_707_136
     assert min(p.sub_group_elements or 0 for p in plans.values()) >= MIN_SUBGROUP_UNIT
     # Where no unit fits, the verdict is the model's unit's, read one ahead: what a user changes is the budget.
     none = at(0.3)
     assert not none.feasible and none.sub_group_elements == 7_087_872
+
+
+def test_reading_ahead_at_a_smaller_unit_is_preferred_to_waiting_at_a_larger_one() -> None:
+    """At every budget of the tight range, the plan reads one ahead whenever some unit lets it: a plan without
+    read-ahead is only chosen where no unit of the planner's steps fits with it (each checked here)."""
+    from memstrata.plan.assignment import _settle, _smaller_units
+
+    shape = dict(model=PRESETS["gpt-125m"], sequence_length=512, micro_batch=1, gpus=0, engine="memstrata")
+    node = _small_node(64 * GiB, gpus=0, nvme=[100 * GiB])
+    waiting = 0
+    for mib in range(395, 780, 5):
+        policy = MemoryPolicy(engine="memstrata", dram_budget=mib << 20)
+        plan = plan_for_node(JobShape(**shape), node, policy)
+        if plan.feasible and plan.optimizer_read_ahead == 0:
+            waiting += 1
+            assert not any(_settle(s, node, policy, read_ahead=1).feasible for s in _smaller_units(JobShape(**shape)))
+    assert waiting  # the range reaches down to where some budget has no unit that reads ahead
 
 
 def test_dram_budget_is_a_continuum_for_memstrata() -> None:

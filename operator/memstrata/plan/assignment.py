@@ -18,7 +18,7 @@ from memstrata.api.strataplan import Allocation, CategoryPlan, Plan, StratumUse
 from memstrata.api.units import format_bytes
 from memstrata.plan.accounting import (CPU_WORKING_SET, DESCRIPTIONS, RUNTIME_NOTE, RUNTIME_PROCESS_BYTES,
                                       STATE_BYTES_PER_ELEMENT, JobShape, build_transient, category_bytes,
-                                      subgroup_sizes, subgroup_unit, trained_parameters, working_set)
+                                      slice_elements, subgroup_sizes, subgroup_unit, trained_parameters, working_set)
 from memstrata.plan.buffers import pinned_buffers, streamed_subgroup_bytes
 from memstrata.plan.capacity import NVME_NOTE, Ledger, capacities
 
@@ -42,6 +42,10 @@ STOCK_GROUPS = {"master": ("master", "optimizer"), "optimizer": ("master", "opti
 # The smallest sub-group unit the planner shrinks to (elements): 4 MiB of fp32, below which per-sub-group overheads
 # (an I/O batch, an Adam call per slice) outweigh the DRAM saved.
 MIN_SUBGROUP_UNIT = 1 << 20
+# Each smaller unit the planner tries is this fraction of the last: the update's buffers shrink by about what reading
+# one ahead adds to them (2 + 1 slices' state and 2 gradients, 44 B a slice element, against 32 B without; 40 B
+# against 28 B for a sub-group streamed whole), so where a unit fits only without read-ahead the next may fit with it.
+UNIT_STEP = (7, 10)
 
 
 def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
@@ -59,26 +63,27 @@ def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> P
 
 
 def _plan(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
-    # memstrata's update reads one sub-group ahead, at the cost of one more sub-group of locked buffers; where
-    # that buffer is what stands between the job and a fit, it reads each one when it needs it instead, and where
-    # even that does not fit, it streams smaller sub-groups (and slices), halving the unit down to
-    # MIN_SUBGROUP_UNIT: the budget, not the model's layer, sets the update's buffers.
+    # memstrata's update reads one sub-group ahead, at the cost of one more sub-group of locked buffers. Where those
+    # buffers are what stands between the job and a fit, it streams smaller sub-groups (and slices), the unit shrunk
+    # step by step down to MIN_SUBGROUP_UNIT, still reading one ahead; only where no unit fits so is each read
+    # waited before its Adam, at the largest unit that fits without: the budget, not the model's layer, sets the
+    # update's buffers, and the update's reads run beside its Adam wherever any unit lets them.
     plan = _settle(job, node, policy, read_ahead=1)
     if plan.feasible or job.engine != "memstrata":
         return _with_unit(plan, job)
-    for shaped in _smaller_units(job):
-        for read_ahead in (0,) if shaped is job else (1, 0):
-            candidate = _settle(shaped, node, policy, read_ahead=read_ahead)
-            if candidate.feasible:
-                return _with_unit(candidate, shaped)
+    shapes = _smaller_units(job)
+    for read_ahead, shaped in [(1, s) for s in shapes[1:]] + [(0, s) for s in shapes]:
+        candidate = _settle(shaped, node, policy, read_ahead=read_ahead)
+        if candidate.feasible:
+            return _with_unit(candidate, shaped)
     return _with_unit(plan, job)
 
 
 def _smaller_units(job: JobShape) -> list[JobShape]:
-    """`job` itself, then with the sub-group unit halved while it stays at least MIN_SUBGROUP_UNIT."""
+    """`job` itself, then with the sub-group unit shrunk by UNIT_STEP (whole slices) while it stays at least
+    MIN_SUBGROUP_UNIT."""
     shapes, unit = [job], subgroup_unit(job)
-    while unit // 2 >= MIN_SUBGROUP_UNIT:
-        unit //= 2
+    while (unit := slice_elements(unit * UNIT_STEP[0] // UNIT_STEP[1])) >= MIN_SUBGROUP_UNIT:
         shapes.append(job.model_copy(update={"sub_group_elements": unit}))
     return shapes
 
