@@ -109,7 +109,8 @@ def test_the_operator_reads_the_model_shape_with_a_pod_then_plans_with_it(memstr
     assert c["command"] == ["memstrata", "inspect-model", "/models/Meta-Llama-3-8B-Instruct"]
     assert _mounts(pod) == {"/models": ("llama3-8b-weights", True), "/data": ("chat-data", True),
                             "/output": ("finetune-output", True)}  # it only reads
-    status = _status(cluster, ns)
+    # The operator creates the pod before its status patch lands: wait for the patch, then check what it says.
+    status = wait("the job's status recorded", lambda: (s := _status(cluster, ns)).get("phase") and s)
     assert status["phase"] == "Pending" and _condition(status, "Inspected")["reason"] == "Inspecting"
     assert _training_pod(cluster, ns) is None  # nothing is planned before the shape is known
 
@@ -117,7 +118,7 @@ def test_the_operator_reads_the_model_shape_with_a_pod_then_plans_with_it(memstr
     llama = PRESETS["llama3-8b"]
     _end_inspection(cluster, ns, pod, 0, llama.model_dump_json(by_alias=True))
     training = wait("the training pod", lambda: _training_pod(cluster, ns))
-    status = _status(cluster, ns)
+    status = wait("the plan recorded", lambda: (s := _status(cluster, ns)).get("plan") and s)
     assert ModelArchitecture.model_validate(status["modelArchitecture"]) == llama
     assert _condition(status, "Inspected")["reason"] == "ModelInspected"
     assert status["plan"]["parameters"] == 8_030_261_248
