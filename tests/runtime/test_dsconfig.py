@@ -163,7 +163,7 @@ def test_memstratas_sub_group_size_is_the_plans_unit() -> None:
 
     arch = PRESETS["gpt-125m"]
     job = JobShape(model=arch, sequence_length=128, micro_batch=4, gpus=0, engine="memstrata")
-    for budget, unit in ((GiB, memstrata_subgroup_elements(arch)), (GiB // 2, 1_771_968)):
+    for budget, unit in ((GiB, memstrata_subgroup_elements(arch)), (GiB // 2, 2_428_928)):
         plan = plan_for_node(job, _node(64 * GiB), MemoryPolicy(engine="memstrata", dram_budget=budget))
         assert plan.feasible and plan.sub_group_elements == unit, (budget, plan.verdict())
         zero = build_ds_config(plan, arch, TRAINING, SWAP, on_gpu=False).config["zero_optimization"]
