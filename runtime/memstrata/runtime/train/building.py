@@ -3,9 +3,11 @@ build out): the process group, then the model, straight into its ZeRO-3 partitio
 when the plan runs memstrata's engine), then the DeepSpeed engine around it."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 from memstrata.api.architecture import ModelArchitecture
@@ -21,7 +23,7 @@ from memstrata.runtime.train.schedule import build_scheduler
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_engine", "setup_distributed", "torch_dtype"]
+__all__ = ["build_engine", "no_compile", "setup_distributed", "torch_dtype"]
 
 
 def setup_distributed(on_gpu: bool, local_rank: int) -> None:
@@ -59,8 +61,6 @@ def build_engine(ds: DsConfig, training: Training, arch: ModelArchitecture, *, d
                  adapter: Lora | None, built: Callable[[Any], None]) -> TrainingEngine:
     """The DeepSpeed engine. `swap`: memstrata's swap layer's settings (None: stock ZeRO-Infinity); `built` gets
     the transformers model as soon as it exists, before the engine (a failed initialize leaves it to clean up)."""
-    import contextlib
-
     from memstrata.runtime.train.model.hfmodel import build_model, layout_mismatch, load_weights, preset_config
     from memstrata.runtime.train.model.lora import add_adapters
 
@@ -126,15 +126,34 @@ def _initialize(model: Any, ds: DsConfig, training: Training, layer: Any) -> Tra
     if layer is None:
         from memstrata.runtime.swap.cpufacts import cpu_info_answered
 
-        with cpu_info_answered():
+        with cpu_info_answered(), no_compile():
             engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds.config,
                                                    lr_scheduler=scheduler)
         return engine
     from memstrata.runtime.swap.integration import initialize
 
-    engine, _, _, _ = initialize(model=model, model_parameters=groups, config=ds.config,
-                                 lr_scheduler=scheduler, layer=layer)
+    with no_compile():
+        engine, _, _, _ = initialize(model=model, model_parameters=groups, config=ds.config,
+                                     lr_scheduler=scheduler, layer=layer)
     return engine
+
+
+@contextlib.contextmanager
+def no_compile() -> Iterator[None]:
+    """TORCHDYNAMO_DISABLE=1 for the duration, unless the environment already says otherwise; then as it was.
+    The recipe compiles nothing (attention is sdpa; the update is DeepSpeed's CPU Adam or memstrata's own loop), yet
+    DeepSpeed's ZeRO sanity check, inside `initialize`, imports its Muon module, whose kernel is `@torch.compile`d
+    at import, and that loads torch's inductor: 0.8 s of CPU at every rank's start. torch.compile reads the variable
+    at each call (a compiled function is then returned as it is), so only what runs inside is affected: the
+    drop-in `memstrata.runtime.initialize` called by a user, and the user's own torch.compile, are not."""
+    if "TORCHDYNAMO_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["TORCHDYNAMO_DISABLE"]
 
 
 def param_groups(model: Any, weight_decay: float) -> list[Any]:
