@@ -15,6 +15,8 @@ accelerator. DS_ACCELERATOR (default cpu) names the accelerator.
 `fail-late=1`: the failing Adam first waits (up to 60 s) for the next forward to begin.
 `hold-last=W[,W2]`: the last Adam of update W waits (up to `hold-seconds`, 60) for the next forward to begin;
 whether it began is recorded (`held`).
+`hold-first=W`, `hold-after=S`: the first Adam of update W waits for the next forward to begin, then S seconds
+more (a delayed update then falls behind that step's backward); whether it began is recorded (`held`).
 `ckpt-after=N`: right after step N's step(), memstrata's checkpoint reads every sub-group (`ckpt`: digest, seconds).
 """
 from __future__ import annotations
@@ -92,6 +94,9 @@ def main() -> None:
             raise InjectedFailure("injected")
         if str(walks[0]) in holds and position == len(opt.fp16_groups) - 1:
             held.append(forward_began[walks[0] + 1].wait(float(opts.get("hold-seconds", 60))))
+        if str(walks[0]) == opts.get("hold-first") and position == 0:
+            held.append(forward_began[walks[0] + 1].wait(60))
+            time.sleep(float(opts.get("hold-after", 0)))
         t0 = time.monotonic()
         try:
             return inner(position, *args, **kwargs)

@@ -211,3 +211,11 @@ def test_weights_on_any_addressable_stratum_stay_resident(monkeypatch: pytest.Mo
     assert resident_weight_bytes(plan) == 3 * GiB
     monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY[:-1], replace(pmem, addressable=False)))
     assert resident_weight_bytes(plan) == 1 * GiB
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_the_delayed_update_is_on_exactly_where_the_plan_counted_it(tmp_path: Path, delayed: bool) -> None:
+    job = JobShape(model=ARCH, sequence_length=128, micro_batch=1, gpus=0, engine="memstrata", delayed_update=delayed)
+    plan = plan_for_node(job, NODE, MemoryPolicy(engine="memstrata"))
+    assert plan.delayed_update is delayed
+    assert swap_settings(plan, ARCH, job="j", run_dir=tmp_path, env={}).settings.delayed_update is delayed

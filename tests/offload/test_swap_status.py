@@ -35,8 +35,10 @@ def test_status_json_has_the_keys_its_readers_use_and_counts_what_moved(tmp_path
     assert list(wire) == ["nvme", "dram", "updateOverlap", "activations"]
     assert wire["activations"] is None  # present, and null: no activation was offloaded
     # No ZeRO-3 optimizer was built on this layer: no update ran beside a forward, and the status says so.
-    assert wire["updateOverlap"] == {"on": False, "refused": "not installed", "updates": 0, "updateSeconds": 0.0,
-                                     "forwardWaits": 0, "forwardWaitSeconds": 0.0, "joinWaitSeconds": 0.0}
+    assert wire["updateOverlap"] == {"on": False, "mode": "beside the forward", "refused": "not installed",
+                                     "updates": 0, "updateSeconds": 0.0, "forwardWaits": 0, "forwardWaitSeconds": 0.0,
+                                     "joinWaitSeconds": 0.0, "backwardWaits": 0, "backwardWaitSeconds": 0.0,
+                                     "lateSubgroups": 0, "shadowPeakBytes": 0}
     assert list(wire["nvme"]) == NVME_KEYS and list(wire["dram"]) == DRAM_KEYS
     nvme, dram = wire["nvme"], wire["dram"]
     assert nvme["byKind"] == {"optimizer": {"written": 16384, "read": 16384}}

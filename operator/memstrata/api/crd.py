@@ -20,6 +20,7 @@ from memstrata.api.finetunejob import (ADDED_TOKENS_LORA_RULE, GROUP, KIND, PLUR
                                       FineTuneJobSpec)
 from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.layermajor import LAYER_MAJOR_RULE
+from memstrata.api.updatemode import DELAYED_UPDATE_RULE
 from memstrata.api.selection import EPOCHS_RULE, SELECTION_RULE
 
 PRINTER_COLUMNS = [
@@ -70,7 +71,7 @@ def spec_rules() -> list[JsonDict]:
             "self.checkpoint.path.startsWith(self.output.path + '/'))",
             "checkpoint.path must not be output.path or inside it: the model directory is created whole at the end",
             ".checkpoint.path"),
-        SELECTION_RULE, EPOCHS_RULE, ADDED_TOKENS_LORA_RULE, LAYER_MAJOR_RULE,
+        SELECTION_RULE, EPOCHS_RULE, ADDED_TOKENS_LORA_RULE, LAYER_MAJOR_RULE, DELAYED_UPDATE_RULE,
     ]
     for name, arch in PRESETS.items():
         if arch.spec.learned_positions:

@@ -20,6 +20,7 @@ from memstrata.api.dataset import Dataset
 from memstrata.api.jobdata import MAX_VOLUMES, Checkpoint, ModelSource, Output, Volume, VolumeMount, under
 from memstrata.api.jobstatus import FineTuneJobStatus
 from memstrata.api.layermajor import layer_major_refusal
+from memstrata.api.updatemode import UpdateMode, update_refusal
 from memstrata.api.lora import Lora, check_targets
 from memstrata.api.selection import EarlyStopping, selection_problem
 from memstrata.api.strataplan import Engine
@@ -122,6 +123,13 @@ class Training(ApiModel):
                           "micro-batch; it keeps gradientAccumulation x the activation checkpoints. Unset: on "
                           "where the plan puts weights on NVMe; needs gradientAccumulation > 1, "
                           "activationCheckpointing, lossChunkTokens > 0 and memory.engine memstrata.")
+    update: UpdateMode = Field(
+        "exact", description="exact: each step's gradient is taken at the weights the update before it left "
+                             "(ZeRO-3's numerics). delayed (by name; ZeRO-Offload's delayed parameter update): each "
+                             "update runs beside the next step's forward and backward, which is taken at the "
+                             "weights from before it (one step stale), hiding the update's I/O behind a whole step; "
+                             "needs memory.engine memstrata, and the plan counts 2 bytes per trained parameter more "
+                             "with the weights.")
     schedule: LearningRateSchedule = LearningRateSchedule()
     optimizer: Optimizer = Optimizer()
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no "
@@ -281,6 +289,9 @@ class FineTuneJobSpec(ApiModel):
                                       loss_chunk_tokens=t.loss_chunk_tokens) if t.layer_major else None
         if refusal is not None:
             raise ValueError(f"training.layerMajor: {refusal}")
+        refusal = update_refusal(update=t.update, engine=self.memory.engine)
+        if refusal is not None:
+            raise ValueError(f"training.update: {refusal}")
         if self.model.added_tokens and self.training.method == "lora":
             raise ValueError(ADDED_TOKENS_LORA)
         adapter = self.training.adapter()

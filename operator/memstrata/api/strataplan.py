@@ -68,6 +68,9 @@ class Plan(BaseModel):
         False, description="Whether the runtime runs every micro-batch of a step through a layer before the next "
                            "(memstrata.api.layermajor): the checkpoints were counted for gradientAccumulation "
                            "micro-batches at once.")
+    delayed_update: bool = Field(
+        False, description="Whether the runtime runs the delayed update (spec.training.update delayed): the weights "
+                           "were counted with their 16-bit shadows (memstrata.api.updatemode).")
     feasible: bool
     categories: list[CategoryPlan]
     strata: list[StratumUse]

@@ -28,6 +28,7 @@ def job_shape(spec: FineTuneJobSpec) -> JobShape:
         activation_checkpointing=spec.training.activation_checkpointing,
         loss_chunk_tokens=spec.training.loss_chunk_tokens,
         layer_major=spec.training.layer_major,
+        delayed_update=spec.training.update == "delayed",
     )
 
 

@@ -91,6 +91,9 @@ class JobShape(BaseModel):
     # layermajor); None: the planner decides (on where weights go to NVMe). The byte counts below read it as on
     # only when it is True, so a resolved shape is what they count.
     layer_major: bool | None = None
+    # spec.training.update delayed (memstrata's engine): the update writes new 16-bit weights into shadows while the
+    # backward still reads the old ones, at most every trained weight once more.
+    delayed_update: bool = False
 
     @model_validator(mode="after")
     def _one_rank_per_gpu(self) -> "JobShape":
@@ -340,6 +343,8 @@ def category_bytes(job: JobShape) -> dict[str, int]:
     frozen base weights have no gradient and no optimizer state (ZeRO-3 builds both for trainable tensors only).
     Base tensors LoRA trains whole (modulesToSave, S elements) count as trained but not as extra weights:
     weights (P + A)·w, gradients (A + S)·w, master 4(A + S), moments 8(A + S).
+    The delayed update (memstrata.api.updatemode) adds the 16-bit shadows of the trained weights, t·w, to the
+    weights: they live where the weights do, as long as the backward still reads the old ones.
     Activation checkpoints (`checkpoint_bytes`) are a category of their own only on memstrata's engine,
     which offloads them to the host (memstrata.runtime.swap.activations); stock DeepSpeed keeps them
     beside the compute, in `working_set`.
@@ -347,7 +352,8 @@ def category_bytes(job: JobShape) -> dict[str, int]:
     p, w, t = job.model.parameters(), job.weight_bytes, trained_parameters(job)
     # LoRA's A and B are weights beside the frozen base (a module it saves whole is a base weight already).
     adapters = t - job.saved_elements if job.adapter_tensors is not None else 0
-    whole = {"weights": (p + adapters) * w, "gradients": t * w, "master": 4 * t, "optimizer": 8 * t}
+    shadows = t * w if job.delayed_update and job.engine == "memstrata" else 0
+    whole = {"weights": (p + adapters) * w + shadows, "gradients": t * w, "master": 4 * t, "optimizer": 8 * t}
     return {
         **{name: partition(total, job) for name, total in whole.items()},
         "checkpoints": checkpoint_bytes(job) if job.engine == "memstrata" else 0,

@@ -259,6 +259,7 @@ def _assemble(job: JobShape, node: NodeInventory, ledger: Ledger, read_ahead: in
         engine=job.engine,
         activation_checkpointing=job.activation_checkpointing,
         layer_major=bool(job.layer_major),
+        delayed_update=job.delayed_update,
         feasible=not any(s.missing_bytes or s.message for s in ledger.shortfalls),
         categories=list(categories.values()),
         strata=[StratumUse(stratum=s, capacity=capacity[s], used=capacity[s] - free[s],

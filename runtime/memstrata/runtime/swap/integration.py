@@ -67,6 +67,7 @@ from memstrata.runtime.swap.cpufacts import cpu_info_answered
 from memstrata.runtime.swap.hostheap import bound_host_heap, release_free_heap, warn_without_huge_pages
 from memstrata.runtime.swap.layer import SwapLayer, SwapSettings, activate, node_ranks
 from memstrata.runtime.swap.stratamap import unplanned_namespace_bytes
+from memstrata.runtime.swap.updatemode import install_update_beside
 from memstrata.runtime.swap.protocols import Engine, ZeroOptimizer
 from memstrata.runtime.swap.seam import SeamMismatch, UnsupportedDeepSpeed
 from memstrata.runtime.swap.seamcheck import ensure_verified
@@ -319,7 +320,7 @@ def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
 
             layer.sliced = install_sliced_update(opt, swapper, layer.dram_gradients, layer,
                                                  settings.slice_elements or slice_elements(int(opt.sub_group_size)))
-        overlap = _overlap(opt, layer)
+        overlap = install_update_beside(opt, layer)
         # The order hook also drives the pipelined update's read-ahead, so it is there whenever either is on.
         if settings.cache_subgroups > 0 or settings.prefetch_subgroups > 0 or overlap is not None:
             from memstrata.runtime.swap.suborder import install_reversing_order
@@ -333,28 +334,6 @@ def _install_step_hooks(opt: ZeroOptimizer, layer: SwapLayer) -> None:
     if layer.overlap is not None:  # outermost: the whole step, trimming included, runs on the update thread
         layer.overlap.wrap_step()
         layer.overlap.wrap_params()
-
-
-def _overlap(opt: ZeroOptimizer, layer: SwapLayer) -> Any:
-    """The overlapped update's loop hooks (under the order hook, so they see real sub-group ids), or None where
-    it is off or refused (the reason kept for the status)."""
-    wanted = layer.settings.overlap_update
-    if wanted is False:
-        layer.overlap_refused = "overlap_update is off"
-        return None
-    if wanted is None and str(layer.device).startswith("cpu"):
-        layer.overlap_refused = ("the forward runs on the CPU, whose cores the update would take (overlap_update: "
-                                 "true runs it beside anyway)")
-        return None
-    from memstrata.runtime.swap.overlap import OverlappedUpdate, refusal
-
-    reason = refusal(opt)
-    if reason is not None:
-        layer.overlap_refused = reason
-        return None
-    layer.overlap = OverlappedUpdate(opt)
-    layer.overlap.wrap_loop()
-    return layer.overlap
 
 
 def _mark_steps(opt: ZeroOptimizer, swapper: Any) -> None:

@@ -117,6 +117,10 @@ class SwapSettings(BaseModel):
                           "gathers (memstrata.runtime.swap.overlap). None: where the forward runs on an "
                           "accelerator (on the CPU the update would take the forward's cores); where refused, the "
                           "update runs in place.")
+    delayed_update: bool = Field(
+        False, description="spec.training.update delayed: each update runs beside the next step's forward and "
+                           "backward, which is taken at the weights from before it (memstrata.runtime.swap.delayed; "
+                           "on any device). Where refused, the update runs in place, exact.")
     dram_gradients: bool = Field(
         True, description="Keep gradients only in ZeRO-3's DRAM flat buffer (the training dtype) until the update "
                           "widens them, instead of also writing fp32 copies to NVMe (memstrata.runtime.swap.gradients).")

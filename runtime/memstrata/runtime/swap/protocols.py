@@ -33,6 +33,7 @@ class ZeroParam(Protocol):
     nvme_swapper: Any  # the parameter swapper, on a parameter whose partition goes to NVMe
     all_gather: Callable[..., Any]  # wrapped on the instance (memstrata.runtime.swap.overlap)
     all_gather_coalesced: Callable[..., Any]
+    requires_grad: bool  # frozen ones (LoRA's base weights) get no gradient (memstrata.runtime.swap.delayed)
 
 
 class SwapInfo(Protocol):
@@ -93,6 +94,11 @@ class ZeroOptimizer(Protocol):
     state_dict: Callable[..., Any]
     load_state_dict: Callable[..., Any]
     memstrata_overlap: Any  # memstrata's own: the OverlappedUpdate installed on it
+    # The delayed update (memstrata.runtime.swap.delayed): the backward's gradient writes it waits in and marks,
+    # and the norms' reset it moves off the update thread.
+    partition_grads: Callable[[list[Any], list[torch.Tensor]], Any]
+    reset_cpu_buffers: Callable[[], None]
+    is_gradient_accumulation_boundary: Callable[[], bool]
 
     # A parameter's ds_id: an int for a model parameter, "first_last" ids for an fp32 sub-group tensor.
     @overload
@@ -109,6 +115,8 @@ class Engine(Protocol):
     optimizer: object
     memstrata: SwapLayer  # memstrata's own, set by initialize: the engine's swap layer
     forward: Callable[..., Any]  # wrapped on the instance (memstrata.runtime.swap.overlap)
+    backward: Callable[..., Any]  # wrapped on the instance (memstrata.runtime.swap.delayed)
+    module: Any
 
     def fp16_enabled(self) -> bool: ...
 

@@ -91,6 +91,8 @@ class OverlapStatus(_Status):
     """The optimizer update run beside the next forward (memstrata.runtime.swap.overlap)."""
 
     on: bool = Field(description="Whether updates run beside the forward; false: each runs in place.")
+    mode: str = Field("beside the forward", description="'beside the forward' (exact), or 'delayed' (asked for by "
+                                                        "name: each update beside the next forward and backward).")
     refused: str = Field("", description="Why they do not (on false), in words.")
     updates: int = Field(0, description="Updates that ran beside a forward, in all.")
     update_seconds: float = Field(0.0, description="Their time on the update thread, in all.")
@@ -98,6 +100,12 @@ class OverlapStatus(_Status):
     forward_wait_seconds: float = Field(0.0, description="The forward's time waiting for them, in all.")
     join_wait_seconds: float = Field(0.0, description="Time waiting for updates to end (when the forward ended, "
                                                       "before a checkpoint or the next step), in all.")
+    backward_waits: int = Field(0, description="Delayed: gradient writes that waited for the update to read the "
+                                               "sub-group's gradients of the step before.")
+    backward_wait_seconds: float = Field(0.0, description="Delayed: the backward's time waiting for them, in all.")
+    late_subgroups: int = Field(0, description="Delayed: sub-groups whose new weights went through a shadow (the "
+                                               "backward still read the old ones), in all.")
+    shadow_peak_bytes: int = Field(0, description="Delayed: the most bytes of shadows held at once.")
 
 
 class SwapStatus(_Status):

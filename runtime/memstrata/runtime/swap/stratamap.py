@@ -186,7 +186,7 @@ def swap_settings(plan: Plan, arch: ModelArchitecture, *, job: str, run_dir: Pat
                         prefetch_subgroups=plan.optimizer_read_ahead,
                         resident_weight_bytes=resident_weight_bytes(plan) if spills_weights else None,
                         param_staging_bytes=param_staging_bytes(arch, _weight_bytes(plan)),
-                        io_token_scope=io_token_scope(env))
+                        io_token_scope=io_token_scope(env), delayed_update=plan.delayed_update)
     devices = _env_list(env, ENV_NVME_DEVICES)
     if devices:
         if len(devices) < ranks:
