@@ -6,6 +6,7 @@ every rule tested without training anything.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 # Issue 31's targets (ratios from one run): floor, speed against stock, the overlapped bound, all-DRAM speed and
@@ -18,6 +19,7 @@ TARGET_MEMORY_VS_CPU = 0.75  # ... at <= this x its peak host memory
 # The bisection stops once [highest failing k, lowest passing k] is at most the larger of these.
 FLOOR_RESOLUTION = 0.5  # bytes per parameter
 FLOOR_RELATIVE = 0.10  # of the lowest passing k
+CRASH_TRIES = 2  # runs at a k whose run crashed (not short of memory) before the bisection stops there
 # Failures that say "needs more memory": the cgroup's OOM kill, an allocation refused, the planner refusing the
 # cap. Anything else (a crash, a timeout) is an error, which stops that contender's bisection.
 SHORT_OF_MEMORY = ("oom", "enomem", "refused")
@@ -37,6 +39,7 @@ BOUND_FORMULA = ("I/O = read bytes / fio read B/s + write bytes / fio write B/s 
                  "the model at the all-fits cap; overlapped bound = max(compute, I/O) (the target's), serial bound "
                  "= compute + I/O")
 STOCK = ("stock-default", "stock-tuned", "stock-cpu")
+DELAYED = "memstrata-delayed"  # contenders.DELAYED: the delayed update, asked for by name
 ALL_DRAM = ("stock-cpu", "memstrata")  # the runs whose median step is the compute floor (at the all-fits cap)
 
 
@@ -125,9 +128,14 @@ def next_k(tried: list[tuple[float, str]], top: float = ALL_FITS_BYTES_PER_PARAM
     None when done. The all-fits k `top` runs first and must pass (else the floor is above all-fits); `bottom` is
     assumed failing unless measured. Then the midpoint of [highest failing k, lowest passing k] until that interval
     is at most max(resolution, relative x the lowest passing k). An outcome that is neither 'ok' nor short of
-    memory (a crash, a timeout) stops the bisection: more memory is not known to help."""
-    if any(o != "ok" and o not in SHORT_OF_MEMORY for _, o in tried):
-        return None
+    memory (a crash, a timeout) is run once more at its k (`CRASH_TRIES`: a stock run once died at exit with
+    "terminate called without an active exception"); crashing again stops the bisection: more memory is not
+    known to help. Each k is judged by its last run."""
+    runs = Counter(k for k, _ in tried)
+    tried = list(dict(tried).items())  # the last outcome at each k, in the order the ks were first tried
+    crashed = [k for k, o in tried if o != "ok" and o not in SHORT_OF_MEMORY]
+    if crashed:
+        return crashed[0] if runs[crashed[0]] < CRASH_TRIES else None
     if not any(k == top for k, _ in tried):
         return top
     passing = [k for k, o in tried if o == "ok"]
@@ -144,12 +152,14 @@ def floor_of(probes: list[dict[str, Any]], top: float = ALL_FITS_BYTES_PER_PARAM
     """One contender's floor from its bisection's runs (each with its 'k'): k (the lowest passing k, None unless
     found), status ('found', 'above all-fits', 'error', 'open': the bisection did not finish), the highest k
     below it that failed and why, and [k, outcome] per probe in the order run."""
-    tried = [(float(p["k"]), outcome(p)) for p in probes]
+    every = [(float(p["k"]), outcome(p)) for p in probes]
+    last = {float(p["k"]): p for p in probes}  # each k judged by its last run (a crash is retried once)
+    tried = [(k, outcome(p)) for k, p in last.items()]
     passing = [k for k, o in tried if o == "ok"]
     hi = min(passing, default=None)
-    below = [(k, p) for (k, o), p in zip(tried, probes) if o != "ok" and (hi is None or k < hi)]
+    below = [(k, last[k]) for k, o in tried if o != "ok" and (hi is None or k < hi)]
     failed = max(below, key=lambda kp: kp[0], default=None)
-    crash = next((p for (_, o), p in zip(tried, probes) if o == "error"), None)
+    crash = next((last[k] for k, o in tried if o == "error"), None)
     if crash is not None:
         status, why = "error", f"stopped at k={crash['k']:g}: {_last_line(crash.get('error'))}"
     elif (not any(k == top for k, _ in tried) or next_k(tried, top) is not None) and (hi is None or failed is None):
@@ -167,7 +177,7 @@ def floor_of(probes: list[dict[str, Any]], top: float = ALL_FITS_BYTES_PER_PARAM
             else "passes at every k tried"
     monotone = all(o == "ok" for k, o in tried if hi is not None and k > hi)
     return {"k": hi if status in ("found", "bounded") else None, "upper_k": hi, "status": status, "reason": why,
-            "failing_k": failed[0] if failed else None, "monotone": monotone, "tried": [[k, o] for k, o in tried]}
+            "failing_k": failed[0] if failed else None, "monotone": monotone, "tried": [[k, o] for k, o in every]}
 
 
 def _last_line(text: str | None) -> str:
@@ -250,7 +260,8 @@ def param_reads(run: dict[str, Any], backing: str) -> tuple[int | None, str]:
     if run.get("param_read_bytes") is not None:
         return int(run["param_read_bytes"]), "param (engine counter)"
     io = (run.get("io") or {}).get(backing)
-    what = "all reads (no engine counter)" if run["contender"] == "memstrata" else "all reads (params + optimizer)"
+    what = "all reads (no engine counter)" if run["contender"].startswith("memstrata") else \
+        "all reads (params + optimizer)"
     return (int(io["read_bytes"]), what) if io else (None, "")
 
 
@@ -260,19 +271,8 @@ def targets(model: dict[str, Any]) -> list[dict[str, Any]]:
     out = [_target(f"floor: memstrata's k <= {TARGET_FLOOR_RATIO}x the smallest k at which any stock configuration "
                    "completes" + (" (stock above all-fits: an upper bound)" if fr.get("upper_bound") else ""),
                    fr["ratio"], TARGET_FLOOR_RATIO, le=True, note=fr.get("why"))]
-    budget = [c for c in model["caps"] if not c["all_fits"]]
-    vs = [(c["k"], c["vs_best_stock"]["step_ratio"]) for c in budget if c.get("vs_best_stock")]
-    worst = max(vs, key=lambda kv: kv[1], default=None)
-    out.append(_target(f"speed: memstrata step <= {TARGET_STOCK_RATIO}x the best stock configuration's at every "
-                       "cap where both run (all-fits aside)", worst and worst[1], TARGET_STOCK_RATIO, le=True,
-                       note=worst and f"worst at k={worst[0]:g}"))
-    ours = [(c["k"], r["bound"]) for c in budget for r in [_run(c, "memstrata")] if r and r.get("bound")]
-    io_bound = [(k, b["ratio"]) for k, b in ours if b["io_bound"]]
-    worst = max(io_bound, key=lambda kv: kv[1], default=None)
-    out.append(_target(f"bound: where I/O exceeds compute, memstrata step <= {TARGET_BOUND_RATIO}x max(compute, "
-                       "I/O)", worst and worst[1], TARGET_BOUND_RATIO, le=True,
-                       note=(f"worst at k={worst[0]:g}" if worst else "no cap where I/O exceeds compute"
-                             if model.get("compute_floor") else "no compute floor")))
+    out += _speed_targets(model, "memstrata", "vs_best_stock", "memstrata")
+    out += _speed_targets(model, DELAYED, "delayed_vs_best_stock", "memstrata with the delayed update (by name)")
     fits = next((c for c in model["caps"] if c["all_fits"]), None)
     r, cpu = (_run(fits, "memstrata"), _run(fits, "stock-cpu")) if fits else (None, None)
     pair = bool(r and r.get("ok") and cpu and cpu.get("ok"))
@@ -282,6 +282,24 @@ def targets(model: dict[str, Any]) -> list[dict[str, Any]]:
                        TARGET_SPEED_VS_CPU, le=False))
     out.append(_target(f"all in DRAM: memstrata peak host memory <= {TARGET_MEMORY_VS_CPU}x stock CPU offload's",
                        mem, TARGET_MEMORY_VS_CPU, le=True))
+    return out
+
+
+def _speed_targets(model: dict[str, Any], name: str, ratio_key: str, who: str) -> list[dict[str, Any]]:
+    """The speed and bound targets of one memstrata flavour (`name`'s runs, their ratios under `ratio_key`)."""
+    budget = [c for c in model["caps"] if not c["all_fits"]]
+    vs = [(c["k"], c[ratio_key]["step_ratio"]) for c in budget if c.get(ratio_key)]
+    worst = max(vs, key=lambda kv: kv[1], default=None)
+    out = [_target(f"speed: {who} step <= {TARGET_STOCK_RATIO}x the best stock configuration's at every cap where "
+                   "both run (all-fits aside)", worst and worst[1], TARGET_STOCK_RATIO, le=True,
+                   note=worst and f"worst at k={worst[0]:g}")]
+    ours = [(c["k"], r["bound"]) for c in budget for r in [_run(c, name)] if r and r.get("bound")]
+    io_bound = [(k, b["ratio"]) for k, b in ours if b["io_bound"]]
+    worst = max(io_bound, key=lambda kv: kv[1], default=None)
+    out.append(_target(f"bound: where I/O exceeds compute, {who} step <= {TARGET_BOUND_RATIO}x max(compute, I/O)",
+                       worst and worst[1], TARGET_BOUND_RATIO, le=True,
+                       note=(f"worst at k={worst[0]:g}" if worst else "no cap where I/O exceeds compute"
+                             if model.get("compute_floor") else "no compute floor")))
     return out
 
 
@@ -309,11 +327,12 @@ def summarize_model(model: dict[str, Any], fio: dict[str, Any], backing: str) ->
                 run["bound"] = step_bound(run["step"]["median"], io_s, floor[0] if floor else None)
         best = best_stock(cap["runs"])
         cap["best_stock"] = best["contender"] if best else None
-        ours = _run(cap, "memstrata")
-        if best and ours and ours.get("ok"):
-            cap["vs_best_stock"] = {"step_ratio": _ratio(ours["step"]["median"], best["step"]["median"]),
-                                    "memory_ratio": _ratio(host_peak(ours), host_peak(best))}
-        else:
-            cap.pop("vs_best_stock", None)
+        for name, key in (("memstrata", "vs_best_stock"), (DELAYED, "delayed_vs_best_stock")):
+            ours = _run(cap, name)
+            if best and ours and ours.get("ok"):
+                cap[key] = {"step_ratio": _ratio(ours["step"]["median"], best["step"]["median"]),
+                            "memory_ratio": _ratio(host_peak(ours), host_peak(best))}
+            else:
+                cap.pop(key, None)
     model["targets"] = targets(model)
     return model

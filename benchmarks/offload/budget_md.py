@@ -101,13 +101,16 @@ def markdown(results: dict[str, Any]) -> str:
     for name, m in results["models"].items():
         for c in m["caps"]:
             lines += [_run_row(name, c, r, backing) for r in c["runs"]]
-    lines += ["", "Per cap, memstrata vs the best stock configuration that finished (fastest median step):", "",
-              "| model | k | best stock | memstrata step / best | memstrata peak RSS / best |", "|---|---|---|---|---|"]
+    lines += ["", "Per cap, memstrata (exact; and with the delayed update a job asks for by name) vs the best stock "
+              "configuration that finished (fastest median step):", "",
+              "| model | k | best stock | memstrata step / best | memstrata peak RSS / best | delayed step / best | "
+              "delayed peak RSS / best |", "|---|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         for c in m["caps"]:
-            vs = c.get("vs_best_stock") or {}
+            vs, dl = c.get("vs_best_stock") or {}, c.get("delayed_vs_best_stock") or {}
             lines.append(f"| {name} | {c['k']:g} | {c.get('best_stock') or 'none finished'} | "
-                         f"{_f(vs.get('step_ratio'))} | {_f(vs.get('memory_ratio'))} |")
+                         f"{_f(vs.get('step_ratio'))} | {_f(vs.get('memory_ratio'))} | {_f(dl.get('step_ratio'))} | "
+                         f"{_f(dl.get('memory_ratio'))} |")
     lines += ["", "memstrata's plan at each cap (bytes per stratum, the devices DeepSpeed is given, the loop device's "
               "own counters per step):", "",
               "| model | k | DRAM budget GiB | feasible | plan DRAM GiB | plan NVMe GiB | param / optim device | "

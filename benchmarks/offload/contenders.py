@@ -24,21 +24,26 @@ LOOP_BYTES = 64 << 30  # sparse: only what memstrata writes is allocated
 # name: (harness profile, offload_param device, offload_optimizer device)
 STOCK_PROFILES = {"stock-default": ("default", "nvme", "nvme"), "stock-tuned": ("tuned", "nvme", "nvme"),
                   "stock-cpu": ("tuned", "cpu", "cpu")}
-CONTENDERS = ("memstrata", *STOCK_PROFILES)
+# memstrata with the delayed update a job asks for by name (spec.training.update: delayed; the planner counts its
+# shadows): each update beside the next step's forward and backward.
+DELAYED = "memstrata-delayed"
+CONTENDERS = ("memstrata", DELAYED, *STOCK_PROFILES)
 # memstrata with each update beside the next forward whatever the device (SwapSettings.overlap_update true; by
 # default only beside an accelerator's forward) and with each in place (false): benchmarks/offload/overlap.py
 # compares the two. Not among CONTENDERS.
 BESIDE, IN_PLACE = "memstrata-beside", "memstrata-in-place"
-OVERLAP = {"memstrata": None, BESIDE: True, IN_PLACE: False}
+# memstrata's flavours: what each passes to memstrata_plan.
+MEMSTRATA: dict[str, dict[str, Any]] = {"memstrata": {}, DELAYED: {"delayed": True}, BESIDE: {"overlap": True},
+                                        IN_PLACE: {"overlap": False}}
 
 
-def job_shape(arch: Any, seq: int, batch: int, engine: str, gpu: bool = False) -> Any:
+def job_shape(arch: Any, seq: int, batch: int, engine: str, gpu: bool = False, delayed: bool = False) -> Any:
     from memstrata.plan.accounting import JobShape
 
     # On the CPU the harness runs without activation checkpointing, so the planner must not assume it; with --gpu
     # it runs with it, as a GPU node does.
     return JobShape(model=arch, sequence_length=seq, micro_batch=batch, precision="bf16", gpus=int(gpu),
-                    engine=engine, activation_checkpointing=gpu)
+                    engine=engine, activation_checkpointing=gpu, delayed_update=delayed)
 
 
 def node(scratch: Path, gpu: bool) -> Any:
@@ -72,14 +77,15 @@ def stock_cpu_bytes(arch: Any, seq: int, batch: int, scratch: Path, gpu: bool = 
 
 
 def memstrata_plan(arch: Any, seq: int, batch: int, scratch: Path, budget: int, work: Path, loop: str,
-                   gpu: bool = False, overlap: bool | None = None) -> tuple[dict[str, Any], list[str]]:
+                   gpu: bool = False, overlap: bool | None = None, delayed: bool = False
+                   ) -> tuple[dict[str, Any], list[str]]:
     """(what the run records about its plan, the harness arguments that run it) for a DRAM budget."""
     from memstrata.api.finetunejob import MemoryPolicy
     from memstrata.plan.assignment import plan_for_node
     from memstrata.runtime.swap.stratamap import swap_settings
     from memstrata.runtime.train.dsconfig import offload_devices
 
-    plan = plan_for_node(job_shape(arch, seq, batch, "memstrata", gpu), node(scratch, gpu),
+    plan = plan_for_node(job_shape(arch, seq, batch, "memstrata", gpu, delayed), node(scratch, gpu),
                          MemoryPolicy(engine="memstrata", dram_budget=budget))
     # As in a pod: the device plugin grants a namespace only to a plan that puts something on NVMe.
     env = {"MEMSTRATA_NVME_DEVICES": loop} if plan.bytes_on("nvme") else {}
@@ -120,12 +126,12 @@ def run_contender(contender: str, *, arch_name: str, arch: Any, seq: int, batch:
                   "--zero-init", "--precision", "bf16", "--swap-dir", str(work / "swap"), "--out", str(out),
                   *(["--gpu"] if gpu else [])]
         devices = [backing]
-        if contender in OVERLAP:
+        if contender in MEMSTRATA:
             loop = attach_loop(work)
             devices.append(Path(loop).name)
             try:
                 rec["plan"], extra = memstrata_plan(arch, seq, batch, scratch, cap["bytes"] - base, work, loop, gpu,
-                                                    overlap=OVERLAP[contender])
+                                                    **MEMSTRATA[contender])
             except ValueError as exc:  # the planner or stratamap refused: that is the result at this cap
                 rec["error"] = f"no plan: {exc}"
                 return rec
