@@ -27,11 +27,16 @@ def die(marker: Path, phase: str, step: int) -> None:
 
 
 def arm(recipe: Any, phase: str, step: int, marker: Path) -> None:
+    from memstrata.runtime.swap.overlap import settle
+
     engine = recipe.engine
     state = {"step": 0, "in_update": False, "writes": 0, "files": 0, "updating": 0}
     original_step = engine.step
 
     def counted_step(*a: Any, **k: Any) -> Any:
+        # The update before, still beside this step's forward (and, delayed, its backward), is joined first, so its
+        # writes are counted as its own step's, never this one's.
+        settle(engine.optimizer)
         state["in_update"] = engine.is_gradient_accumulation_boundary()
         if state["in_update"]:
             state["updating"] = current()  # the step this update takes, wherever it runs
@@ -137,6 +142,8 @@ def main() -> int:
                 os.fsync(out.fileno())
 
             recipe.train(on_step)
+            swap = recipe.memstrata_status()
+            out.write(json.dumps({"update_overlap": swap.update_overlap.wire() if swap is not None else None}) + "\n")
     finally:
         recipe.cleanup()
     return 0

@@ -1,6 +1,7 @@
 """Nothing is lost: a run killed with SIGKILL in the forward pass, in the update's NVMe writes and in a checkpoint
 write, and resumed each time (once more from a checkpoint corrupted in the meantime), trains exactly the steps an
-uninterrupted run with the same seed trains: every step's loss is bit-identical, on both engines.
+uninterrupted run with the same seed trains: every step's loss is bit-identical, on both engines, and with the
+delayed update (a checkpoint holds its update applied, so a resumed run goes on as the one that saved it).
 
 Each attempt is its own process (tests/offload/resume_worker.py), as a pod's retry is. The kill points are drawn
 at random (the seed is printed); the worker writes where it killed itself before it does, and the test checks
@@ -29,10 +30,13 @@ STEPS = 8
 
 
 def job_file(tmp: Path, engine: str, checkpoints: Path) -> Path:
+    """`engine`: memory.engine, or memstrata-delayed (memstrata with training.update delayed)."""
     doc = yaml.safe_load((REPO / "examples" / "finetune-tiny.yaml").read_text())
     doc["metadata"]["name"] = f"resume-{engine}"
     doc["spec"]["training"]["steps"] = STEPS
-    doc["spec"]["memory"]["engine"] = engine
+    doc["spec"]["memory"]["engine"] = engine.removesuffix("-delayed")
+    if engine.endswith("-delayed"):
+        doc["spec"]["training"]["update"] = "delayed"
     doc["spec"]["checkpoint"] = {"path": str(checkpoints), "everySteps": 2, "keep": 3}
     path = tmp / f"{engine}-{checkpoints.name}.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -46,6 +50,8 @@ def records(losses: Path) -> tuple[dict[int, set[str]], list[dict[str, Any]]]:
         r = json.loads(line)
         if "attempt_resumed_from" in r:
             attempts.append(r)
+        elif "update_overlap" in r:  # a finished attempt's update, as its swap layer reported it
+            attempts[-1]["update_overlap"] = r["update_overlap"]
         else:
             steps.setdefault(r["step"], set()).add(r["loss"])
     return steps, attempts
@@ -61,7 +67,7 @@ def newest(checkpoints: Path) -> int:
     return max((s for p in checkpoints.iterdir() if (s := parse_step_dir(p.name)) is not None), default=0)
 
 
-@pytest.mark.parametrize("engine", ["memstrata", "deepspeed"])
+@pytest.mark.parametrize("engine", ["memstrata", "deepspeed", "memstrata-delayed"])
 def test_killed_three_times_and_resumed_the_losses_are_those_of_an_uninterrupted_run(engine: str,
                                                                                      tmp_path: Path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: run `make install`")
@@ -72,8 +78,11 @@ def test_killed_three_times_and_resumed_the_losses_are_those_of_an_uninterrupted
     straight = tmp_path / "straight.jsonl"
     done = resume_attempt(job_file(tmp_path, engine, tmp_path / "ck-straight"), tmp_path, straight)
     assert done.returncode == 0, done.stderr[-3000:]
-    expected, _ = records(straight)
+    expected, straight_attempts = records(straight)
     assert sorted(expected) == list(range(1, STEPS + 1))
+    if engine.endswith("-delayed"):  # each update did run beside the next step's forward and backward
+        overlap = straight_attempts[-1]["update_overlap"]
+        assert overlap["on"] and overlap["mode"] == "delayed" and overlap["updates"] >= STEPS - 1, overlap
 
     checkpoints = tmp_path / "ck"
     job = job_file(tmp_path, engine, checkpoints)

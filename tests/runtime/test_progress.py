@@ -131,8 +131,9 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
                  "gradients": None, "vmLockedBytes": 96 << 20, "hugePageTensors": False},
         "activations": {"stratum": "cxl", "numaNodes": [2, 3], "livePeakBytes": 24 << 20,
                         "offloadedBytes": 120 << 20, "returnedBytes": 120 << 20, "prefetched": 19, "tensors": 20, "lockedBytes": 32 << 20},
-        "updateOverlap": {"on": True, "refused": "", "updates": 4, "updateSeconds": 2.0, "forwardWaits": 9,
-                          "forwardWaitSeconds": 0.5, "joinWaitSeconds": 0.25},
+        "updateOverlap": {"on": True, "mode": "beside the forward", "refused": "", "updates": 4, "updateSeconds": 2.0,
+                          "forwardWaits": 9, "forwardWaitSeconds": 0.5, "joinWaitSeconds": 0.25, "backwardWaits": 0,
+                          "backwardWaitSeconds": 0.0, "lateSubgroups": 0, "shadowPeakBytes": 0},
     }
     losses = [5.0, 4.0, 3.0, 2.0, 1.0]
     report = RunReport(
@@ -155,6 +156,20 @@ def test_report_shows_the_swap_layer_and_keeps_its_json_names() -> None:
     assert "activation checkpoints, peak held (NUMA 2,3)" in text and "24.0 MiB" in text
     assert "activation checkpoints moved, 19 prefetched" in text and "120.0 MiB" in text
     assert "update beside the forward: 4 updates, 2.00 s of them, 1.25 s hidden behind the forward" in text
+
+
+def test_the_delayed_update_is_reported_as_such_with_the_backwards_waits_and_the_shadows() -> None:
+    from memstrata.runtime.swap.status import OverlapStatus
+    from memstrata.runtime.train.observe.progress import update_line
+
+    ov = OverlapStatus(on=True, mode="delayed", updates=9, update_seconds=30.8, join_wait_seconds=0.2,
+                       backward_waits=12, backward_wait_seconds=1.8, late_subgroups=235, shadow_peak_bytes=302 << 20)
+    assert update_line(ov) == (
+        "delayed update (spec.training.update): 9 updates, 30.80 s of them, 28.80 s hidden behind the next forward "
+        "and backward (the backward waited 1.80 s for gradients the update had not read, 0.20 s at its end; 235 "
+        "sub-groups' weights through shadows, at most 302.0 MiB held)")
+    assert update_line(OverlapStatus(on=False, refused="delayed update refused: weights on NVMe")) == \
+        "update in place: delayed update refused: weights on NVMe"
 
 
 def test_a_short_runs_loss_summary_never_compares_a_window_with_itself() -> None:

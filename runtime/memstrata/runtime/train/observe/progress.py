@@ -19,7 +19,7 @@ from rich.table import Table
 from memstrata.api.jobstatus import OutputStatus
 from memstrata.api.report import RuntimeReport, StratumCounters, format_duration
 from memstrata.api.units import format_bytes
-from memstrata.runtime.swap.status import SwapStatus
+from memstrata.runtime.swap.status import OverlapStatus, SwapStatus
 
 
 class ProgressBar:
@@ -252,11 +252,21 @@ def render_memstrata(status: SwapStatus, console: Console) -> None:
         t.add_row(act.stratum, f"activation checkpoints moved, {act.prefetched} prefetched",
                   format_bytes(act.offloaded_bytes))
     console.print(t)
-    ov = status.update_overlap
-    if ov.on:
-        hidden = max(0.0, ov.update_seconds - ov.forward_wait_seconds - ov.join_wait_seconds)
-        console.print(f"update beside the forward: {ov.updates} updates, {ov.update_seconds:.2f} s of them, "
-                      f"{hidden:.2f} s hidden behind the forward (it waited {ov.forward_wait_seconds:.2f} s for "
-                      f"sub-groups, {ov.join_wait_seconds:.2f} s at its end)")
-    else:
-        console.print(f"update in place: {ov.refused}")
+    console.print(update_line(status.update_overlap))
+
+
+def update_line(ov: OverlapStatus) -> str:
+    """Where the updates ran and how much of them compute hid, in one line of the verbose report."""
+    if not ov.on:
+        return f"update in place: {ov.refused}"
+    waited = ov.forward_wait_seconds + ov.backward_wait_seconds + ov.join_wait_seconds
+    hidden = max(0.0, ov.update_seconds - waited)
+    if ov.mode == "delayed":
+        return (f"delayed update (spec.training.update): {ov.updates} updates, {ov.update_seconds:.2f} s of them, "
+                f"{hidden:.2f} s hidden behind the next forward and backward (the backward waited "
+                f"{ov.backward_wait_seconds:.2f} s for gradients the update had not read, {ov.join_wait_seconds:.2f} s "
+                f"at its end; {ov.late_subgroups} sub-groups' weights through shadows, at most "
+                f"{format_bytes(ov.shadow_peak_bytes)} held)")
+    return (f"update beside the forward: {ov.updates} updates, {ov.update_seconds:.2f} s of them, {hidden:.2f} s "
+            f"hidden behind the forward (it waited {ov.forward_wait_seconds:.2f} s for sub-groups, "
+            f"{ov.join_wait_seconds:.2f} s at its end)")
