@@ -99,7 +99,8 @@ def measured(data: dict[str, Any]) -> dict[str, Any]:
             "hbm_peak_bytes": data.get("gpu_peak_bytes"),
             "hbm_allocated_peak_bytes": data.get("gpu_allocated_peak_bytes"),
             "strata": report.get("strata"), "phases": report.get("phases"), "offload": report.get("offload"),
-            "pinned_bytes": dram.get("pinnedBytes"), "activations": (report.get("memstrata") or {}).get("activations")}
+            "pinned_bytes": dram.get("pinnedBytes"), "activations": (report.get("memstrata") or {}).get("activations"),
+            "update": (report.get("memstrata") or {}).get("updateOverlap")}
 
 
 def reloaded(work: Path, job: Path, rec: dict[str, Any], limit: float, cpu: bool) -> dict[str, Any]:

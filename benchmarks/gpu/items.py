@@ -63,6 +63,10 @@ def _items(p: Profile) -> tuple[Item, ...]:
         Item("gpu-tests", "tests", limits["tests"], note="pytest -m gpu: skipped without a GPU"),
         Item(f"memstrata-{big}", "run", run, budget=big, note="NVMe-heavy; both engines fit"),
         Item(f"stock-{big}", "run", run, engine="deepspeed", budget=big, note="NVMe-heavy; both engines fit"),
+        # The delayed update, asked for by name: on a GPU its backward's gradient writes run on the autograd
+        # device thread and wait there; the update's Adam and I/O hide behind a whole step.
+        Item(f"memstrata-{big}-delayed", "run", run, budget=big, training={"update": "delayed"},
+             note="spec.training.update delayed: each update beside the next forward and backward"),
         Item(f"memstrata-{only_memstrata}", "run", run, budget=only_memstrata, note="stock's plan does not fit"),
         # Issue 31's llama3.2-1b at 10 and 14 GiB, with gradient accumulation: weights on NVMe run layer-major.
         Item(f"memstrata-{big}-accum4", "run", run, budget=big, training={"microBatch": 2, "gradientAccumulation": 4},

@@ -293,7 +293,8 @@ def _speed_targets(model: dict[str, Any], name: str, ratio_key: str, who: str) -
     out = [_target(f"speed: {who} step <= {TARGET_STOCK_RATIO}x the best stock configuration's at every cap where "
                    "both run (all-fits aside)", worst and worst[1], TARGET_STOCK_RATIO, le=True,
                    note=worst and f"worst at k={worst[0]:g}")]
-    ours = [(c["k"], r["bound"]) for c in budget for r in [_run(c, name)] if r and r.get("bound")]
+    ours = [(c["k"], r["bound"]) for c in budget for r in [_run(c, name)] if r and r.get("bound")
+            and (name != DELAYED or delayed_ran(r))]
     io_bound = [(k, b["ratio"]) for k, b in ours if b["io_bound"]]
     worst = max(io_bound, key=lambda kv: kv[1], default=None)
     out.append(_target(f"bound: where I/O exceeds compute, {who} step <= {TARGET_BOUND_RATIO}x max(compute, I/O)",
@@ -301,6 +302,12 @@ def _speed_targets(model: dict[str, Any], name: str, ratio_key: str, who: str) -
                        note=(f"worst at k={worst[0]:g}" if worst else "no cap where I/O exceeds compute"
                              if model.get("compute_floor") else "no compute floor")))
     return out
+
+
+def delayed_ran(run: dict[str, Any]) -> bool:
+    """Whether a run's updates did run delayed (refused, e.g. with weights on NVMe, each ran in place, exact)."""
+    overlap = (run.get("swap") or {}).get("updateOverlap") or {}
+    return bool(overlap.get("on")) and overlap.get("mode") == "delayed"
 
 
 def _target(text: str, measured: float | None, limit: float, *, le: bool, note: str | None = None
@@ -329,6 +336,9 @@ def summarize_model(model: dict[str, Any], fio: dict[str, Any], backing: str) ->
         cap["best_stock"] = best["contender"] if best else None
         for name, key in (("memstrata", "vs_best_stock"), (DELAYED, "delayed_vs_best_stock")):
             ours = _run(cap, name)
+            if ours and ours.get("ok") and name == DELAYED and not delayed_ran(ours):
+                cap["delayed_refused"] = (ours.get("swap") or {}).get("updateOverlap", {}).get("refused") or "off"
+                ours = None  # it ran in place: the exact engine's run, not the delayed update's
             if best and ours and ours.get("ok"):
                 cap[key] = {"step_ratio": _ratio(ours["step"]["median"], best["step"]["median"]),
                             "memory_ratio": _ratio(host_peak(ours), host_peak(best))}

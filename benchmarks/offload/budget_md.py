@@ -108,9 +108,10 @@ def markdown(results: dict[str, Any]) -> str:
     for name, m in results["models"].items():
         for c in m["caps"]:
             vs, dl = c.get("vs_best_stock") or {}, c.get("delayed_vs_best_stock") or {}
+            delayed = (f"in place: {c['delayed_refused'][:60]} | |" if c.get("delayed_refused") else
+                       f"{_f(dl.get('step_ratio'))} | {_f(dl.get('memory_ratio'))} |")
             lines.append(f"| {name} | {c['k']:g} | {c.get('best_stock') or 'none finished'} | "
-                         f"{_f(vs.get('step_ratio'))} | {_f(vs.get('memory_ratio'))} | {_f(dl.get('step_ratio'))} | "
-                         f"{_f(dl.get('memory_ratio'))} |")
+                         f"{_f(vs.get('step_ratio'))} | {_f(vs.get('memory_ratio'))} | {delayed}")
     lines += ["", "memstrata's plan at each cap (bytes per stratum, the devices DeepSpeed is given, the loop device's "
               "own counters per step):", "",
               "| model | k | DRAM budget GiB | feasible | plan DRAM GiB | plan NVMe GiB | param / optim device | "

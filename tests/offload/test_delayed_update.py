@@ -54,3 +54,30 @@ def test_the_delayed_update_trains_as_each_update_applied_one_step_late(loopdev,
     assert status["on"] and status["mode"] == "delayed" and status["updates"] == steps, status
     assert status["lateSubgroups"] > 0 and status["shadowPeakBytes"] > 0, status
     assert status["backwardWaits"] > 0 and status["backwardWaitSeconds"] > 0.5, status
+
+
+def test_refused_where_the_16_bit_weights_are_on_the_accelerator_and_the_reason_names_it() -> None:
+    """The shadows would take the accelerator's memory, which the plan does not count: a partition on any device
+    but the CPU (here the meta device, standing in for cuda) refuses the delayed update; CPU partitions do not."""
+    import torch
+
+    from memstrata.runtime.swap.delayed import delayed_refusal
+
+    class Partitions:
+        def __init__(self, device: str) -> None:
+            self.fp16_partitioned_groups_flat = [torch.empty(4, device="cpu"), None, torch.empty(4, device=device)]
+
+    assert delayed_refusal(Partitions("cpu")) is None  # type: ignore[arg-type]
+    why = delayed_refusal(Partitions("meta"))  # type: ignore[arg-type]
+    assert why is not None and why.startswith("16-bit weights on the accelerator")
+
+
+def test_weights_on_nvme_refuse_it_and_the_update_runs_in_place_exactly(loopdev, tmp_path: Path) -> None:
+    """Asked for where the forward reads weights from NVMe (the update's writes would share the rank's NVMe engine):
+    refused in words the status carries, and the run is the in-place engine's, bit for bit."""
+    dev = loopdev(512 << 20)
+    asked = _run(dev, tmp_path, "asked", {**SWAP, "delayed_update": True}, 3)
+    exact = _run(dev, tmp_path, "exact", {**SWAP, "overlap_update": False}, 3)
+    assert not asked["overlap"]["on"] and asked["overlap"]["refused"].startswith("delayed update refused: weights on "
+                                                                                 "NVMe"), asked["overlap"]
+    assert asked["losses"] == exact["losses"] and asked["weights"] == exact["weights"]

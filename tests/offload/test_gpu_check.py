@@ -37,6 +37,9 @@ def test_the_gpu_check_runs_every_item_on_the_cpu(tmp_path: Path) -> None:
     for budget in ("8Mi", "64Mi", "8Mi-accum4"):
         assert items[f"memstrata-{budget}"]["losses"] == pytest.approx(items[f"stock-{budget}"]["losses"], rel=1e-3)
     assert items["stock-4Mi"]["status"] == "refused by the planner"  # where only memstrata's plan fits
+    # Asked for by name, the delayed update ran: each update beside the next forward and backward.
+    update = items["memstrata-8Mi-delayed"]["update"]
+    assert update["on"] and update["mode"] == "delayed" and update["updates"] >= 2, update
     assert items["memstrata-4Mi"]["tokens_per_second"] > 0 and items["memstrata-4Mi"]["plan_dram_bytes"] > 0
     assert items["memstrata-long"]["activations"]["livePeakBytes"] > 0  # the checkpoints went through the pool
     assert items["memstrata-export"]["reloaded_validation_loss"] == pytest.approx(

@@ -14,11 +14,17 @@ from budget_md import markdown  # noqa: E402
 from test_offload_bench_logic import FIO, G, GOOD_FLOORS, _model, _run  # noqa: E402
 
 
-def _with_delayed(steps: list[float]) -> dict[str, Any]:
-    """Exact memstrata at 6 s (0.6x of stock's 10 s, 3x its 2 s bound) and the delayed one at `steps`."""
+ON = {"updateOverlap": {"on": True, "mode": "delayed"}}
+REFUSED = {"updateOverlap": {"on": False, "mode": "beside the forward",
+                             "refused": "delayed update refused: weights on NVMe: the forward's reads ..."}}
+
+
+def _with_delayed(steps: list[float], swaps: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Exact memstrata at 6 s (0.6x of stock's 10 s, 3x its 2 s bound) and the delayed one at `steps` (its
+    updates delayed unless `swaps` says otherwise)."""
     m = _model([6.0] * 3, [10.0] * 3, 1.0, 1.0, floors=GOOD_FLOORS)
-    for cap, s in zip(m["caps"], steps):
-        cap["runs"].insert(1, _run(budget.DELAYED, s, G, io=(1 << 30, 1 << 29)))
+    for cap, s, swap in zip(m["caps"], steps, swaps or [ON] * 3):
+        cap["runs"].insert(1, _run(budget.DELAYED, s, G, io=(1 << 30, 1 << 29), swap=swap))
     return budget.summarize_model(m, FIO, "vda")
 
 
@@ -49,3 +55,17 @@ def test_without_delayed_runs_its_targets_are_not_measurable_and_the_table_says_
     assert "| gpt-x | 2.2 | stock-tuned | 0.220 | 0.250 |  |  |" in markdown(results)
     results["models"]["gpt-x"] = _with_delayed([2.2, 3.0, 3.0])
     assert "| gpt-x | 2.2 | stock-tuned | 0.600 | 0.250 | 0.220 | 0.250 |" in markdown(results)
+
+
+def test_a_cap_where_the_delayed_update_was_refused_is_not_counted_as_its_own() -> None:
+    """With weights on NVMe it runs in place, exact: that run is the exact engine's, so neither its ratio nor its
+    bound is the delayed update's, and the table says it ran in place and why."""
+    m = _with_delayed([6.5, 2.2, 2.2], [REFUSED, ON, ON])
+    assert "delayed_vs_best_stock" not in m["caps"][0] and m["caps"][0]["delayed_refused"].startswith("delayed")
+    assert _targets(m, delayed=True) == [True, True]  # the 6.5 s run at k=2.2 is not the delayed update's
+    results = {"machine": {"cores": 2, "scratch": "/x", "scratch_fs": "ext4"}, "fio": FIO, "backing_device": "vda",
+               "dram_cap": {"enforced": True, "mechanism": "cgroup v1"}, "seq": 128, "batch": 1, "precision": "bf16",
+               "warmup": 2, "measured": 8, "base_formula": budget.BASE_FORMULA, "idle_interpreter_rss_bytes": G,
+               "bound_formula": "b", "statistic": "s", "loadavg_start": [0, 0, 0], "models": {"gpt-x": m}}
+    assert "| gpt-x | 2.2 | stock-tuned | 0.600 | 0.250 | in place: delayed update refused: weights on NVMe" \
+        in markdown(results)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -178,16 +177,9 @@ class DelayedUpdate(OverlappedUpdate):
 
     # -- the backward: waits for consumed gradients, marks used weights ---------------------------------------
     def _wait_consumed(self, params: Iterable[Any]) -> None:
-        u = self.current
-        if u is None or u.ident == threading.get_ident():
-            return
-        groups = {self.subgroup_of.get(id(p), -1) for p in params} - {-1}
-        pending = [u.done[g] for g in groups if not u.done[g].is_set()]
-        if pending:
-            t0 = time.monotonic()
-            for event in pending:
-                event.wait()
-            self.backward_wait_seconds += time.monotonic() - t0
+        waited = self.wait_done(params)  # `done`, here: the sub-group's gradients read
+        if waited is not None:
+            self.backward_wait_seconds += waited
             self.backward_waits += 1
 
     def _mark_written(self, params: Iterable[Any]) -> None:

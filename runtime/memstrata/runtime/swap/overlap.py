@@ -234,19 +234,28 @@ class OverlappedUpdate:
     # -- the main thread --------------------------------------------------------------------------------
     def wait_for(self, params: Iterable[Any]) -> None:
         """Until every sub-group holding one of `params` has its 16-bit copy (raising what the update raised)."""
+        waited = self.wait_done(params)
+        if waited is not None:
+            self.forward_wait_seconds += waited
+            self.forward_waits += 1
+        u = self.current
+        if u is not None and u.error is not None and u.ident != threading.get_ident():
+            self.join()
+
+    def wait_done(self, params: Iterable[Any]) -> float | None:
+        """Until the update in flight (if any, and not this thread's) has signalled `done` for every sub-group
+        holding one of `params`: the seconds waited, or None where nothing was pending."""
         u = self.current
         if u is None or u.ident == threading.get_ident():
-            return
+            return None
         groups = {self.subgroup_of.get(id(p), -1) for p in params} - {-1}  # -1: frozen, never updated
         pending = [u.done[g] for g in groups if not u.done[g].is_set()]
-        if pending:
-            t0 = time.monotonic()
-            for event in pending:
-                event.wait()
-            self.forward_wait_seconds += time.monotonic() - t0
-            self.forward_waits += 1
-        if u.error is not None:
-            self.join()
+        if not pending:
+            return None
+        t0 = time.monotonic()
+        for event in pending:
+            event.wait()
+        return time.monotonic() - t0
 
     def join(self) -> None:
         """Until the update in flight has finished; its error raised here (once)."""
