@@ -58,3 +58,15 @@ def test_under_a_tight_budget_the_shadows_push_state_to_nvme(node: NodeInventory
                                                                                        "weights"))
     assert moved >= 2 * PRESETS["gpt-350m"].parameters() * 0.9, moved
 
+
+
+def test_where_the_weights_would_go_to_nvme_the_delayed_update_is_dropped_with_a_note(node: NodeInventory) -> None:
+    """The runtime refuses it where the forward reads weights from NVMe, so a plan that counted its shadows there
+    would hold 2 B per parameter for nothing: the plan is the exact one, and says why."""
+    budget = {"dramBudget": "1Gi", "nvmeNamespaces": 1}
+    exact, asked = plan_job(_spec("exact", **budget), node), plan_job(_spec("delayed", **budget), node)
+    assert exact.feasible and exact.category("weights").on("nvme") > 0
+    assert not asked.delayed_update and asked.categories == exact.categories
+    assert asked.notes[0].startswith("training.update delayed dropped: with their shadows the weights do not fit")
+    roomy = plan_job(_spec("delayed", dramBudget="3Gi"), node)
+    assert roomy.delayed_update and not any("dropped" in n for n in roomy.notes)

@@ -34,6 +34,7 @@ MEMSTRATA_ORDER = ("gradients", "checkpoints", "weights", "master", "optimizer")
 MASTER_SHARE = (4, STATE_BYTES_PER_ELEMENT)
 
 LAYER_MAJOR_NOTE = "layer-major"
+DELAYED_NOTE = "training.update delayed"
 # Categories stock DeepSpeed places together: offload_optimizer moves master and
 # moments as one; offload_param moves all weights.
 STOCK_GROUPS = {"master": ("master", "optimizer"), "optimizer": ("master", "optimizer"), "weights": ("weights",)}
@@ -49,8 +50,22 @@ UNIT_STEP = (7, 10)
 
 
 def plan_for_node(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
-    """Assign each category of `job` to the strata of `node`, or say precisely what is missing. Layer-major
-    (unset: on where weights go to NVMe) is dropped where every micro-batch's checkpoints at once break the fit."""
+    """Assign each category of `job` to the strata of `node`, or say precisely what is missing. The delayed update
+    is dropped where its plan does not fit or puts weights on NVMe (the runtime refuses it there, so its shadows
+    would be counted for nothing): the exact plan, with a note. Layer-major (unset: on where weights go to NVMe)
+    is dropped where every micro-batch's checkpoints at once break the fit."""
+    if job.delayed_update:
+        plan = _plan_layers(job, node, policy)
+        if plan.feasible and plan.category("weights").on("nvme") == 0:
+            return plan
+        exact = _plan_layers(job.model_copy(update={"delayed_update": False}), node, policy)
+        return exact.model_copy(update={"notes": [
+            f"{DELAYED_NOTE} dropped: with their shadows the weights do not fit in host memory, and the forward's "
+            "reads from NVMe cannot run beside the update's writes; each update runs in place, exact", *exact.notes]})
+    return _plan_layers(job, node, policy)
+
+
+def _plan_layers(job: JobShape, node: NodeInventory, policy: MemoryPolicy) -> Plan:
     plan = _plan(job, node, policy)
     if plan.feasible or job.layer_major is not None or not plan.layer_major:
         return plan
