@@ -68,9 +68,22 @@ def dra_node(real_cluster: RealCluster) -> Iterator[RealCluster]:
         rc.timings["dra-switch"] = time.monotonic() - began
         yield rc
     finally:
-        upgrade(rc, "device-plugin")
-        rc.cp.wait_for("the device plugin to offer the namespaces again", lambda: rc.node_json()["status"].get(
-            "allocatable", {}).get("memstrata.dev/nvme-ns") == str(len(rc.loops)), timeout=180)
+        try:
+            # A pod holding a claim needs the DRA driver to unprepare it: switched back first, the kubelet keeps it
+            # Terminating for good ("DRA driver ... is not registered"), with its namespaces, and every later job on
+            # this node waits behind it (a failed DRA test once took four more tests down so).
+            rc.cp.wait_for("every pod holding a claim gone while the DRA driver is still there",
+                           lambda: not claimed_pods(rc), timeout=180)
+        finally:
+            upgrade(rc, "device-plugin")
+            rc.cp.wait_for("the device plugin to offer the namespaces again", lambda: rc.node_json()["status"].get(
+                "allocatable", {}).get("memstrata.dev/nvme-ns") == str(len(rc.loops)), timeout=180)
+
+
+def claimed_pods(rc: RealCluster) -> list[str]:
+    """namespace/name of every pod, in any namespace, that holds a resource claim."""
+    return [f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in rc.cp.get_json("pods", "-A")["items"]
+            if p["spec"].get("resourceClaims")]
 
 
 def claim(name: str, count: int, min_bytes: int) -> dict[str, Any]:
