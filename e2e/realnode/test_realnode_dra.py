@@ -206,8 +206,12 @@ def test_a_finetunejob_claims_two_namespaces_through_dra_and_trains_through_them
             if meta.get("labels", {}).get("memstrata.dev/role") is not None or \
                     (meta.get("annotations") or {}).get(names.LABEL_JOB_NAME) != "dra":
                 continue
-            claim_names.extend(s["resourceClaimName"] for s in p["status"].get("resourceClaimStatuses") or []
-                               if s.get("resourceClaimName") and s["resourceClaimName"] not in claim_names)
+            # Only while the pod runs: once it has finished, Kubernetes' resourceclaim controller (v1.36) deletes its
+            # claim and may then make a fresh one from the template, never allocated, and name that in the finished
+            # pod's status (kubernetes#141274; seen once under load as a second claim name for one pod UID).
+            if p["status"].get("phase") not in ("Succeeded", "Failed"):
+                claim_names.extend(s["resourceClaimName"] for s in p["status"].get("resourceClaimStatuses") or []
+                                   if s.get("resourceClaimName") and s["resourceClaimName"] not in claim_names)
             if not env and (found := container_env(rc.node, p)) is not None:
                 env.update(found)
 
