@@ -28,6 +28,14 @@ def _with_delayed(steps: list[float], swaps: list[dict[str, Any]] | None = None)
     return budget.summarize_model(m, FIO, "vda")
 
 
+def _results(m: dict[str, Any]) -> dict[str, Any]:
+    """A run's record around one summarized model, as budget_md.markdown reads it."""
+    return {"machine": {"cores": 2, "scratch": "/x", "scratch_fs": "ext4"}, "fio": FIO, "backing_device": "vda",
+            "dram_cap": {"enforced": True, "mechanism": "cgroup v1"}, "seq": 128, "batch": 1, "precision": "bf16",
+            "warmup": 2, "measured": 8, "base_formula": budget.BASE_FORMULA, "idle_interpreter_rss_bytes": G,
+            "bound_formula": "b", "statistic": "s", "loadavg_start": [0, 0, 0], "models": {"gpt-x": m}}
+
+
 def _targets(m: dict[str, Any], delayed: bool) -> list[bool | None]:
     return [t["pass"] for t in m["targets"] if ("delayed" in t["target"]) is delayed and
             ("speed:" in t["target"] or "bound:" in t["target"])]
@@ -48,10 +56,7 @@ def test_without_delayed_runs_its_targets_are_not_measurable_and_the_table_says_
     m = budget.summarize_model(_model([2.2] * 3, [10.0] * 3, 1.0, 1.0, floors=GOOD_FLOORS), FIO, "vda")
     assert _targets(m, delayed=True) == [None, None]
     assert "delayed_vs_best_stock" not in m["caps"][0]
-    results = {"machine": {"cores": 2, "scratch": "/x", "scratch_fs": "ext4"}, "fio": FIO, "backing_device": "vda",
-               "dram_cap": {"enforced": True, "mechanism": "cgroup v1"}, "seq": 128, "batch": 1, "precision": "bf16",
-               "warmup": 2, "measured": 8, "base_formula": budget.BASE_FORMULA, "idle_interpreter_rss_bytes": G,
-               "bound_formula": "b", "statistic": "s", "loadavg_start": [0, 0, 0], "models": {"gpt-x": m}}
+    results = _results(m)
     assert "| gpt-x | 2.2 | stock-tuned | 0.220 | 0.250 |  |  |" in markdown(results)
     results["models"]["gpt-x"] = _with_delayed([2.2, 3.0, 3.0])
     assert "| gpt-x | 2.2 | stock-tuned | 0.600 | 0.250 | 0.220 | 0.250 |" in markdown(results)
@@ -63,9 +68,6 @@ def test_a_cap_where_the_delayed_update_was_refused_is_not_counted_as_its_own() 
     m = _with_delayed([6.5, 2.2, 2.2], [REFUSED, ON, ON])
     assert "delayed_vs_best_stock" not in m["caps"][0] and m["caps"][0]["delayed_refused"].startswith("delayed")
     assert _targets(m, delayed=True) == [True, True]  # the 6.5 s run at k=2.2 is not the delayed update's
-    results = {"machine": {"cores": 2, "scratch": "/x", "scratch_fs": "ext4"}, "fio": FIO, "backing_device": "vda",
-               "dram_cap": {"enforced": True, "mechanism": "cgroup v1"}, "seq": 128, "batch": 1, "precision": "bf16",
-               "warmup": 2, "measured": 8, "base_formula": budget.BASE_FORMULA, "idle_interpreter_rss_bytes": G,
-               "bound_formula": "b", "statistic": "s", "loadavg_start": [0, 0, 0], "models": {"gpt-x": m}}
+    results = _results(m)
     assert "| gpt-x | 2.2 | stock-tuned | 0.600 | 0.250 | in place: delayed update refused: weights on NVMe" \
         in markdown(results)

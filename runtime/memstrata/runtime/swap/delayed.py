@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -216,15 +216,11 @@ class DelayedUpdate(OverlappedUpdate):
 
         self.opt.partition_grads = partition_grads
 
-    def _waiting(self, gather: Callable[..., Any], named: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-                 param: Any) -> Callable[..., Any]:
-        @functools.wraps(gather)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if self.current is not None and not self.in_pass:
-                self.join()  # an evaluation, a save: the weights as of the last step, applied
-            return gather(*args, **kwargs)
-
-        return call
+    def before_gather(self, params: Iterable[Any]) -> None:
+        """Inside a training pass a gather reads the weights as they are (the step before's); outside one (an
+        evaluation, a save) the update is joined first, so it reads them as of the last step, applied."""
+        if not self.in_pass:
+            self.join()
 
     # -- the main thread ---------------------------------------------------------------------------------------
     def wrap_step(self) -> None:
@@ -289,8 +285,5 @@ class DelayedUpdate(OverlappedUpdate):
                 self.in_pass = False
 
         engine.forward, engine.backward = forward_in_pass, backward_ends_pass
-        for owner, names in ((engine, ("save_checkpoint", "load_checkpoint", "save_16bit_model", "destroy")),
-                             (self.opt, ("state_dict", "load_state_dict"))):
-            for name in names:
-                setattr(owner, name, self._joining(getattr(owner, name)))
+        self.join_before_readers(engine)
 

@@ -286,10 +286,14 @@ class OverlappedUpdate:
         @functools.wraps(gather)
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.current is not None:
-                self.wait_for(named(args, kwargs) or [param])
+                self.before_gather(named(args, kwargs) or [param])
             return gather(*args, **kwargs)
 
         return call
+
+    def before_gather(self, params: Iterable[Any]) -> None:
+        """What a gather of `params` does first while an update runs: here, wait for their sub-groups."""
+        self.wait_for(params)
 
     def wrap_engine(self, engine: Engine) -> None:
         """Join when the forward ends and before whatever else reads the optimizer's state."""
@@ -306,8 +310,14 @@ class OverlappedUpdate:
             return out
 
         engine.forward = forward_then_join
-        for owner, names in ((engine, ("backward", "save_checkpoint", "load_checkpoint", "save_16bit_model",
-                                       "destroy")), (self.opt, ("state_dict", "load_state_dict"))):
+        engine.backward = self._joining(engine.backward)
+        self.join_before_readers(engine)
+
+    def join_before_readers(self, engine: Engine) -> None:
+        """Join before whatever reads the optimizer's state or saves the weights: a checkpoint's save or load, a
+        16-bit save, `destroy`, the optimizer's `state_dict` and `load_state_dict`."""
+        for owner, names in ((engine, ("save_checkpoint", "load_checkpoint", "save_16bit_model", "destroy")),
+                             (self.opt, ("state_dict", "load_state_dict"))):
             for name in names:
                 setattr(owner, name, self._joining(getattr(owner, name)))
 
